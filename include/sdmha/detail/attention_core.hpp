@@ -1,0 +1,199 @@
+// sdmha/detail/attention_core.hpp — what the sparse layer and the dense baseline share: input
+// validation, the key and value projections, the per-(batch, head) score → softmax → values
+// loop, and the output projection. The two layers differ only in how they get the scores.
+#pragma once
+
+#include <cmath>
+#include <type_traits>
+#include <utility>
+
+#include "sdmha/config.hpp"
+#include "sdmha/detail/parallel.hpp"
+#include "sdmha/errors.hpp"
+#include "sdmha/mask.hpp"
+#include "sdmha/options.hpp"
+#include "sdmha/weights.hpp"
+
+namespace sdmha::detail {
+
+template <typename Scalar, typename ScoreKernelT, typename SoftmaxT, typename AttendValuesT,
+          typename OutputProjectionT, typename ContextProjectionT>
+class AttentionCore {
+  static_assert(std::is_same<typename ScoreKernelT::ScalarType, Scalar>::value,
+                "the score kernel's ScalarType must be the layer's Scalar");
+  static_assert(std::is_same<typename SoftmaxT::ScalarType, Scalar>::value,
+                "the softmax's ScalarType must be the layer's Scalar");
+  static_assert(std::is_same<typename AttendValuesT::ScalarType, Scalar>::value,
+                "the attend-values stage's ScalarType must be the layer's Scalar");
+  static_assert(std::is_same<typename OutputProjectionT::ScalarType, Scalar>::value,
+                "the output projection's ScalarType must be the layer's Scalar");
+  static_assert(std::is_same<typename ContextProjectionT::ScalarType, Scalar>::value,
+                "the key/value projection's ScalarType must be the layer's Scalar");
+
+ public:
+  using ScoreKernel = ScoreKernelT;
+  using Softmax = SoftmaxT;
+  using AttendValues = AttendValuesT;
+  using OutputProjection = OutputProjectionT;
+  using ContextProjection = ContextProjectionT;
+
+  const MhaConfig& config() const { return config_; }
+  const MhaWeights<Scalar>& weights() const { return weights_; }
+  const LayerDims& dims() const { return dims_; }
+
+  // The stage objects, for stages that carry parameters of their own. Set them up before the
+  // layer is shared between threads: forward only reads them.
+  ScoreKernel& score_kernel() { return score_kernel_; }
+  Softmax& softmax() { return softmax_; }
+  AttendValues& attend_values() { return attend_values_; }
+  OutputProjection& output_projection() { return output_projection_; }
+  ContextProjection& context_projection() { return context_projection_; }
+
+ protected:
+  AttentionCore(const MhaConfig& config, MhaWeights<Scalar> weights)
+      : config_(config), weights_(std::move(weights)), dims_(weights_.validate(config_)) {}
+
+  // The validated inputs of one call; key and value seen as (B·S × E) matrices.
+  struct Inputs {
+    Index batch, steps, key_steps;
+    Eigen::Map<const RowMatrix<Scalar>> key, value;
+    int threads;
+  };
+
+  Inputs check_inputs(const char* where, Index batch, Index steps, const TensorRef3<Scalar>& key,
+                      const TensorRef3<Scalar>& value,
+                      const AttentionOptions<Scalar>& options) const {
+    auto check_tensor = [&](const char* name, const TensorRef3<Scalar>& tensor, Index width) {
+      if (tensor.dimension(0) != batch)
+        fail<ShapeError>(where, name, " has batch ", tensor.dimension(0),
+                         "; expected the query's batch ", batch);
+      if (tensor.dimension(2) != width)
+        fail<ShapeError>(where, name, " has width ", tensor.dimension(2),
+                         "; expected the kernel's input width ", width);
+      if (tensor.data() == nullptr && tensor.dimension(0) * tensor.dimension(1) * width > 0)
+        fail<ShapeError>(where, name, " has no data; expected ", batch, " x ",
+                         tensor.dimension(1), " x ", width, " values");
+    };
+    check_tensor("key", key, dims_.key_in_dim);
+    check_tensor("value", value, dims_.value_in_dim);
+    const Index key_steps = value.dimension(1);
+    if (key.dimension(1) != key_steps)
+      fail<ShapeError>(where, "key has ", key.dimension(1), " steps but value has ", key_steps,
+                       "; expected equal");
+    const auto& mask = options.attention_mask;
+    if (mask.size() != 0 || mask.dimension(0) != 0 || mask.dimension(1) != 0 || mask.dimension(2) != 0) {
+      if (mask.dimension(0) != batch || mask.dimension(1) != steps || mask.dimension(2) != key_steps)
+        fail<ShapeError>(where, "attention_mask is (", mask.dimension(0), ", ", mask.dimension(1),
+                         ", ", mask.dimension(2), "); expected (B, T, S) = (", batch, ", ", steps,
+                         ", ", key_steps, ")");
+    }
+    const auto& padding = options.key_padding_mask;
+    if (padding.dimension(0) != 0 || padding.dimension(1) != 0) {
+      if (padding.dimension(0) != batch || padding.dimension(1) != key_steps)
+        fail<ShapeError>(where, "key_padding_mask is (", padding.dimension(0), ", ",
+                         padding.dimension(1), "); expected (B, S) = (", batch, ", ", key_steps, ")");
+    }
+    if (options.num_threads < 0)
+      fail<ConfigError>(where, "num_threads = ", options.num_threads,
+                        "; expected >= 0 (0 means all hardware threads)");
+    return Inputs{batch, steps, key_steps, key.as_matrix(), value.as_matrix(),
+                  resolve_thread_count(options.num_threads)};
+  }
+
+  BatchMask batch_mask(const Inputs& inputs, const AttentionOptions<Scalar>& options, Index b) const {
+    BatchMask mask;
+    mask.steps = inputs.steps;
+    mask.key_steps = inputs.key_steps;
+    mask.causal = options.use_causal_mask;
+    if (options.attention_mask.size() != 0)
+      mask.attention = options.attention_mask.data() + b * inputs.steps * inputs.key_steps;
+    if (options.key_padding_mask.size() != 0)
+      mask.key_padding = options.key_padding_mask.data() + b * inputs.key_steps;
+    return mask;
+  }
+
+  Scalar score_scale() const { return Scalar(1.0 / std::sqrt(double(dims_.key_dim))); }
+
+  // The bias of a projection, or an empty vector when the layer has none.
+  ConstVectorRef<Scalar> bias_or_empty(const Vector<Scalar>& bias) const {
+    return bias.size() != 0 ? ConstVectorRef<Scalar>(bias) : ConstVectorRef<Scalar>(no_bias_);
+  }
+  ConstVectorRef<Scalar> bias_segment(const Vector<Scalar>& bias, Index start, Index size) const {
+    return bias.size() != 0 ? ConstVectorRef<Scalar>(bias.segment(start, size))
+                            : ConstVectorRef<Scalar>(no_bias_);
+  }
+
+  // input (rows × E) · kernel + bias → output, in fixed row blocks spread over the threads.
+  template <typename Projection>
+  void project_rows(const Projection& projection, const ConstMatrixRef<Scalar>& input,
+                    const RowMatrix<Scalar>& kernel, const Vector<Scalar>& bias,
+                    MatrixRef<Scalar> output, int threads) const {
+    const Index rows = input.rows();
+    parallel_for(row_block_count(rows), threads, [&](Index block) {
+      const Index first = block * kProjectionRowBlock;
+      const Index count = std::min(kProjectionRowBlock, rows - first);
+      typename Projection::Arguments args{input.middleRows(first, count), kernel,
+                                          bias_or_empty(bias), output.middleRows(first, count)};
+      Projection::can_implement(args);
+      projection(args);
+    });
+  }
+
+  // The shared body of forward. `compute_scores(b, h, key_bh, mask, scores)` fills the masked
+  // T × S scores of one (batch, head); everything before and after it is common.
+  template <typename ComputeScores>
+  AttentionResult<Scalar> attend(const Inputs& inputs, const AttentionOptions<Scalar>& options,
+                                 ComputeScores&& compute_scores) const {
+    const Index B = inputs.batch, T = inputs.steps, S = inputs.key_steps;
+    const Index H = dims_.num_heads, Dk = dims_.key_dim, Dv = dims_.value_dim;
+    const int threads = inputs.threads;
+
+    RowMatrix<Scalar> keys(B * S, H * Dk), values(B * S, H * Dv);
+    project_rows(context_projection_, inputs.key, weights_.key_kernel, weights_.key_bias, keys, threads);
+    project_rows(context_projection_, inputs.value, weights_.value_kernel, weights_.value_bias,
+                 values, threads);
+
+    AttentionResult<Scalar> result;
+    if (options.return_attention_scores) result.attention_scores.resize(B, H, T, S);
+    RowMatrix<Scalar> heads(B * T, H * Dv);
+    parallel_for(B * H, threads, [&](Index item) {
+      const Index b = item / H, h = item % H;
+      RowMatrix<Scalar> scratch;
+      Scalar* scores_data;
+      if (options.return_attention_scores) {
+        scores_data = result.attention_scores.data() + item * T * S;
+      } else {
+        scratch.resize(T, S);
+        scores_data = scratch.data();
+      }
+      Eigen::Map<RowMatrix<Scalar>> scores(scores_data, T, S);
+      compute_scores(b, h, ConstMatrixRef<Scalar>(keys.block(b * S, h * Dk, S, Dk)),
+                     batch_mask(inputs, options, b), MatrixRef<Scalar>(scores));
+      typename Softmax::Arguments softmax_args{scores};
+      Softmax::can_implement(softmax_args);
+      softmax_(softmax_args);
+      typename AttendValues::Arguments values_args{scores, values.block(b * S, h * Dv, S, Dv),
+                                                   heads.block(b * T, h * Dv, T, Dv)};
+      AttendValues::can_implement(values_args);
+      attend_values_(values_args);
+    });
+
+    result.output.resize(B, T, dims_.output_dim);
+    project_rows(output_projection_, heads, weights_.output_kernel, weights_.output_bias,
+                 Eigen::Map<RowMatrix<Scalar>>(result.output.data(), B * T, dims_.output_dim),
+                 threads);
+    return result;
+  }
+
+  MhaConfig config_;
+  MhaWeights<Scalar> weights_;
+  LayerDims dims_;
+  Vector<Scalar> no_bias_;
+  ScoreKernel score_kernel_;
+  Softmax softmax_;
+  AttendValues attend_values_;
+  OutputProjection output_projection_;
+  ContextProjection context_projection_;
+};
+
+}  // namespace sdmha::detail

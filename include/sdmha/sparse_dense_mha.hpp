@@ -1,0 +1,113 @@
+// sdmha/sparse_dense_mha.hpp — SparseDenseMHA: multi-head attention with a sparse query.
+//
+// The layer composes its stages, each a template parameter with a default:
+//
+//   X (CSR) ──QueryProjection──▶ Q ─┐                           (project_first)
+//   X (CSR) ────────────────────────┼─ScoreKernel─▶ S ─Softmax─▶ P ─AttendValues─▶ A ─OutputProjection─▶ Y
+//   key  ──ContextProjection──▶ K ──┘                    value ──ContextProjection──▶ V ─┘
+//
+// With ScoreStrategy::sparse_regrouped the score kernel reads X's CSR rows directly and Q is
+// never formed. The math is Keras 3's MultiHeadAttention (see README: Keras/PyTorch correspondence).
+#pragma once
+
+#include <type_traits>
+
+#include "sdmha/detail/attention_core.hpp"
+#include "sdmha/sparse_query.hpp"
+#include "sdmha/stages/attend_values.hpp"
+#include "sdmha/stages/dense_projection.hpp"
+#include "sdmha/stages/masked_softmax.hpp"
+#include "sdmha/stages/output_projection.hpp"
+#include "sdmha/stages/query_projection.hpp"
+#include "sdmha/stages/score_kernel.hpp"
+
+namespace sdmha {
+
+template <typename Scalar,
+          typename QueryProjectionT = SparseQueryProjection<Scalar>,
+          typename ScoreKernelT = ScoreKernel<Scalar>,
+          typename SoftmaxT = MaskedSoftmax<Scalar>,
+          typename AttendValuesT = AttendValues<Scalar>,
+          typename OutputProjectionT = OutputProjection<Scalar>,
+          typename ContextProjectionT = DenseProjection<Scalar>>
+class SparseDenseMHA
+    : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
+                                   OutputProjectionT, ContextProjectionT> {
+  using Core = detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
+                                     OutputProjectionT, ContextProjectionT>;
+  static_assert(std::is_floating_point<Scalar>::value, "SparseDenseMHA: Scalar must be float or double");
+  static_assert(std::is_same<typename QueryProjectionT::ScalarType, Scalar>::value,
+                "the query projection's ScalarType must be the layer's Scalar");
+  static_assert(std::is_same<typename QueryProjectionT::StorageIndexType,
+                             typename ScoreKernelT::StorageIndexType>::value,
+                "the query projection and the score kernel must read the same CSR StorageIndex");
+
+ public:
+  using ScalarType = Scalar;
+  using QueryProjection = QueryProjectionT;
+  using StorageIndex = typename QueryProjectionT::StorageIndexType;
+  using Query = SparseQuery<Scalar, StorageIndex>;
+
+  // Validates the configuration and the weights' shapes (ConfigError, ShapeError).
+  SparseDenseMHA(const MhaConfig& config, MhaWeights<Scalar> weights)
+      : Core(config, std::move(weights)) {}
+
+  QueryProjection& query_projection() { return query_projection_; }
+
+  // query (B, T, Eq) sparse; key (B, S, Ek); value (B, S, Ev) → output (B, T, O). Thread-safe.
+  AttentionResult<Scalar> forward(const Query& query, const TensorRef3<Scalar>& key,
+                                  const TensorRef3<Scalar>& value,
+                                  const AttentionOptions<Scalar>& options = {}) const {
+    constexpr const char* where = "SparseDenseMHA::forward";
+    const LayerDims& dims = this->dims_;
+    if (query.features() != dims.query_dim)
+      detail::fail<ShapeError>(where, "query has ", query.features(),
+                               " features; expected the query kernel's input width ", dims.query_dim);
+    const auto inputs =
+        this->check_inputs(where, query.batch(), query.steps(), key, value, options);
+    const Index T = inputs.steps, Dk = dims.key_dim;
+    const Scalar scale = this->score_scale();
+    const auto& weights = this->weights_;
+
+    if (options.score_strategy == ScoreStrategy::sparse_regrouped) {
+      return this->attend(inputs, options, [&](Index b, Index h, const ConstMatrixRef<Scalar>& key_bh,
+                                               const BatchMask& mask, MatrixRef<Scalar> scores) {
+        typename ScoreKernelT::SparseArguments args{
+            query.batch_rows(b), weights.query_kernel.middleCols(h * Dk, Dk),
+            this->bias_segment(weights.query_bias, h * Dk, Dk), key_bh, scale, mask, scores};
+        ScoreKernelT::can_implement(args);
+        this->score_kernel_(args);
+      });
+    }
+
+    RowMatrix<Scalar> projected_query(query.rows(), dims.projected_key_width());
+    const auto& csr = query.csr();
+    detail::parallel_for(detail::row_block_count(query.rows()), inputs.threads, [&](Index block) {
+      const Index first = block * detail::kProjectionRowBlock;
+      const Index count = std::min(detail::kProjectionRowBlock, query.rows() - first);
+      typename QueryProjection::Arguments args{csr.middle_rows(first, count), weights.query_kernel,
+                                               this->bias_or_empty(weights.query_bias),
+                                               projected_query.middleRows(first, count)};
+      QueryProjection::can_implement(args);
+      query_projection_(args);
+    });
+    return this->attend(inputs, options, [&](Index b, Index h, const ConstMatrixRef<Scalar>& key_bh,
+                                             const BatchMask& mask, MatrixRef<Scalar> scores) {
+      typename ScoreKernelT::Arguments args{projected_query.block(b * T, h * Dk, T, Dk), key_bh,
+                                            scale, mask, scores};
+      ScoreKernelT::can_implement(args);
+      this->score_kernel_(args);
+    });
+  }
+
+  // Self-attention form of Keras' call(query, value): the key is the value.
+  AttentionResult<Scalar> forward(const Query& query, const TensorRef3<Scalar>& value,
+                                  const AttentionOptions<Scalar>& options = {}) const {
+    return forward(query, value, value, options);
+  }
+
+ private:
+  QueryProjection query_projection_;
+};
+
+}  // namespace sdmha

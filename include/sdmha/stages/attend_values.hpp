@@ -1,0 +1,50 @@
+// sdmha/stages/attend_values.hpp — AttendValues: one head's output, P·V_h.
+//
+//   math:  A_h = P·V_h, written into head h's column block of the concatenated heads
+//   pre:   P T × S (rows sum to 1 or are all 0); V_h S × Dv; A_h T × Dv
+//   cost:  2·T·S·Dv flops (one GEMM); plus an O(S·Dv) finiteness scan of V_h
+#pragma once
+
+#include "sdmha/config.hpp"
+#include "sdmha/errors.hpp"
+
+namespace sdmha {
+
+template <typename Scalar>
+struct AttendValues {
+  using ScalarType = Scalar;
+
+  struct Arguments {
+    ConstMatrixRef<Scalar> probabilities;  // T × S
+    ConstMatrixRef<Scalar> value;          // S × Dv
+    mutable MatrixRef<Scalar> output;              // T × Dv
+  };
+
+  static void can_implement(const Arguments& args) {
+    constexpr const char* where = "AttendValues";
+    if (args.value.rows() != args.probabilities.cols())
+      detail::fail<ShapeError>(where, "value has ", args.value.rows(), " rows; expected ",
+                               args.probabilities.cols(), " (one per key step)");
+    if (args.output.rows() != args.probabilities.rows() || args.output.cols() != args.value.cols())
+      detail::fail<ShapeError>(where, "output is ", args.output.rows(), " x ", args.output.cols(),
+                               "; expected ", args.probabilities.rows(), " x ", args.value.cols());
+  }
+
+  // A GEMM would turn 0 · NaN into NaN, letting a non-finite value row that is blocked for a
+  // query reach that query's output. Such rows are rare, so: one GEMM when V_h is finite, and a
+  // product that skips zero probabilities when it is not.
+  void operator()(const Arguments& args) const {
+    if (args.value.allFinite()) {
+      args.output.noalias() = args.probabilities * args.value;
+      return;
+    }
+    args.output.setZero();
+    for (Index t = 0; t < args.probabilities.rows(); ++t)
+      for (Index s = 0; s < args.probabilities.cols(); ++s) {
+        const Scalar probability = args.probabilities(t, s);
+        if (probability != Scalar(0)) args.output.row(t).noalias() += probability * args.value.row(s);
+      }
+  }
+};
+
+}  // namespace sdmha

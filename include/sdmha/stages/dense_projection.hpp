@@ -1,0 +1,44 @@
+// sdmha/stages/dense_projection.hpp — DenseProjection: a dense input through a kernel.
+// The key and value projections use it, and so does the dense baseline for its query.
+//
+//   math:  Y = X·W + b, X dense row-major (rows × E), W (E × N), b (N) or none
+//   pre:   X has E columns; Y is rows × N
+//   cost:  2·rows·E·N flops in one Eigen GEMM
+#pragma once
+
+#include "sdmha/config.hpp"
+#include "sdmha/errors.hpp"
+
+namespace sdmha {
+
+template <typename Scalar>
+struct DenseProjection {
+  using ScalarType = Scalar;
+
+  struct Arguments {
+    ConstMatrixRef<Scalar> input;   // rows × E
+    ConstMatrixRef<Scalar> kernel;  // E × N
+    ConstVectorRef<Scalar> bias;    // N, or empty for no bias
+    mutable MatrixRef<Scalar> output;       // rows × N
+  };
+
+  static void can_implement(const Arguments& args) {
+    constexpr const char* where = "DenseProjection";
+    if (args.kernel.rows() != args.input.cols())
+      detail::fail<ShapeError>(where, "kernel has ", args.kernel.rows(),
+                               " rows; expected the input width ", args.input.cols());
+    if (args.bias.size() != 0 && args.bias.size() != args.kernel.cols())
+      detail::fail<ShapeError>(where, "bias has ", args.bias.size(), " entries; expected 0 or ",
+                               args.kernel.cols());
+    if (args.output.rows() != args.input.rows() || args.output.cols() != args.kernel.cols())
+      detail::fail<ShapeError>(where, "output is ", args.output.rows(), " x ", args.output.cols(),
+                               "; expected ", args.input.rows(), " x ", args.kernel.cols());
+  }
+
+  void operator()(const Arguments& args) const {
+    args.output.noalias() = args.input * args.kernel;
+    if (args.bias.size() != 0) args.output.rowwise() += args.bias.transpose();
+  }
+};
+
+}  // namespace sdmha

@@ -1,0 +1,120 @@
+// sdmha/stages/score_kernel.hpp — ScoreKernel: the masked scores of one (batch, head).
+//
+//   math:  S = (Q_h/√Dk)·K_hᵀ, or regrouped S = X_b·M + 1·c with M = Wq_h·K_hᵀ/√Dk, c = bq_h·K_hᵀ/√Dk;
+//          then S[t, s] = −∞ wherever the mask blocks (t, s)
+//   pre:   Q_h T × Dk (or X_b: T CSR rows over Eq features, Wq_h Eq × Dk); K_h S × Dk; S is T × S
+//   cost:  project-first 2·T·S·Dk; regrouped 2·U·Dk·S + 2·nnz(X_b)·S, U = distinct features of X_b
+#pragma once
+
+#include <algorithm>
+#include <vector>
+
+#include "sdmha/config.hpp"
+#include "sdmha/errors.hpp"
+#include "sdmha/mask.hpp"
+#include "sdmha/sparse_query.hpp"
+
+namespace sdmha {
+
+template <typename Scalar, typename StorageIndex = int>
+struct ScoreKernel {
+  using ScalarType = Scalar;
+  using StorageIndexType = StorageIndex;
+
+  // Project-first: the head's block of the projected query.
+  struct Arguments {
+    ConstMatrixRef<Scalar> query;  // T × Dk
+    ConstMatrixRef<Scalar> key;    // S × Dk
+    Scalar scale;                  // 1/√Dk
+    BatchMask mask;
+    mutable MatrixRef<Scalar> scores;      // T × S
+  };
+
+  // Regrouped sparse × dense: batch b's CSR rows and the head's columns of the query kernel.
+  struct SparseArguments {
+    CsrView<Scalar, StorageIndex> query;  // T × Eq
+    ConstMatrixRef<Scalar> query_kernel;  // Eq × Dk (head h's column block of Wq)
+    ConstVectorRef<Scalar> query_bias;    // Dk (head h's slice of bq), or empty
+    ConstMatrixRef<Scalar> key;           // S × Dk
+    Scalar scale;
+    BatchMask mask;
+    mutable MatrixRef<Scalar> scores;             // T × S
+  };
+
+  static void can_implement(const Arguments& args) {
+    constexpr const char* where = "ScoreKernel";
+    if (args.query.cols() != args.key.cols())
+      detail::fail<ShapeError>(where, "query has width ", args.query.cols(), " but key has width ",
+                               args.key.cols(), "; expected equal key_dim");
+    check_scores(where, args.scores, args.query.rows(), args.key.rows(), args.mask);
+  }
+
+  static void can_implement(const SparseArguments& args) {
+    constexpr const char* where = "ScoreKernel (sparse)";
+    if (args.query_kernel.rows() != args.query.cols)
+      detail::fail<ShapeError>(where, "query_kernel has ", args.query_kernel.rows(),
+                               " rows; expected the query's feature width ", args.query.cols);
+    if (args.query_kernel.cols() != args.key.cols())
+      detail::fail<ShapeError>(where, "query_kernel has ", args.query_kernel.cols(),
+                               " columns but key has width ", args.key.cols(), "; expected equal");
+    if (args.query_bias.size() != 0 && args.query_bias.size() != args.key.cols())
+      detail::fail<ShapeError>(where, "query_bias has ", args.query_bias.size(),
+                               " entries; expected 0 or ", args.key.cols());
+    check_scores(where, args.scores, args.query.rows, args.key.rows(), args.mask);
+  }
+
+  void operator()(const Arguments& args) const {
+    // Keras scales the query, not the product; the scale folds into the GEMM's alpha.
+    args.scores.noalias() = (args.scale * args.query) * args.key.transpose();
+    apply_mask<Scalar>(args.mask, args.scores);
+  }
+
+  void operator()(const SparseArguments& args) const {
+    const auto& query = args.query;
+    // U: the distinct features that these rows use, sorted; only those rows of M are needed.
+    std::vector<StorageIndex> features;
+    features.reserve(static_cast<std::size_t>(query.nonzeros()));
+    for (Index row = 0; row < query.rows; ++row)
+      for (Index k = query.row_begin(row); k < query.row_end(row); ++k)
+        features.push_back(query.column_indices[k]);
+    std::sort(features.begin(), features.end());
+    features.erase(std::unique(features.begin(), features.end()), features.end());
+    const Index used = static_cast<Index>(features.size());
+
+    // M = (Wq_h[U] · scale) · Kᵀ, U × S: the query kernel's used rows against every key.
+    RowMatrix<Scalar> gathered(used, args.query_kernel.cols());
+    for (Index i = 0; i < used; ++i) gathered.row(i) = args.query_kernel.row(features[i]);
+    RowMatrix<Scalar> regrouped(used, args.key.rows());
+    regrouped.noalias() = (args.scale * gathered) * args.key.transpose();
+
+    if (args.query_bias.size() != 0) {
+      RowVector<Scalar> bias_scores = (args.scale * args.query_bias.transpose()) * args.key.transpose();
+      args.scores.rowwise() = bias_scores;
+    } else {
+      args.scores.setZero();
+    }
+    for (Index row = 0; row < query.rows; ++row) {
+      auto out = args.scores.row(row);
+      for (Index k = query.row_begin(row); k < query.row_end(row); ++k) {
+        const Index position =
+            std::lower_bound(features.begin(), features.end(), query.column_indices[k]) -
+            features.begin();
+        out.noalias() += query.values[k] * regrouped.row(position);
+      }
+    }
+    apply_mask<Scalar>(args.mask, args.scores);
+  }
+
+ private:
+  static void check_scores(const char* where, const MatrixRef<Scalar>& scores, Index steps,
+                           Index key_steps, const BatchMask& mask) {
+    if (scores.rows() != steps || scores.cols() != key_steps)
+      detail::fail<ShapeError>(where, "scores is ", scores.rows(), " x ", scores.cols(),
+                               "; expected ", steps, " x ", key_steps);
+    if (!mask.empty() && (mask.steps != steps || mask.key_steps != key_steps))
+      detail::fail<ShapeError>(where, "mask is for ", mask.steps, " x ", mask.key_steps,
+                               "; expected ", steps, " x ", key_steps);
+  }
+};
+
+}  // namespace sdmha

@@ -1,0 +1,109 @@
+// tests/reference/reference_mha.hpp — a naive dense multi-head attention in float64.
+//
+// Written from the math in tests/data/goldens/README.md with plain loops over std::vector and
+// never calling sdmha: it is the twin that every stage and the layer are checked against. Slow on
+// purpose, so that it is obviously right.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace sdmha_reference {
+
+struct Problem {
+  long batch = 0, steps = 0, key_steps = 0;              // B, T, S
+  long query_dim = 0, key_in_dim = 0, value_in_dim = 0;  // Eq, Ek, Ev
+  long heads = 0, key_dim = 0, value_dim = 0, output_dim = 0;
+  std::vector<double> query;  // B·T·Eq, dense
+  std::vector<double> key;    // B·S·Ek
+  std::vector<double> value;  // B·S·Ev
+  // Kernels in Keras' flattened layout (E × H·D, H·Dv × O); biases empty when absent.
+  std::vector<double> query_kernel, query_bias, key_kernel, key_bias;
+  std::vector<double> value_kernel, value_bias, output_kernel, output_bias;
+  std::vector<char> attention_mask;    // B·T·S, 1 = may attend; empty = none
+  std::vector<char> key_padding_mask;  // B·S, 1 = padding; empty = none
+  bool causal = false;
+};
+
+struct Result {
+  std::vector<double> query;          // projected, B·T·H·Dk
+  std::vector<double> key;            // projected, B·S·H·Dk
+  std::vector<double> value;          // projected, B·S·H·Dv
+  std::vector<double> scores;         // B·H·T·S, scaled, blocked = −∞
+  std::vector<double> probabilities;  // B·H·T·S
+  std::vector<double> heads;          // B·T·H·Dv
+  std::vector<double> output;         // B·T·O
+};
+
+// rows × in  ·  in × out  (+ bias)
+inline std::vector<double> project(const std::vector<double>& input, long rows, long in,
+                                   const std::vector<double>& kernel, const std::vector<double>& bias,
+                                   long out) {
+  std::vector<double> result(static_cast<std::size_t>(rows * out), 0.0);
+  for (long r = 0; r < rows; ++r)
+    for (long o = 0; o < out; ++o) {
+      double sum = bias.empty() ? 0.0 : bias[o];
+      for (long i = 0; i < in; ++i) sum += input[r * in + i] * kernel[i * out + o];
+      result[r * out + o] = sum;
+    }
+  return result;
+}
+
+inline bool allowed(const Problem& p, long b, long t, long s) {
+  if (p.causal && s > t) return false;
+  if (!p.key_padding_mask.empty() && p.key_padding_mask[b * p.key_steps + s]) return false;
+  if (!p.attention_mask.empty() && !p.attention_mask[(b * p.steps + t) * p.key_steps + s]) return false;
+  return true;
+}
+
+inline Result forward(const Problem& p) {
+  const long B = p.batch, T = p.steps, S = p.key_steps, H = p.heads, Dk = p.key_dim,
+             Dv = p.value_dim, O = p.output_dim;
+  Result r;
+  r.query = project(p.query, B * T, p.query_dim, p.query_kernel, p.query_bias, H * Dk);
+  r.key = project(p.key, B * S, p.key_in_dim, p.key_kernel, p.key_bias, H * Dk);
+  r.value = project(p.value, B * S, p.value_in_dim, p.value_kernel, p.value_bias, H * Dv);
+  const double scale = 1.0 / std::sqrt(double(Dk));
+  const double minus_infinity = -std::numeric_limits<double>::infinity();
+  r.scores.assign(static_cast<std::size_t>(B * H * T * S), 0.0);
+  r.probabilities.assign(r.scores.size(), 0.0);
+  r.heads.assign(static_cast<std::size_t>(B * T * H * Dv), 0.0);
+  for (long b = 0; b < B; ++b)
+    for (long h = 0; h < H; ++h)
+      for (long t = 0; t < T; ++t) {
+        double* score = &r.scores[((b * H + h) * T + t) * S];
+        double* probability = &r.probabilities[((b * H + h) * T + t) * S];
+        double row_max = minus_infinity;
+        for (long s = 0; s < S; ++s) {
+          if (!allowed(p, b, t, s)) {
+            score[s] = minus_infinity;
+            continue;
+          }
+          double dot = 0.0;
+          for (long d = 0; d < Dk; ++d)
+            dot += (r.query[(b * T + t) * H * Dk + h * Dk + d] * scale) *
+                   r.key[(b * S + s) * H * Dk + h * Dk + d];
+          score[s] = dot;
+          if (dot > row_max) row_max = dot;
+        }
+        if (row_max == minus_infinity) continue;  // every key blocked: probabilities stay 0
+        double total = 0.0;
+        for (long s = 0; s < S; ++s) {
+          probability[s] = score[s] == minus_infinity ? 0.0 : std::exp(score[s] - row_max);
+          total += probability[s];
+        }
+        for (long s = 0; s < S; ++s) probability[s] /= total;
+        for (long d = 0; d < Dv; ++d) {
+          double sum = 0.0;
+          for (long s = 0; s < S; ++s)
+            if (probability[s] != 0.0) sum += probability[s] * r.value[(b * S + s) * H * Dv + h * Dv + d];
+          r.heads[(b * T + t) * H * Dv + h * Dv + d] = sum;
+        }
+      }
+  r.output = project(r.heads, B * T, H * Dv, p.output_kernel, p.output_bias, O);
+  return r;
+}
+
+}  // namespace sdmha_reference

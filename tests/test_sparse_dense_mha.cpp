@@ -1,0 +1,269 @@
+// Tests of sdmha/sparse_dense_mha.hpp: the whole layer against the float64 reference, over
+// random shapes and every mask, both score strategies, and its bad-input checks.
+#include "test_support.hpp"
+
+namespace sdmha_test {
+namespace {
+
+template <typename Scalar>
+class SparseDenseMhaTest : public ::testing::Test {};
+TYPED_TEST_SUITE(SparseDenseMhaTest, ScalarTypes);
+
+struct Variant {
+  const char* name;
+  Shape shape;
+};
+
+std::vector<Variant> variants() {
+  std::vector<Variant> list;
+  list.push_back({"basic", Shape{}});
+  Shape s;
+  s = Shape{}; s.batch = 1; s.heads = 1; list.push_back({"batch1_head1", s});
+  s = Shape{}; s.steps = 3; s.key_steps = 11; s.query_dim = 23; s.key_in_dim = 9; s.value_in_dim = 13;
+  s.heads = 3; s.key_dim = 5; s.value_dim = 7; s.output_dim = 6; list.push_back({"odd_sizes_dv_o", s});
+  s = Shape{}; s.random_mask = true; list.push_back({"random_mask", s});
+  s = Shape{}; s.causal = true; s.steps = 6; s.key_steps = 4; list.push_back({"causal_t_gt_s", s});
+  s = Shape{}; s.causal = true; s.steps = 3; s.key_steps = 8; s.random_mask = true; list.push_back({"causal_t_lt_s_mask", s});
+  s = Shape{}; s.empty_rows = true; s.steps = 9; list.push_back({"empty_rows", s});
+  s = Shape{}; s.fully_blocked_rows = true; s.steps = 8; list.push_back({"fully_blocked_rows", s});
+  s = Shape{}; s.key_padding = true; s.random_mask = true; list.push_back({"key_padding", s});
+  s = Shape{}; s.duplicates = true; s.density = 0.4; list.push_back({"duplicates", s});
+  s = Shape{}; s.use_bias = false; s.empty_rows = true; list.push_back({"no_bias", s});
+  s = Shape{}; s.batch = 3; s.steps = 17; s.key_steps = 33; s.query_dim = 64; s.heads = 4;
+  s.key_dim = 8; s.density = 0.05; s.random_mask = true; s.causal = true; list.push_back({"larger", s});
+  return list;
+}
+
+template <typename Scalar>
+void check_layer(const Case<Scalar>& c, sdmha::AttentionOptions<Scalar> options, const char* name) {
+  SCOPED_TRACE(name);
+  const auto expected = sdmha_reference::forward(c.problem);
+  const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
+  const auto query = c.query();
+  options.return_attention_scores = true;
+  for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+    SCOPED_TRACE(sdmha::to_string(strategy));
+    options.score_strategy = strategy;
+    const auto result = layer.forward(query, c.key, c.value, options);
+    ASSERT_EQ(result.output.dimension(0), c.problem.batch);
+    ASSERT_EQ(result.output.dimension(1), c.problem.steps);
+    ASSERT_EQ(result.output.dimension(2), c.problem.output_dim);
+    ASSERT_EQ(result.attention_scores.dimension(1), c.problem.heads);
+    EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<Scalar>()));
+    EXPECT_TRUE(all_near(result.attention_scores.data(), expected.probabilities,
+                         relative_tolerance<Scalar>()));
+  }
+}
+
+TYPED_TEST(SparseDenseMhaTest, MatchesReferenceOverVariants) {
+  std::uint64_t seed = 100;
+  for (const auto& variant : variants()) {
+    const auto c = make_case<TypeParam>(variant.shape, seed++);
+    check_layer(c, c.options, variant.name);
+  }
+}
+
+TYPED_TEST(SparseDenseMhaTest, ScoreStrategiesAgreeOnRandomShapes) {
+  std::mt19937_64 generator(7);
+  auto pick = [&](long low, long high) {
+    return std::uniform_int_distribution<long>(low, high)(generator);
+  };
+  for (int round = 0; round < 12; ++round) {
+    Shape s;
+    s.batch = pick(1, 3); s.steps = pick(1, 9); s.key_steps = pick(1, 9);
+    s.query_dim = pick(1, 40); s.key_in_dim = pick(1, 10); s.value_in_dim = pick(1, 10);
+    s.heads = pick(1, 3); s.key_dim = pick(1, 6); s.value_dim = pick(0, 5); s.output_dim = pick(0, 7);
+    s.density = 0.15; s.random_mask = round % 2 == 0; s.causal = round % 3 == 0;
+    s.empty_rows = round % 4 == 0; s.duplicates = round % 5 == 0;
+    const auto c = make_case<TypeParam>(s, 1000 + round);
+    check_layer(c, c.options, "random");
+  }
+}
+
+TYPED_TEST(SparseDenseMhaTest, OutputIsBitwiseTheSameForAnyThreadCount) {
+  Shape s;
+  s.batch = 3; s.steps = 70; s.key_steps = 20; s.query_dim = 50; s.heads = 3; s.random_mask = true;
+  const auto c = make_case<TypeParam>(s, 5);
+  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
+  const auto query = c.query();
+  for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+    auto options = c.options;
+    options.score_strategy = strategy;
+    options.num_threads = 1;
+    const auto single = layer.forward(query, c.key, c.value, options);
+    for (int threads : {2, 3, 8}) {
+      options.num_threads = threads;
+      const auto multi = layer.forward(query, c.key, c.value, options);
+      ASSERT_EQ(0, std::memcmp(single.output.data(), multi.output.data(),
+                               sizeof(TypeParam) * std::size_t(single.output.size())))
+          << threads << " threads";
+    }
+  }
+}
+
+TYPED_TEST(SparseDenseMhaTest, FullyBlockedRowGivesTheOutputBias) {
+  Shape s;
+  s.fully_blocked_rows = true;
+  const auto c = make_case<TypeParam>(s, 11);
+  auto options = c.options;
+  options.attention_mask.setConstant(true);
+  for (long s_index = 0; s_index < s.key_steps; ++s_index) options.attention_mask(1, 2, s_index) = false;
+  options.return_attention_scores = true;
+  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
+  const auto result = layer.forward(c.query(), c.key, c.value, options);
+  for (long o = 0; o < result.output.dimension(2); ++o)
+    EXPECT_EQ(result.output(1, 2, o), c.weights.output_bias[o]);
+  for (long h = 0; h < s.heads; ++h)
+    for (long s_index = 0; s_index < s.key_steps; ++s_index)
+      EXPECT_EQ(result.attention_scores(1, h, 2, s_index), TypeParam(0));
+}
+
+TYPED_TEST(SparseDenseMhaTest, NonFiniteKeyAndValueInBlockedPositionsDoNotReachTheOutput) {
+  Shape s;
+  s.random_mask = true;
+  auto c = make_case<TypeParam>(s, 12);
+  // Block key step 3 for every query of batch 0, then poison key and value at that step.
+  for (long t = 0; t < s.steps; ++t) {
+    c.options.attention_mask(0, t, 3) = false;
+    c.problem.attention_mask[(0 * s.steps + t) * s.key_steps + 3] = 0;
+  }
+  const auto expected = sdmha_reference::forward(c.problem);
+  for (long e = 0; e < s.key_in_dim; ++e) c.key(0, 3, e) = std::numeric_limits<TypeParam>::quiet_NaN();
+  for (long e = 0; e < s.value_in_dim; ++e)
+    c.value(0, 3, e) = e % 2 ? std::numeric_limits<TypeParam>::infinity()
+                             : std::numeric_limits<TypeParam>::quiet_NaN();
+  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
+  for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+    auto options = c.options;
+    options.score_strategy = strategy;
+    const auto result = layer.forward(c.query(), c.key, c.value, options);
+    EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<TypeParam>()));
+  }
+}
+
+TYPED_TEST(SparseDenseMhaTest, ExtremeLogitsStayFinite) {
+  Shape s;
+  auto c = make_case<TypeParam>(s, 13);
+  c.weights.query_kernel *= TypeParam(300);
+  c.weights.key_kernel *= TypeParam(300);
+  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
+  auto options = c.options;
+  options.return_attention_scores = true;
+  const auto result = layer.forward(c.query(), c.key, c.value, options);
+  for (Index i = 0; i < result.output.size(); ++i) ASSERT_TRUE(std::isfinite(result.output.data()[i]));
+  for (Index i = 0; i < result.attention_scores.size(); ++i)
+    ASSERT_TRUE(std::isfinite(result.attention_scores.data()[i]));
+}
+
+TYPED_TEST(SparseDenseMhaTest, ZeroSizeBatchStepsAndKeysGiveEmptyOrBiasOutputs) {
+  for (auto dims : std::vector<std::array<long, 3>>{{0, 5, 7}, {2, 0, 7}, {2, 5, 0}}) {
+    Shape s;
+    s.batch = dims[0]; s.steps = dims[1]; s.key_steps = dims[2];
+    const auto c = make_case<TypeParam>(s, 14);
+    const auto expected = sdmha_reference::forward(c.problem);
+    const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
+    auto options = c.options;
+    options.return_attention_scores = true;
+    const auto result = layer.forward(c.query(), c.key, c.value, options);
+    EXPECT_EQ(result.output.dimension(0), dims[0]);
+    EXPECT_EQ(result.output.dimension(1), dims[1]);
+    EXPECT_EQ(result.output.size(), Index(expected.output.size()));
+    EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<TypeParam>()));
+  }
+}
+
+TYPED_TEST(SparseDenseMhaTest, KeyDefaultsToValueAndTensorMapsAreAccepted) {
+  Shape s;
+  s.key_in_dim = s.value_in_dim;
+  auto c = make_case<TypeParam>(s, 15);
+  c.key = c.value;
+  c.problem.key = c.problem.value;
+  const auto expected = sdmha_reference::forward(c.problem);
+  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
+  const auto self = layer.forward(c.query(), c.value);
+  EXPECT_TRUE(all_near(self.output.data(), expected.output, relative_tolerance<TypeParam>()));
+  std::vector<TypeParam> caller_memory(c.value.data(), c.value.data() + c.value.size());
+  Eigen::TensorMap<Tensor3<TypeParam>> mutable_map(caller_memory.data(), s.batch, s.key_steps, s.value_in_dim);
+  Eigen::TensorMap<const Tensor3<TypeParam>> const_map(caller_memory.data(), s.batch, s.key_steps,
+                                                       s.value_in_dim);
+  const auto mapped = layer.forward(c.query(), mutable_map, const_map);
+  EXPECT_TRUE(all_near(mapped.output.data(), expected.output, relative_tolerance<TypeParam>()));
+}
+
+TYPED_TEST(SparseDenseMhaTest, AttentionScoresStayEmptyUnlessAsked) {
+  const auto c = make_case<TypeParam>(Shape{}, 16);
+  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
+  EXPECT_EQ(layer.forward(c.query(), c.key, c.value, c.options).attention_scores.size(), 0);
+}
+
+// ---- bad input: every check names the argument, the value and the expectation ----
+
+TYPED_TEST(SparseDenseMhaTest, RejectsInvalidConfiguration) {
+  auto c = make_case<TypeParam>(Shape{}, 17);
+  auto config = c.config;
+  config.num_heads = 0;
+  SDMHA_EXPECT_THROW_WITH((sdmha::SparseDenseMHA<TypeParam>(config, c.weights)), sdmha::ConfigError,
+                          "num_heads = 0; expected > 0");
+  config = c.config;
+  config.key_dim = -3;
+  SDMHA_EXPECT_THROW_WITH((sdmha::SparseDenseMHA<TypeParam>(config, c.weights)), sdmha::ConfigError,
+                          "key_dim = -3; expected > 0");
+  config = c.config;
+  config.key_dim = 3;  // weights were made for key_dim 4
+  SDMHA_EXPECT_THROW_WITH((sdmha::SparseDenseMHA<TypeParam>(config, c.weights)), sdmha::ShapeError,
+                          "query_kernel is 16 x 8; expected (input width > 0) x 6");
+}
+
+TYPED_TEST(SparseDenseMhaTest, RejectsWeightsThatDisagreeWithTheConfiguration) {
+  const auto c = make_case<TypeParam>(Shape{}, 18);
+  auto weights = c.weights;
+  weights.output_kernel.resize(8, 15);
+  SDMHA_EXPECT_THROW_WITH((sdmha::SparseDenseMHA<TypeParam>(c.config, weights)), sdmha::ShapeError,
+                          "output_kernel is 8 x 15; expected num_heads * value_dim x output_dim = 8 x 16");
+  weights = c.weights;
+  weights.key_bias.resize(3);
+  SDMHA_EXPECT_THROW_WITH((sdmha::SparseDenseMHA<TypeParam>(c.config, weights)), sdmha::ShapeError,
+                          "key_bias has 3 entries; expected 8");
+  auto config = c.config;
+  config.use_bias = false;
+  SDMHA_EXPECT_THROW_WITH((sdmha::SparseDenseMHA<TypeParam>(config, c.weights)), sdmha::ShapeError,
+                          "query_bias has 8 entries; expected 0 (use_bias is false)");
+}
+
+TYPED_TEST(SparseDenseMhaTest, RejectsInputsOfTheWrongShape) {
+  const auto c = make_case<TypeParam>(Shape{}, 19);
+  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
+  const auto query = c.query();
+  Tensor3<TypeParam> narrow_key(2, 7, 11), short_value(2, 6, 12), other_batch(3, 7, 12);
+  narrow_key.setZero(); short_value.setZero(); other_batch.setZero();
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, narrow_key, c.value), sdmha::ShapeError,
+                          "key has width 11; expected the kernel's input width 12");
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, short_value), sdmha::ShapeError,
+                          "key has 7 steps but value has 6");
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, other_batch, other_batch), sdmha::ShapeError,
+                          "key has batch 3; expected the query's batch 2");
+  const auto wide_query = sdmha::SparseQuery<TypeParam>::from_coo(2, 5, 17, c.indices, c.values);
+  SDMHA_EXPECT_THROW_WITH(layer.forward(wide_query, c.key, c.value), sdmha::ShapeError,
+                          "query has 17 features; expected the query kernel's input width 16");
+}
+
+TYPED_TEST(SparseDenseMhaTest, RejectsMasksOfTheWrongShapeAndNegativeThreads) {
+  const auto c = make_case<TypeParam>(Shape{}, 20);
+  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
+  const auto query = c.query();
+  auto options = c.options;
+  options.attention_mask.resize(2, 5, 6);
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
+                          "attention_mask is (2, 5, 6); expected (B, T, S) = (2, 5, 7)");
+  options = c.options;
+  options.key_padding_mask.resize(1, 7);
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
+                          "key_padding_mask is (1, 7); expected (B, S) = (2, 7)");
+  options = c.options;
+  options.num_threads = -1;
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ConfigError,
+                          "num_threads = -1");
+}
+
+}  // namespace
+}  // namespace sdmha_test

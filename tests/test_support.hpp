@@ -1,0 +1,248 @@
+// tests/test_support.hpp — what every test file shares (and the precompiled header of the suite):
+// SDMHA_ASSERT turned into an exception, tolerances, and random problems built twice, once for
+// sdmha and once for the float64 reference in tests/reference/.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+// Before any sdmha header: a failed internal assertion throws, so a test sees it in any build.
+#define SDMHA_ASSERT(condition) \
+  ((condition) ? static_cast<void>(0) : throw std::logic_error("SDMHA_ASSERT failed: " #condition))
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <numeric>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include <sdmha/sdmha.hpp>
+
+#include "reference/reference_mha.hpp"
+
+namespace sdmha_test {
+
+using sdmha::Index;
+using CooIndices = Eigen::Matrix<std::int64_t, Eigen::Dynamic, 3, Eigen::RowMajor>;
+template <typename Scalar>
+using Tensor3 = Eigen::Tensor<Scalar, 3, Eigen::RowMajor>;
+
+// |got − expected| ≤ tolerance · (1 + |expected|), elementwise. Against the float64 reference a
+// float64 result keeps about 12 digits through sums of a few hundred terms, a float result about 4.
+template <typename Scalar>
+constexpr double relative_tolerance() {
+  return 2000.0 * double(std::numeric_limits<Scalar>::epsilon());
+}
+
+using ScalarTypes = ::testing::Types<float, double>;
+
+// The sizes of one random problem. Density is the fraction of stored values per query row.
+struct Shape {
+  long batch = 2, steps = 5, key_steps = 7;
+  long query_dim = 16, key_in_dim = 12, value_in_dim = 12;
+  long heads = 2, key_dim = 4, value_dim = 0, output_dim = 0;
+  double density = 0.2;
+  bool use_bias = true;
+  bool random_mask = false;   // attention_mask with ~30% blocked
+  bool causal = false;
+  bool key_padding = false;   // ~20% of key steps padded
+  bool empty_rows = false;    // ~30% of query rows hold nothing
+  bool fully_blocked_rows = false;  // some rows of the attention mask entirely false
+  bool duplicates = false;    // repeat some COO coordinates (they sum)
+  bool shuffle = true;        // COO entries in random order
+};
+
+template <typename Scalar>
+struct Case {
+  Shape shape;
+  sdmha_reference::Problem problem;
+  sdmha::MhaConfig config;
+  sdmha::MhaWeights<Scalar> weights;
+  CooIndices indices;
+  sdmha::Vector<Scalar> values;
+  Tensor3<Scalar> key, value;
+  sdmha::AttentionOptions<Scalar> options;
+
+  sdmha::SparseQuery<Scalar> query() const {
+    return sdmha::SparseQuery<Scalar>::from_coo(shape.batch, shape.steps, shape.query_dim, indices,
+                                                values);
+  }
+  Tensor3<Scalar> dense_query() const {
+    Tensor3<Scalar> dense(shape.batch, shape.steps, shape.query_dim);
+    for (Index i = 0; i < dense.size(); ++i) dense.data()[i] = Scalar(problem.query[i]);
+    return dense;
+  }
+};
+
+// Draws a value, rounds it to Scalar, and records the rounded value for the reference too, so
+// that the two differ only by the arithmetic.
+template <typename Scalar>
+struct Filler {
+  std::mt19937_64& generator;
+  Scalar operator()(double low, double high) {
+    std::uniform_real_distribution<double> distribution(low, high);
+    return Scalar(distribution(generator));
+  }
+  void fill(Scalar* data, std::vector<double>& twin, long count, double low, double high) {
+    twin.resize(static_cast<std::size_t>(count));
+    for (long i = 0; i < count; ++i) {
+      data[i] = (*this)(low, high);
+      twin[i] = double(data[i]);
+    }
+  }
+};
+
+template <typename Scalar>
+Case<Scalar> make_case(const Shape& shape, std::uint64_t seed) {
+  std::mt19937_64 generator(seed);
+  Filler<Scalar> fill{generator};
+  Case<Scalar> c;
+  c.shape = shape;
+  auto& p = c.problem;
+  p.batch = shape.batch;
+  p.steps = shape.steps;
+  p.key_steps = shape.key_steps;
+  p.query_dim = shape.query_dim;
+  p.key_in_dim = shape.key_in_dim;
+  p.value_in_dim = shape.value_in_dim;
+  p.heads = shape.heads;
+  p.key_dim = shape.key_dim;
+  p.value_dim = shape.value_dim == 0 ? shape.key_dim : shape.value_dim;
+  p.output_dim = shape.output_dim == 0 ? shape.query_dim : shape.output_dim;
+  p.causal = shape.causal;
+
+  c.config.num_heads = shape.heads;
+  c.config.key_dim = shape.key_dim;
+  c.config.value_dim = shape.value_dim;
+  c.config.output_dim = shape.output_dim;
+  c.config.use_bias = shape.use_bias;
+
+  const long hk = p.heads * p.key_dim, hv = p.heads * p.value_dim;
+  auto& w = c.weights;
+  auto make_kernel = [&](sdmha::RowMatrix<Scalar>& kernel, std::vector<double>& twin, long rows, long cols) {
+    kernel.resize(rows, cols);
+    fill.fill(kernel.data(), twin, rows * cols, -0.5, 0.5);
+  };
+  auto make_bias = [&](sdmha::Vector<Scalar>& bias, std::vector<double>& twin, long size) {
+    if (!shape.use_bias) return;
+    bias.resize(size);
+    fill.fill(bias.data(), twin, size, -0.5, 0.5);
+  };
+  make_kernel(w.query_kernel, p.query_kernel, p.query_dim, hk);
+  make_bias(w.query_bias, p.query_bias, hk);
+  make_kernel(w.key_kernel, p.key_kernel, p.key_in_dim, hk);
+  make_bias(w.key_bias, p.key_bias, hk);
+  make_kernel(w.value_kernel, p.value_kernel, p.value_in_dim, hv);
+  make_bias(w.value_bias, p.value_bias, hv);
+  make_kernel(w.output_kernel, p.output_kernel, hv, p.output_dim);
+  make_bias(w.output_bias, p.output_bias, p.output_dim);
+
+  c.key.resize(p.batch, p.key_steps, p.key_in_dim);
+  fill.fill(c.key.data(), p.key, long(c.key.size()), -1.0, 1.0);
+  c.value.resize(p.batch, p.key_steps, p.value_in_dim);
+  fill.fill(c.value.data(), p.value, long(c.value.size()), -1.0, 1.0);
+
+  // The sparse query: distinct columns per row, then optional duplicates and shuffling.
+  std::vector<std::array<std::int64_t, 3>> coordinates;
+  std::vector<Scalar> values;
+  p.query.assign(static_cast<std::size_t>(p.batch * p.steps * p.query_dim), 0.0);
+  std::bernoulli_distribution empty_row(0.3), duplicate(0.25);
+  const long per_row = std::max(1L, std::lround(shape.density * double(p.query_dim)));
+  std::vector<std::int64_t> columns(static_cast<std::size_t>(p.query_dim));
+  for (long b = 0; b < p.batch; ++b)
+    for (long t = 0; t < p.steps; ++t) {
+      if (shape.empty_rows && empty_row(generator)) continue;
+      std::iota(columns.begin(), columns.end(), 0);
+      std::shuffle(columns.begin(), columns.end(), generator);
+      for (long k = 0; k < std::min(per_row, p.query_dim); ++k) {
+        const Scalar v = fill(-2.0, 2.0);
+        coordinates.push_back({b, t, columns[k]});
+        values.push_back(v);
+        p.query[(b * p.steps + t) * p.query_dim + columns[k]] += double(v);
+        if (shape.duplicates && duplicate(generator)) {
+          const Scalar extra = fill(-1.0, 1.0);
+          coordinates.push_back({b, t, columns[k]});
+          values.push_back(extra);
+          p.query[(b * p.steps + t) * p.query_dim + columns[k]] += double(extra);
+        }
+      }
+    }
+  std::vector<std::size_t> order(coordinates.size());
+  std::iota(order.begin(), order.end(), 0);
+  if (shape.shuffle) std::shuffle(order.begin(), order.end(), generator);
+  c.indices.resize(static_cast<Index>(order.size()), 3);
+  c.values.resize(static_cast<Index>(order.size()));
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    for (int axis = 0; axis < 3; ++axis) c.indices(Index(i), axis) = coordinates[order[i]][axis];
+    c.values[Index(i)] = values[order[i]];
+  }
+  if (shape.random_mask || shape.fully_blocked_rows) {
+    c.options.attention_mask.resize(p.batch, p.steps, p.key_steps);
+    std::bernoulli_distribution blocked(shape.random_mask ? 0.3 : 0.0), whole_row(0.25);
+    p.attention_mask.resize(static_cast<std::size_t>(p.batch * p.steps * p.key_steps));
+    for (long b = 0; b < p.batch; ++b)
+      for (long t = 0; t < p.steps; ++t) {
+        const bool row_blocked = shape.fully_blocked_rows && whole_row(generator);
+        for (long s = 0; s < p.key_steps; ++s) {
+          const bool allowed = !row_blocked && !blocked(generator);
+          c.options.attention_mask(b, t, s) = allowed;
+          p.attention_mask[(b * p.steps + t) * p.key_steps + s] = allowed;
+        }
+      }
+  }
+  if (shape.key_padding) {
+    c.options.key_padding_mask.resize(p.batch, p.key_steps);
+    std::bernoulli_distribution padded(0.2);
+    p.key_padding_mask.resize(static_cast<std::size_t>(p.batch * p.key_steps));
+    for (long b = 0; b < p.batch; ++b)
+      for (long s = 0; s < p.key_steps; ++s) {
+        const bool pad = padded(generator);
+        c.options.key_padding_mask(b, s) = pad;
+        p.key_padding_mask[b * p.key_steps + s] = pad;
+      }
+  }
+  c.options.use_causal_mask = shape.causal;
+  return c;
+}
+
+// Elementwise check of `count` values against the reference, reporting the worst entry.
+template <typename Scalar>
+::testing::AssertionResult all_near(const Scalar* got, const std::vector<double>& expected,
+                                    double tolerance) {
+  if (expected.size() == 0) return ::testing::AssertionSuccess();
+  double worst = 0.0;
+  std::size_t worst_index = 0;
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    const double error = std::abs(double(got[i]) - expected[i]) / (1.0 + std::abs(expected[i]));
+    if (!(error <= worst) || std::isnan(double(got[i]))) {
+      worst = std::isnan(double(got[i])) ? std::numeric_limits<double>::infinity() : error;
+      worst_index = i;
+      if (std::isnan(double(got[i]))) break;
+    }
+  }
+  if (worst <= tolerance) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << "entry " << worst_index << ": got " << double(got[worst_index]) << ", expected "
+         << expected[worst_index] << " (relative error " << worst << " > " << tolerance << ")";
+}
+
+// Runs `statement`, expects an exception of type E whose message contains `fragment`.
+#define SDMHA_EXPECT_THROW_WITH(statement, ExceptionType, fragment)                         \
+  do {                                                                                      \
+    try {                                                                                   \
+      statement;                                                                            \
+      ADD_FAILURE() << "expected " #ExceptionType " from: " #statement;                     \
+    } catch (const ExceptionType& error) {                                                  \
+      EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)                \
+          << "message \"" << error.what() << "\" lacks \"" << fragment << "\"";             \
+    } catch (const std::exception& error) {                                                 \
+      ADD_FAILURE() << "expected " #ExceptionType ", got another exception: " << error.what(); \
+    }                                                                                       \
+  } while (false)
+
+}  // namespace sdmha_test
