@@ -1,0 +1,400 @@
+// sdmha/io/layer_files.hpp — a layer's weights and inputs from safetensors or .npz files, in the
+// names of tests/data/goldens/README.md (the names Keras and PyTorch export).
+//
+// Weights, Keras layout (an optional layer prefix such as "multi_head_attention/" may precede):
+//   query/kernel (Eq, H, Dk)  query/bias (H, Dk)  key/kernel (Ek, H, Dk)  key/bias (H, Dk)
+//   value/kernel (Ev, H, Dv)  value/bias (H, Dv)  attention_output/kernel (H, Dv, O)  attention_output/bias (O)
+// Weights, PyTorch nn.MultiheadAttention layout (used as x·Wᵀ + b; E = H·head_dim):
+//   in_proj_weight (3E, E) rows q, k, v — or q_proj_weight (E, Eq), k_proj_weight (E, Ek),
+//   v_proj_weight (E, Ev) when kdim/vdim differ — in_proj_bias (3E), out_proj.weight (E, E),
+//   out_proj.bias (E). num_heads comes from the metadata or the caller.
+// Inputs: query/indices (nnz, 3) int64, query/values (nnz), query/dense_shape (3) int64,
+//   key (B, S, Ek) optional (Keras: key = value), value (B, S, Ev), attention_mask (B, T, S) bool.
+// __metadata__ (strings): num_heads, key_dim, value_dim, layout (keras|torch), use_causal_mask.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <unsupported/Eigen/CXX11/Tensor>
+
+#include "sdmha/errors.hpp"
+#include "sdmha/io/npy.hpp"
+#include "sdmha/io/safetensors.hpp"
+#include "sdmha/sparse_query.hpp"
+#include "sdmha/weights.hpp"
+
+namespace sdmha::io {
+
+enum class WeightLayout { keras, torch };
+
+// A uniform face over a safetensors file or an .npz archive: names, shapes, typed reads, metadata.
+class TensorSource {
+ public:
+  explicit TensorSource(SafetensorsFile file) : safetensors_(std::move(file)) {}
+  explicit TensorSource(NpzFile archive, std::map<std::string, std::string> metadata = {})
+      : npz_(std::move(archive)), npz_metadata_(std::move(metadata)) {}
+
+  // Opens `path` as .npz when it ends in ".npz", as safetensors otherwise.
+  static TensorSource open(const std::string& path) {
+    const bool is_npz = path.size() >= 4 && path.compare(path.size() - 4, 4, ".npz") == 0;
+    if (is_npz) {
+      NpzFile archive = NpzFile::open(path);
+      std::map<std::string, std::string> metadata;
+      // numpy.savez has no metadata; a string array "__metadata__/<key>" of uint8 may carry it.
+      for (const auto& name : archive.names()) {
+        const std::string prefix = "__metadata__/";
+        if (name.compare(0, prefix.size(), prefix) == 0) {
+          const auto bytes = archive.read(name).as<std::uint8_t>();
+          metadata[name.substr(prefix.size())] = std::string(bytes.begin(), bytes.end());
+        }
+      }
+      return TensorSource(std::move(archive), std::move(metadata));
+    }
+    return TensorSource(SafetensorsFile::open(path));
+  }
+
+  const std::string& source() const {
+    return safetensors_ ? safetensors_->source() : npz_source_;
+  }
+  bool contains(const std::string& name) const {
+    return safetensors_ ? safetensors_->contains(name) : npz_->contains(name);
+  }
+  std::vector<std::string> names() const {
+    return safetensors_ ? safetensors_->names() : npz_->names();
+  }
+  std::vector<std::int64_t> shape(const std::string& name) const {
+    require(name);
+    return safetensors_ ? safetensors_->info(name).shape : npz_->read(name).shape;
+  }
+  DType dtype(const std::string& name) const {
+    require(name);
+    return safetensors_ ? safetensors_->info(name).dtype : npz_->read(name).dtype;
+  }
+  template <typename T>
+  std::vector<T> read(const std::string& name) const {
+    require(name);
+    return safetensors_ ? safetensors_->template read<T>(name) : npz_->read(name).template as<T>();
+  }
+  std::optional<std::string> metadata_value(const std::string& key) const {
+    if (safetensors_) return safetensors_->metadata_value(key);
+    const auto found = npz_metadata_.find(key);
+    if (found == npz_metadata_.end()) return std::nullopt;
+    return found->second;
+  }
+
+  // Fails unless `name` exists with exactly `rank` dimensions; returns its shape.
+  std::vector<std::int64_t> expect_rank(const std::string& name, std::size_t rank) const {
+    auto dims = shape(name);
+    if (dims.size() != rank)
+      detail::fail<ShapeError>("io", source(), ": tensor '", name, "' has rank ", dims.size(),
+                               "; expected rank ", rank);
+    return dims;
+  }
+
+  void require(const std::string& name) const {
+    if (!contains(name))
+      detail::fail<FormatError>("io", source(), ": tensor '", name, "' is missing");
+  }
+
+ private:
+  std::optional<SafetensorsFile> safetensors_;
+  std::optional<NpzFile> npz_;
+  std::map<std::string, std::string> npz_metadata_;
+  std::string npz_source_ = "<npz>";
+};
+
+// What the caller may impose over the file's metadata.
+struct LayerFileOptions {
+  std::optional<WeightLayout> layout;     // default: metadata "layout", else detected from the names
+  std::optional<Index> num_heads;         // default: metadata "num_heads" (required for torch)
+  std::optional<bool> use_causal_mask;    // default: metadata "use_causal_mask", else false
+  std::optional<std::string> prefix;      // Keras layer prefix; default: found from the names
+};
+
+template <typename Scalar>
+struct LayerFile {
+  MhaConfig config;
+  MhaWeights<Scalar> weights;
+  WeightLayout layout = WeightLayout::keras;
+  bool use_causal_mask = false;
+};
+
+}  // namespace sdmha::io
+
+namespace sdmha::detail {
+
+inline std::optional<Index> metadata_integer(const io::TensorSource& source, const char* key) {
+  const auto text = source.metadata_value(key);
+  if (!text) return std::nullopt;
+  std::size_t used = 0;
+  long long value = 0;
+  try {
+    value = std::stoll(*text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text->size() || text->empty())
+    fail<FormatError>("io", source.source(), ": metadata '", key, "' = '", *text,
+                      "'; expected an integer");
+  return static_cast<Index>(value);
+}
+
+inline std::optional<bool> metadata_bool(const io::TensorSource& source, const char* key) {
+  const auto text = source.metadata_value(key);
+  if (!text) return std::nullopt;
+  if (*text == "true" || *text == "True" || *text == "1") return true;
+  if (*text == "false" || *text == "False" || *text == "0") return false;
+  fail<FormatError>("io", source.source(), ": metadata '", key, "' = '", *text,
+                    "'; expected true or false");
+}
+
+inline std::string keras_prefix(const io::TensorSource& source) {
+  const std::string suffix = "query/kernel";
+  std::optional<std::string> found;
+  for (const auto& name : source.names()) {
+    if (name.size() < suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+      continue;
+    const std::string prefix = name.substr(0, name.size() - suffix.size());
+    if (!prefix.empty() && prefix.back() != '/') continue;
+    if (found && *found != prefix)
+      fail<FormatError>("io", source.source(), ": several layers ('", *found, "', '", prefix,
+                        "') hold a query/kernel; expected one, or a prefix given by the caller");
+    found = prefix;
+  }
+  if (!found)
+    fail<FormatError>("io", source.source(),
+                      ": no tensor named '[prefix/]query/kernel'; expected Keras MultiHeadAttention weights");
+  return *found;
+}
+
+// Checks `shape` against `expected`, where a negative expected entry accepts any size.
+inline void expect_dims(const io::TensorSource& source, const std::string& name,
+                        const std::vector<std::int64_t>& shape, const std::vector<std::int64_t>& expected) {
+  bool ok = shape.size() == expected.size();
+  for (std::size_t i = 0; ok && i < shape.size(); ++i) ok = expected[i] < 0 || shape[i] == expected[i];
+  if (!ok)
+    fail<ShapeError>("io", source.source(), ": tensor '", name, "' has shape ", format_shape(shape),
+                     "; expected ", format_shape(expected), " (-1 = any)");
+}
+
+template <typename Scalar>
+RowMatrix<Scalar> read_matrix(const io::TensorSource& source, const std::string& name, Index rows, Index cols) {
+  const auto data = source.read<Scalar>(name);
+  SDMHA_ASSERT(Index(data.size()) == rows * cols);
+  return Eigen::Map<const RowMatrix<Scalar>>(data.data(), rows, cols);
+}
+
+template <typename Scalar>
+Vector<Scalar> read_vector(const io::TensorSource& source, const std::string& name) {
+  const auto data = source.read<Scalar>(name);
+  return Eigen::Map<const Vector<Scalar>>(data.data(), Index(data.size()));
+}
+
+template <typename Scalar>
+void load_keras(const io::TensorSource& source, const std::string& prefix, io::LayerFile<Scalar>& layer) {
+  const std::string q = prefix + "query/", k = prefix + "key/", v = prefix + "value/",
+                    o = prefix + "attention_output/";
+  const auto query_shape = source.expect_rank(q + "kernel", 3);
+  const std::int64_t Eq = query_shape[0], H = query_shape[1], Dk = query_shape[2];
+  const auto key_shape = source.expect_rank(k + "kernel", 3);
+  expect_dims(source, k + "kernel", key_shape, {-1, H, Dk});
+  const auto value_shape = source.expect_rank(v + "kernel", 3);
+  expect_dims(source, v + "kernel", value_shape, {-1, H, -1});
+  const std::int64_t Ek = key_shape[0], Ev = value_shape[0], Dv = value_shape[2];
+  const auto output_shape = source.expect_rank(o + "kernel", 3);
+  expect_dims(source, o + "kernel", output_shape, {H, Dv, -1});
+  const std::int64_t O = output_shape[2];
+
+  layer.config.num_heads = H;
+  layer.config.key_dim = Dk;
+  layer.config.value_dim = Dv;
+  layer.config.output_dim = O;
+  auto& w = layer.weights;
+  w.query_kernel = read_matrix<Scalar>(source, q + "kernel", Eq, H * Dk);
+  w.key_kernel = read_matrix<Scalar>(source, k + "kernel", Ek, H * Dk);
+  w.value_kernel = read_matrix<Scalar>(source, v + "kernel", Ev, H * Dv);
+  w.output_kernel = read_matrix<Scalar>(source, o + "kernel", H * Dv, O);
+
+  const bool has_bias[4] = {source.contains(q + "bias"), source.contains(k + "bias"),
+                            source.contains(v + "bias"), source.contains(o + "bias")};
+  layer.config.use_bias = has_bias[0];
+  for (bool present : has_bias)
+    if (present != layer.config.use_bias)
+      fail<FormatError>("io", source.source(),
+                        ": some projections have a bias and others not; expected all four "
+                        "(query, key, value, attention_output) or none");
+  if (layer.config.use_bias) {
+    expect_dims(source, q + "bias", source.shape(q + "bias"), {H, Dk});
+    expect_dims(source, k + "bias", source.shape(k + "bias"), {H, Dk});
+    expect_dims(source, v + "bias", source.shape(v + "bias"), {H, Dv});
+    expect_dims(source, o + "bias", source.shape(o + "bias"), {O});
+    w.query_bias = read_vector<Scalar>(source, q + "bias");
+    w.key_bias = read_vector<Scalar>(source, k + "bias");
+    w.value_bias = read_vector<Scalar>(source, v + "bias");
+    w.output_bias = read_vector<Scalar>(source, o + "bias");
+  }
+}
+
+template <typename Scalar>
+void load_torch(const io::TensorSource& source, Index heads, io::LayerFile<Scalar>& layer) {
+  for (const char* unsupported : {"bias_k", "bias_v"})
+    if (source.contains(unsupported))
+      fail<FormatError>("io", source.source(), ": tensor '", unsupported,
+                        "' (add_bias_kv) is not supported; expected add_bias_kv=False");
+  const auto out_shape = source.expect_rank("out_proj.weight", 2);
+  const std::int64_t E = out_shape[1];
+  expect_dims(source, "out_proj.weight", out_shape, {E, E});
+  if (E % heads != 0)
+    fail<ShapeError>("io", source.source(), ": embed_dim ", E, " is not divisible by num_heads ",
+                     heads, "; expected embed_dim = num_heads * head_dim");
+  const Index head_dim = E / heads;
+  layer.config.num_heads = heads;
+  layer.config.key_dim = head_dim;
+  layer.config.value_dim = head_dim;
+  layer.config.output_dim = E;
+  auto& w = layer.weights;
+  // PyTorch computes x·Wᵀ: the Keras-layout kernel (input × H·D) is Wᵀ.
+  if (source.contains("in_proj_weight")) {
+    expect_dims(source, "in_proj_weight", source.shape("in_proj_weight"), {3 * E, E});
+    const RowMatrix<Scalar> packed = read_matrix<Scalar>(source, "in_proj_weight", 3 * E, E);
+    w.query_kernel = packed.topRows(E).transpose();
+    w.key_kernel = packed.middleRows(E, E).transpose();
+    w.value_kernel = packed.bottomRows(E).transpose();
+  } else {
+    const char* names[3] = {"q_proj_weight", "k_proj_weight", "v_proj_weight"};
+    RowMatrix<Scalar>* kernels[3] = {&w.query_kernel, &w.key_kernel, &w.value_kernel};
+    for (int i = 0; i < 3; ++i) {
+      if (!source.contains(names[i]))
+        fail<FormatError>("io", source.source(), ": neither 'in_proj_weight' nor '", names[i],
+                          "' is present; expected PyTorch nn.MultiheadAttention weights");
+      const auto dims = source.expect_rank(names[i], 2);
+      expect_dims(source, names[i], dims, {E, -1});
+      *kernels[i] = read_matrix<Scalar>(source, names[i], E, dims[1]).transpose();
+    }
+  }
+  w.output_kernel = read_matrix<Scalar>(source, "out_proj.weight", E, E).transpose();
+  layer.config.use_bias = source.contains("in_proj_bias");
+  if (layer.config.use_bias != source.contains("out_proj.bias"))
+    fail<FormatError>("io", source.source(),
+                      ": exactly one of 'in_proj_bias' and 'out_proj.bias' is present; expected both or neither");
+  if (layer.config.use_bias) {
+    expect_dims(source, "in_proj_bias", source.shape("in_proj_bias"), {3 * E});
+    expect_dims(source, "out_proj.bias", source.shape("out_proj.bias"), {E});
+    const Vector<Scalar> packed = read_vector<Scalar>(source, "in_proj_bias");
+    w.query_bias = packed.segment(0, E);
+    w.key_bias = packed.segment(E, E);
+    w.value_bias = packed.segment(2 * E, E);
+    w.output_bias = read_vector<Scalar>(source, "out_proj.bias");
+  }
+}
+
+}  // namespace sdmha::detail
+
+namespace sdmha::io {
+
+// Reads a layer's configuration and weights, in either layout, and validates them.
+template <typename Scalar>
+LayerFile<Scalar> load_layer(const TensorSource& source, const LayerFileOptions& options = {}) {
+  LayerFile<Scalar> layer;
+  if (options.layout) {
+    layer.layout = *options.layout;
+  } else if (const auto text = source.metadata_value("layout")) {
+    if (*text == "keras") layer.layout = WeightLayout::keras;
+    else if (*text == "torch") layer.layout = WeightLayout::torch;
+    else detail::fail<FormatError>("io", source.source(), ": metadata 'layout' = '", *text,
+                                   "'; expected keras or torch");
+  } else {
+    const bool torch = source.contains("out_proj.weight");
+    layer.layout = torch ? WeightLayout::torch : WeightLayout::keras;
+  }
+  const auto metadata_heads = detail::metadata_integer(source, "num_heads");
+  if (layer.layout == WeightLayout::keras) {
+    detail::load_keras(source, options.prefix ? *options.prefix : detail::keras_prefix(source), layer);
+    const Index heads = options.num_heads ? *options.num_heads : layer.config.num_heads;
+    if (heads != layer.config.num_heads)
+      detail::fail<ShapeError>("io", source.source(), ": num_heads = ", heads,
+                               " but the Keras kernels hold ", layer.config.num_heads, " heads");
+  } else {
+    const auto heads = options.num_heads ? options.num_heads : metadata_heads;
+    if (!heads)
+      detail::fail<FormatError>("io", source.source(),
+                                ": num_heads is neither in the metadata nor given; PyTorch weights need it");
+    if (*heads <= 0)
+      detail::fail<ConfigError>("io", source.source(), ": num_heads = ", *heads, "; expected > 0");
+    detail::load_torch(source, *heads, layer);
+  }
+  // Metadata that disagrees with the shapes is an error, not something to paper over.
+  const std::pair<const char*, Index> declared[] = {{"num_heads", layer.config.num_heads},
+                                                    {"key_dim", layer.config.key_dim},
+                                                    {"value_dim", layer.config.value_dim}};
+  for (const auto& [key, actual] : declared) {
+    if (options.num_heads && std::string(key) == "num_heads") continue;
+    const auto value = detail::metadata_integer(source, key);
+    if (value && *value != actual)
+      detail::fail<ShapeError>("io", source.source(), ": metadata '", key, "' = ", *value,
+                               " but the weights' shapes give ", actual);
+  }
+  layer.use_causal_mask = options.use_causal_mask
+                              ? *options.use_causal_mask
+                              : detail::metadata_bool(source, "use_causal_mask").value_or(false);
+  layer.weights.validate(layer.config);
+  return layer;
+}
+
+template <typename Scalar>
+struct LayerInputs {
+  SparseQuery<Scalar> query;
+  Eigen::Tensor<Scalar, 3, Eigen::RowMajor> key;    // equals value when the file has no key
+  Eigen::Tensor<Scalar, 3, Eigen::RowMajor> value;
+  Eigen::Tensor<bool, 3, Eigen::RowMajor> attention_mask;  // all dimensions 0 when absent
+  bool has_key = false;
+};
+
+// Reads query/indices, query/values, query/dense_shape, key (optional), value and
+// attention_mask (optional). Shapes are checked here; the query's indices by SparseQuery.
+template <typename Scalar>
+LayerInputs<Scalar> load_inputs(const TensorSource& source) {
+  LayerInputs<Scalar> inputs;
+  const auto shape = source.expect_rank("query/dense_shape", 1);
+  detail::expect_dims(source, "query/dense_shape", shape, {3});
+  const auto dense_shape = source.read<std::int64_t>("query/dense_shape");
+  const auto index_shape = source.expect_rank("query/indices", 2);
+  detail::expect_dims(source, "query/indices", index_shape, {-1, 3});
+  const auto value_shape = source.expect_rank("query/values", 1);
+  detail::expect_dims(source, "query/values", value_shape, {index_shape[0]});
+  const auto indices = source.read<std::int64_t>("query/indices");
+  const auto values = source.read<Scalar>("query/values");
+  using Coo = typename SparseQuery<Scalar>::CooIndices;
+  inputs.query = SparseQuery<Scalar>::from_coo(
+      dense_shape[0], dense_shape[1], dense_shape[2],
+      Eigen::Map<const Coo>(indices.data(), index_shape[0], 3),
+      Eigen::Map<const Vector<Scalar>>(values.data(), Index(values.size())));
+
+  auto read_tensor = [&](const std::string& name) {
+    const auto dims = source.expect_rank(name, 3);
+    if (dims[0] != dense_shape[0])
+      detail::fail<ShapeError>("io", source.source(), ": tensor '", name, "' has batch ", dims[0],
+                               "; expected the query's batch ", dense_shape[0]);
+    const auto data = source.read<Scalar>(name);
+    Eigen::Tensor<Scalar, 3, Eigen::RowMajor> tensor(dims[0], dims[1], dims[2]);
+    std::copy(data.begin(), data.end(), tensor.data());
+    return tensor;
+  };
+  inputs.value = read_tensor("value");
+  inputs.has_key = source.contains("key");
+  inputs.key = inputs.has_key ? read_tensor("key") : inputs.value;
+  if (source.contains("attention_mask")) {
+    const auto dims = source.expect_rank("attention_mask", 3);
+    detail::expect_dims(source, "attention_mask", dims,
+                        {dense_shape[0], dense_shape[1], inputs.value.dimension(1)});
+    const auto mask = source.read<bool>("attention_mask");
+    inputs.attention_mask.resize(dims[0], dims[1], dims[2]);
+    std::copy(mask.begin(), mask.end(), inputs.attention_mask.data());
+  }
+  return inputs;
+}
+
+}  // namespace sdmha::io
