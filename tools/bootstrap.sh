@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs what building, testing and benchmarking sdmha needs on Debian 12, and nothing when it is
+# all there already. Runs apt-get through sudo when not root.
+set -euo pipefail
+packages=(cmake g++ make pkg-config libeigen3-dev libgtest-dev libbenchmark-dev
+          nlohmann-json3-dev libzip-dev)
+missing=()
+for package in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+echo "tools/bootstrap.sh: installing ${missing[*]}"
+sudo_prefix=()
+if [ "$(id -u)" -ne 0 ]; then sudo_prefix=(sudo); fi
+"${sudo_prefix[@]}" apt-get update -qq
+DEBIAN_FRONTEND=noninteractive "${sudo_prefix[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
