@@ -7,8 +7,8 @@ Usage (needs numpy; on Debian, python3-numpy):
 
 Every array is fixed and numpy.savez stamps members with a fixed date, so every file comes out
 byte for byte the same for a given numpy version (checked with numpy 1.24). The tests compare
-sdmha's .npy writer against f64_2x3.npy and i64_2x2.npy, and patch bytes of the .npz archives to
-build corrupt ones, so regenerate them only together with the tests.
+sdmha's .npy writer byte for byte against several of the .npy files and patch bytes of the .npz
+archives to build corrupt ones, so regenerate them only together with the tests.
 
 Files:
     f64_2x3.npy, f32_4.npy, f16_5.npy, i32_3.npy, i64_2x2.npy, u8_4.npy, bool_2x2.npy

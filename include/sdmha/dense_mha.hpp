@@ -55,10 +55,11 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
     this->project_rows(query_projection_, query.as_matrix(), this->weights_.query_kernel,
                        this->weights_.query_bias, projected_query, inputs.threads);
     const Scalar scale = this->score_scale();
-    return this->attend(inputs, options, [&](Index b, Index h, const ConstMatrixRef<Scalar>& key_bh,
-                                             const BatchMask& mask, MatrixRef<Scalar> scores) {
-      typename ScoreKernelT::Arguments args{projected_query.block(b * T, h * Dk, T, Dk), key_bh,
-                                            scale, mask, scores};
+    return this->attend(inputs, options, detail::kQueryTile,
+                        [&](Index b, Index h, Index first_step, const ConstMatrixRef<Scalar>& key_bh,
+                            const BatchMask& mask, MatrixRef<Scalar> scores) {
+      typename ScoreKernelT::Arguments args{
+          projected_query.block(b * T + first_step, h * Dk, scores.rows(), Dk), key_bh, scale, mask, scores};
       ScoreKernelT::can_implement(args);
       this->score_kernel_(args);
     });

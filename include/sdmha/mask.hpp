@@ -12,19 +12,27 @@
 
 namespace sdmha {
 
+// The mask of one block of scores: rows t = 0 … steps − 1 and columns s = 0 … key_steps − 1 of
+// the block are the query steps first_step + t and key steps first_key_step + s of one batch
+// entry (a whole (T × S) matrix has both offsets 0).
 struct BatchMask {
-  const bool* attention = nullptr;    // T × S row-major, true = may attend; nullptr = none
-  const bool* key_padding = nullptr;  // S, true = padding; nullptr = none
-  bool causal = false;                // s <= t only
-  Index steps = 0;                    // T
-  Index key_steps = 0;                // S
+  const bool* attention = nullptr;    // the block's (0, 0) in a row-major mask; nullptr = none
+  const bool* key_padding = nullptr;  // the block's column 0 in the (S) padding row; nullptr = none
+  bool causal = false;                // key step <= query step only
+  Index steps = 0;                    // rows of the block
+  Index key_steps = 0;                // columns of the block
+  Index first_step = 0;               // query step of row 0 (for causal)
+  Index first_key_step = 0;           // key step of column 0 (for causal)
+  Index attention_stride = 0;         // distance between rows of `attention`; 0 means key_steps
 
   bool empty() const { return attention == nullptr && key_padding == nullptr && !causal; }
 
+  Index row_stride() const { return attention_stride == 0 ? key_steps : attention_stride; }
+
   bool allowed(Index t, Index s) const {
-    if (causal && s > t) return false;
+    if (causal && first_key_step + s > first_step + t) return false;
     if (key_padding != nullptr && key_padding[s]) return false;
-    return attention == nullptr || attention[t * key_steps + s];
+    return attention == nullptr || attention[t * row_stride() + s];
   }
 };
 
@@ -36,9 +44,11 @@ void apply_mask(const BatchMask& mask, MatrixRef<Scalar> scores) {
   constexpr Scalar blocked = -std::numeric_limits<Scalar>::infinity();
   for (Index t = 0; t < scores.rows(); ++t) {
     Scalar* row = scores.row(t).data();
-    const bool* allowed_row = mask.attention == nullptr ? nullptr : mask.attention + t * mask.key_steps;
+    const bool* allowed_row = mask.attention == nullptr ? nullptr : mask.attention + t * mask.row_stride();
+    // Causal: key steps up to the query step stay; so column s stays while s <= causal_limit.
+    const Index causal_limit = mask.first_step + t - mask.first_key_step;
     for (Index s = 0; s < scores.cols(); ++s) {
-      const bool keep = (!mask.causal || s <= t) &&
+      const bool keep = (!mask.causal || s <= causal_limit) &&
                         (mask.key_padding == nullptr || !mask.key_padding[s]) &&
                         (allowed_row == nullptr || allowed_row[s]);
       if (!keep) row[s] = blocked;

@@ -2,6 +2,7 @@
 // TensorRef3, the read-only view through which dense (B, S, E) inputs come in.
 #pragma once
 
+#include <cstdint>
 #include <type_traits>
 
 #include <unsupported/Eigen/CXX11/Tensor>
@@ -37,6 +38,13 @@ struct AttentionOptions {
   // The output is bitwise the same for any value.
   int num_threads = 0;
   ScoreStrategy score_strategy = ScoreStrategy::project_first;
+  // Dropout on the attention probabilities, applied only when `training` is true (Keras'
+  // training=True): after the softmax, before the values; attention_scores are returned before
+  // dropout. The mask is a function of (dropout_seed, b, h, t, s): forward and backward with the
+  // same seed see the same mask. 0 <= dropout_rate < 1.
+  bool training = false;
+  double dropout_rate = 0.0;
+  std::uint64_t dropout_seed = 0;
 };
 
 template <typename Scalar>

@@ -70,8 +70,9 @@ class SparseDenseMHA
     const auto& weights = this->weights_;
 
     if (options.score_strategy == ScoreStrategy::sparse_regrouped) {
-      return this->attend(inputs, options, [&](Index b, Index h, const ConstMatrixRef<Scalar>& key_bh,
-                                               const BatchMask& mask, MatrixRef<Scalar> scores) {
+      // The regrouped form works on a batch entry's rows at once: M_bh is shared by all of them.
+      return this->attend(inputs, options, T, [&](Index b, Index h, Index, const ConstMatrixRef<Scalar>& key_bh,
+                                                  const BatchMask& mask, MatrixRef<Scalar> scores) {
         typename ScoreKernelT::SparseArguments args{
             query.batch_rows(b), weights.query_kernel.middleCols(h * Dk, Dk),
             this->bias_segment(weights.query_bias, h * Dk, Dk), key_bh, scale, mask, scores};
@@ -82,7 +83,7 @@ class SparseDenseMHA
 
     RowMatrix<Scalar> projected_query(query.rows(), dims.projected_key_width());
     const auto& csr = query.csr();
-    detail::parallel_for(detail::row_block_count(query.rows()), inputs.threads, [&](Index block) {
+    detail::parallel_for(detail::row_block_count(query.rows()), inputs.threads, [&](Index block, int) {
       const Index first = block * detail::kProjectionRowBlock;
       const Index count = std::min(detail::kProjectionRowBlock, query.rows() - first);
       typename QueryProjection::Arguments args{csr.middle_rows(first, count), weights.query_kernel,
@@ -91,10 +92,11 @@ class SparseDenseMHA
       QueryProjection::can_implement(args);
       query_projection_(args);
     });
-    return this->attend(inputs, options, [&](Index b, Index h, const ConstMatrixRef<Scalar>& key_bh,
-                                             const BatchMask& mask, MatrixRef<Scalar> scores) {
-      typename ScoreKernelT::Arguments args{projected_query.block(b * T, h * Dk, T, Dk), key_bh,
-                                            scale, mask, scores};
+    return this->attend(inputs, options, detail::kQueryTile,
+                        [&](Index b, Index h, Index first_step, const ConstMatrixRef<Scalar>& key_bh,
+                            const BatchMask& mask, MatrixRef<Scalar> scores) {
+      typename ScoreKernelT::Arguments args{
+          projected_query.block(b * T + first_step, h * Dk, scores.rows(), Dk), key_bh, scale, mask, scores};
       ScoreKernelT::can_implement(args);
       this->score_kernel_(args);
     });

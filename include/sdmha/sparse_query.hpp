@@ -176,7 +176,10 @@ class SparseQuery {
     query.owned_ = std::make_unique<SparseMatrixType>();
     query.owned_->swap(matrix);
     query.view_ = view_of(*query.owned_);
-    validate_view(where, query.view_, Index(query.owned_->data().size()));
+    // An uncompressed matrix keeps its rows inside the allocated storage, past data().size().
+    const auto& storage = query.owned_->data();
+    validate_view(where, query.view_,
+                  Index(query.owned_->isCompressed() ? storage.size() : storage.allocatedSize()));
     return query;
   }
 

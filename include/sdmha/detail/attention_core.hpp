@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "sdmha/config.hpp"
+#include "sdmha/detail/dropout.hpp"
 #include "sdmha/detail/parallel.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/mask.hpp"
@@ -93,23 +94,13 @@ class AttentionCore {
         fail<ShapeError>(where, "key_padding_mask is (", padding.dimension(0), ", ",
                          padding.dimension(1), "); expected (B, S) = (", batch, ", ", key_steps, ")");
     }
+    if (!(options.dropout_rate >= 0.0 && options.dropout_rate < 1.0))
+      fail<ConfigError>(where, "dropout_rate = ", options.dropout_rate, "; expected 0 <= dropout_rate < 1");
     if (options.num_threads < 0)
       fail<ConfigError>(where, "num_threads = ", options.num_threads,
                         "; expected >= 0 (0 means all hardware threads)");
     return Inputs{batch, steps, key_steps, key.as_matrix(), value.as_matrix(),
                   resolve_thread_count(options.num_threads)};
-  }
-
-  BatchMask batch_mask(const Inputs& inputs, const AttentionOptions<Scalar>& options, Index b) const {
-    BatchMask mask;
-    mask.steps = inputs.steps;
-    mask.key_steps = inputs.key_steps;
-    mask.causal = options.use_causal_mask;
-    if (options.attention_mask.size() != 0)
-      mask.attention = options.attention_mask.data() + b * inputs.steps * inputs.key_steps;
-    if (options.key_padding_mask.size() != 0)
-      mask.key_padding = options.key_padding_mask.data() + b * inputs.key_steps;
-    return mask;
   }
 
   Scalar score_scale() const { return Scalar(1.0 / std::sqrt(double(dims_.key_dim))); }
@@ -129,7 +120,7 @@ class AttentionCore {
                     const RowMatrix<Scalar>& kernel, const Vector<Scalar>& bias,
                     MatrixRef<Scalar> output, int threads) const {
     const Index rows = input.rows();
-    parallel_for(row_block_count(rows), threads, [&](Index block) {
+    parallel_for(row_block_count(rows), threads, [&](Index block, int) {
       const Index first = block * kProjectionRowBlock;
       const Index count = std::min(kProjectionRowBlock, rows - first);
       typename Projection::Arguments args{input.middleRows(first, count), kernel,
@@ -139,11 +130,14 @@ class AttentionCore {
     });
   }
 
-  // The shared body of forward. `compute_scores(b, h, key_bh, mask, scores)` fills the masked
-  // T × S scores of one (batch, head); everything before and after it is common.
+  // The shared body of forward. `compute_scores(b, h, first_step, key_block, mask, scores)` fills
+  // the masked scores of rows first_step … first_step + rows − 1 of one (batch, head) against
+  // the key steps 0 … key_block.rows() − 1; everything before and after it is common.
+  // Work items are (b, h, query tile) with tiles of `query_tile` steps; for a causal mask the
+  // key steps that no row of the tile may see are skipped, neither computed nor stored.
   template <typename ComputeScores>
   AttentionResult<Scalar> attend(const Inputs& inputs, const AttentionOptions<Scalar>& options,
-                                 ComputeScores&& compute_scores) const {
+                                 Index query_tile, ComputeScores&& compute_scores) const {
     const Index B = inputs.batch, T = inputs.steps, S = inputs.key_steps;
     const Index H = dims_.num_heads, Dk = dims_.key_dim, Dv = dims_.value_dim;
     const int threads = inputs.threads;
@@ -154,26 +148,67 @@ class AttentionCore {
                  values, threads);
 
     AttentionResult<Scalar> result;
-    if (options.return_attention_scores) result.attention_scores.resize(B, H, T, S);
+    const bool return_scores = options.return_attention_scores;
+    if (return_scores) result.attention_scores.resize(B, H, T, S);
+    const DropoutMask dropout = options.training ? DropoutMask(options.dropout_rate, options.dropout_seed)
+                                                 : DropoutMask();
     RowMatrix<Scalar> heads(B * T, H * Dv);
-    parallel_for(B * H, threads, [&](Index item) {
-      const Index b = item / H, h = item % H;
-      RowMatrix<Scalar> scratch;
+    const Index tiles = query_tile > 0 ? (T + query_tile - 1) / query_tile : 0;
+    // Per worker: the scores of the tile in flight, and the probabilities after dropout when the
+    // scores before it must be returned.
+    std::vector<RowMatrix<Scalar>> scratch(static_cast<std::size_t>(worker_count(B * H * tiles, threads)));
+    std::vector<RowMatrix<Scalar>> dropped(dropout.active() && return_scores ? scratch.size() : 0);
+    parallel_for(B * H * tiles, threads, [&](Index item, int worker) {
+      const Index b = item / (H * tiles), h = (item / tiles) % H, tile = item % tiles;
+      const Index first_step = tile * query_tile, rows = std::min(query_tile, T - first_step);
+      const Index key_end = options.use_causal_mask ? std::min(S, first_step + rows) : S;
+
+      using ScoresMap = Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
       Scalar* scores_data;
-      if (options.return_attention_scores) {
-        scores_data = result.attention_scores.data() + item * T * S;
+      Index scores_stride;
+      if (return_scores) {
+        scores_data = result.attention_scores.data() + ((b * H + h) * T + first_step) * S;
+        scores_stride = S;
+        if (key_end < S)
+          ScoresMap(scores_data + key_end, rows, S - key_end, Eigen::OuterStride<>(S)).setZero();
       } else {
-        scratch.resize(T, S);
-        scores_data = scratch.data();
+        RowMatrix<Scalar>& buffer = scratch[std::size_t(worker)];
+        if (buffer.size() < rows * key_end) buffer.resize(rows, key_end);
+        scores_data = buffer.data();
+        scores_stride = key_end;
       }
-      Eigen::Map<RowMatrix<Scalar>> scores(scores_data, T, S);
-      compute_scores(b, h, ConstMatrixRef<Scalar>(keys.block(b * S, h * Dk, S, Dk)),
-                     batch_mask(inputs, options, b), MatrixRef<Scalar>(scores));
+      ScoresMap scores(scores_data, rows, key_end, Eigen::OuterStride<>(scores_stride));
+
+      BatchMask mask;
+      mask.steps = rows;
+      mask.key_steps = key_end;
+      mask.first_step = first_step;
+      mask.causal = options.use_causal_mask;
+      if (options.attention_mask.size() != 0) {
+        mask.attention = options.attention_mask.data() + (b * T + first_step) * S;
+        mask.attention_stride = S;
+      }
+      if (options.key_padding_mask.size() != 0) mask.key_padding = options.key_padding_mask.data() + b * S;
+
+      compute_scores(b, h, first_step, ConstMatrixRef<Scalar>(keys.block(b * S, h * Dk, key_end, Dk)),
+                     mask, MatrixRef<Scalar>(scores));
       typename Softmax::Arguments softmax_args{scores};
       Softmax::can_implement(softmax_args);
       softmax_(softmax_args);
-      typename AttendValues::Arguments values_args{scores, values.block(b * S, h * Dv, S, Dv),
-                                                   heads.block(b * T, h * Dv, T, Dv)};
+
+      // Dropout acts on the probabilities that meet the values; returned scores stay before it.
+      Scalar* probabilities_data = scores_data;
+      Index probabilities_stride = scores_stride;
+      if (dropout.active() && return_scores) {
+        RowMatrix<Scalar>& copy = dropped[std::size_t(worker)];
+        copy = scores;
+        probabilities_data = copy.data();
+        probabilities_stride = key_end;
+      }
+      ScoresMap probabilities(probabilities_data, rows, key_end, Eigen::OuterStride<>(probabilities_stride));
+      dropout.apply(probabilities, b, h, first_step, 0);
+      typename AttendValues::Arguments values_args{probabilities, values.block(b * S, h * Dv, key_end, Dv),
+                                                   heads.block(b * T + first_step, h * Dv, rows, Dv)};
       AttendValues::can_implement(values_args);
       attend_values_(values_args);
     });

@@ -122,7 +122,8 @@ class NpyHeaderParser {
         ++position_;
         skip_space();
       } else if (peek() != '}') {
-        fail_at(position_, "found " + describe_next(), "',' or '}' after the value of '" + key + "'");
+        fail_at(position_, "found " + describe_next(),
+                "',' or '}' after the value of '" + key + "'");
       }
     }
     ++position_;
@@ -133,8 +134,9 @@ class NpyHeaderParser {
     }
     if (!have_descr || !have_fortran_order || !have_shape) {
       fail_at(position_,
-              std::string("the dict lacks ") +
-                  (!have_descr ? "'descr'" : !have_fortran_order ? "'fortran_order'" : "'shape'"),
+              std::string("the dict lacks ") + (!have_descr           ? "'descr'"
+                                                : !have_fortran_order ? "'fortran_order'"
+                                                                      : "'shape'"),
               "'descr', 'fortran_order' and 'shape'");
     }
     return header;
@@ -144,9 +146,8 @@ class NpyHeaderParser {
   char peek() const { return position_ < text_.size() ? text_[position_] : '\0'; }
 
   void skip_space() {
-    while (position_ < text_.size() &&
-           (text_[position_] == ' ' || text_[position_] == '\t' || text_[position_] == '\n' ||
-            text_[position_] == '\r')) {
+    while (position_ < text_.size() && (text_[position_] == ' ' || text_[position_] == '\t' ||
+                                        text_[position_] == '\n' || text_[position_] == '\r')) {
       ++position_;
     }
   }
@@ -188,8 +189,7 @@ class NpyHeaderParser {
   io::DType parse_descr() {
     using io::DType;
     if (peek() == '[') {
-      fail_at(position_, "a structured dtype (a list of fields)",
-              "a plain descr such as '<f8'");
+      fail_at(position_, "a structured dtype (a list of fields)", "a plain descr such as '<f8'");
     }
     const std::size_t start = position_;
     const std::string descr = parse_string("a quoted descr");
@@ -297,14 +297,22 @@ inline std::vector<std::uint8_t> fortran_to_c_order(const std::uint8_t* source,
 
 inline const char* npy_descr(const char* where, const std::string& path, io::DType dtype) {
   switch (dtype) {
-    case io::DType::F16: return "<f2";
-    case io::DType::F32: return "<f4";
-    case io::DType::F64: return "<f8";
-    case io::DType::I32: return "<i4";
-    case io::DType::I64: return "<i8";
-    case io::DType::U8: return "|u1";
-    case io::DType::BOOL: return "|b1";
-    case io::DType::BF16: break;
+    case io::DType::F16:
+      return "<f2";
+    case io::DType::F32:
+      return "<f4";
+    case io::DType::F64:
+      return "<f8";
+    case io::DType::I32:
+      return "<i4";
+    case io::DType::I64:
+      return "<i8";
+    case io::DType::U8:
+      return "|u1";
+    case io::DType::BOOL:
+      return "|b1";
+    case io::DType::BF16:
+      break;
   }
   fail<FormatError>(where, "'", path, "': dtype ", io::dtype_name(dtype),
                     " has no .npy descr; expected F16, F32, F64, I32, I64, U8 or BOOL");
@@ -312,8 +320,8 @@ inline const char* npy_descr(const char* where, const std::string& path, io::DTy
 
 // libzip errors about the file system are I/O failures; the rest mean the archive is malformed.
 inline bool is_zip_io_error(int code) {
-  return code == ZIP_ER_OPEN || code == ZIP_ER_READ || code == ZIP_ER_SEEK ||
-         code == ZIP_ER_TELL || code == ZIP_ER_NOENT || code == ZIP_ER_MEMORY;
+  return code == ZIP_ER_OPEN || code == ZIP_ER_READ || code == ZIP_ER_SEEK || code == ZIP_ER_TELL ||
+         code == ZIP_ER_NOENT || code == ZIP_ER_MEMORY;
 }
 
 template <typename... Parts>
@@ -365,15 +373,14 @@ inline NpyArray parse_npy(const std::uint8_t* bytes, std::size_t size,
                               " bytes follow; expected a complete header");
   }
   const detail::NpyHeader header =
-      detail::NpyHeaderParser(std::string(reinterpret_cast<const char*>(bytes) + prefix,
-                                          header_length),
-                              source_name)
+      detail::NpyHeaderParser(
+          std::string(reinterpret_cast<const char*>(bytes) + prefix, header_length), source_name)
           .parse();
 
   const std::optional<std::int64_t> count = detail::checked_element_count(header.shape);
   const std::size_t item_size = dtype_size(header.dtype);
-  if (!count || static_cast<std::uint64_t>(*count) >
-                    std::numeric_limits<std::size_t>::max() / item_size) {
+  if (!count ||
+      static_cast<std::uint64_t>(*count) > std::numeric_limits<std::size_t>::max() / item_size) {
     detail::fail<FormatError>(where, source_name, ": shape ", detail::format_shape(header.shape),
                               " overflows the element count; expected a shape that fits in memory");
   }
@@ -394,8 +401,8 @@ inline NpyArray parse_npy(const std::uint8_t* bytes, std::size_t size,
   array.source = source_name;
   const std::uint8_t* data = bytes + prefix + header_length;
   if (header.fortran_order && header.shape.size() > 1) {
-    array.data = detail::fortran_to_c_order(data, header.shape, static_cast<std::size_t>(*count),
-                                            item_size);
+    array.data =
+        detail::fortran_to_c_order(data, header.shape, static_cast<std::size_t>(*count), item_size);
   } else {
     array.data.assign(data, data + expected);
   }
@@ -420,8 +427,8 @@ inline void write_npy(const std::string& path, DType dtype, const std::vector<st
   const std::size_t expected = detail::checked_byte_count(where, subject, shape, dtype);
   if (bytes != expected) {
     detail::fail<ShapeError>(where, subject, ": got ", bytes, " bytes for shape ",
-                             detail::format_shape(shape), " of ", dtype_name(dtype),
-                             "; expected ", expected);
+                             detail::format_shape(shape), " of ", dtype_name(dtype), "; expected ",
+                             expected);
   }
   if (data == nullptr && bytes > 0) {
     detail::fail<ShapeError>(where, subject, ": data is null; expected ", bytes, " bytes");
@@ -432,9 +439,8 @@ inline void write_npy(const std::string& path, DType dtype, const std::vector<st
     shape_text += (axis > 0 ? ", " : "") + std::to_string(shape[axis]);
   }
   shape_text += shape.size() == 1 ? ",)" : ")";
-  std::string header =
-      std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': " + shape_text +
-      ", }";
+  std::string header = std::string("{'descr': '") + descr +
+                       "', 'fortran_order': False, 'shape': " + shape_text + ", }";
   // numpy leaves room for the first dimension to grow to 21 digits, so that appending rows can
   // rewrite the header in place; matching it keeps the files identical to numpy.save's.
   constexpr std::size_t growth_digits = 21;
@@ -456,9 +462,8 @@ inline void write_npy(const std::string& path, DType dtype, const std::vector<st
     for (int i = 0; i < 4; ++i) head.push_back(static_cast<std::uint8_t>(text.size() >> (8 * i)));
   }
   head.insert(head.end(), text.begin(), text.end());
-  detail::write_file_atomically(where, path,
-                                {{head.data(), head.size()},
-                                 {static_cast<const std::uint8_t*>(data), bytes}});
+  detail::write_file_atomically(
+      where, path, {{head.data(), head.size()}, {static_cast<const std::uint8_t*>(data), bytes}});
 }
 
 // Writes product(shape) elements of T (float → '<f4', double → '<f8', int64 → '<i8',
@@ -469,8 +474,8 @@ void write_npy(const std::string& path, const std::vector<std::int64_t>& shape, 
                 "write_npy takes float, double, int64_t, int32_t, uint8_t or bool");
   static_assert(sizeof(T) == dtype_size(detail::IoElement<T>::dtype),
                 "the element type's size must match its dtype's");
-  const std::size_t bytes = detail::checked_byte_count("write_npy", "'" + path + "'", shape,
-                                                       detail::IoElement<T>::dtype);
+  const std::size_t bytes =
+      detail::checked_byte_count("write_npy", "'" + path + "'", shape, detail::IoElement<T>::dtype);
   write_npy(path, detail::IoElement<T>::dtype, shape, data, bytes);
 }
 
@@ -544,9 +549,9 @@ class NpzFile {
       for (const auto& member : members_) {
         available += (available.empty() ? "'" : ", '") + member.first + "'";
       }
-      detail::fail<FormatError>(where, "'", path_, "': no array named '", name,
-                                "' (member '", name, ".npy'); expected one of: ",
-                                available.empty() ? std::string("(none)") : available);
+      detail::fail<FormatError>(
+          where, "'", path_, "': no array named '", name, "' (member '", name,
+          ".npy'); expected one of: ", available.empty() ? std::string("(none)") : available);
     }
     const std::string member = name + ".npy";
     const zip_uint64_t index = it->second;
@@ -577,8 +582,8 @@ class NpzFile {
       const zip_int64_t got = zip_fread(file.get(), bytes.data() + total, bytes.size() - total);
       if (got < 0) fail_member_read(where, member, file.get());
       if (got == 0) {
-        detail::fail<FormatError>(where, "'", path_, "': member '", member, "' ends after ",
-                                  total, " bytes; expected ", bytes.size(), " (truncated)");
+        detail::fail<FormatError>(where, "'", path_, "': member '", member, "' ends after ", total,
+                                  " bytes; expected ", bytes.size(), " (truncated)");
       }
       total += static_cast<std::size_t>(got);
     }
@@ -601,9 +606,9 @@ class NpzFile {
   void check_sizes(const std::string& member, const zip_stat_t& stat) const {
     constexpr const char* where = "NpzFile::read";
     if (stat.comp_size > archive_size_) {
-      detail::fail<FormatError>(where, "'", path_, "': member '", member, "' claims ",
-                                stat.comp_size, " compressed bytes; expected at most the archive's ",
-                                archive_size_);
+      detail::fail<FormatError>(
+          where, "'", path_, "': member '", member, "' claims ", stat.comp_size,
+          " compressed bytes; expected at most the archive's ", archive_size_);
     }
     constexpr zip_uint64_t max_deflate_ratio = 1032;
     if (stat.comp_method == ZIP_CM_STORE) {

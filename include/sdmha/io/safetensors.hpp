@@ -22,6 +22,7 @@
 #include <initializer_list>
 #include <limits>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 #include <string>
@@ -29,8 +30,6 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #if defined(__unix__) || defined(__APPLE__)
 #include <unistd.h>
@@ -53,14 +52,22 @@ enum class DType { F16, BF16, F32, F64, I32, I64, U8, BOOL };
 
 constexpr const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::F16: return "F16";
-    case DType::BF16: return "BF16";
-    case DType::F32: return "F32";
-    case DType::F64: return "F64";
-    case DType::I32: return "I32";
-    case DType::I64: return "I64";
-    case DType::U8: return "U8";
-    case DType::BOOL: return "BOOL";
+    case DType::F16:
+      return "F16";
+    case DType::BF16:
+      return "BF16";
+    case DType::F32:
+      return "F32";
+    case DType::F64:
+      return "F64";
+    case DType::I32:
+      return "I32";
+    case DType::I64:
+      return "I64";
+    case DType::U8:
+      return "U8";
+    case DType::BOOL:
+      return "BOOL";
   }
   return "<invalid DType>";
 }
@@ -69,13 +76,17 @@ constexpr const char* dtype_name(DType dtype) {
 constexpr std::size_t dtype_size(DType dtype) {
   switch (dtype) {
     case DType::F16:
-    case DType::BF16: return 2;
+    case DType::BF16:
+      return 2;
     case DType::F32:
-    case DType::I32: return 4;
+    case DType::I32:
+      return 4;
     case DType::F64:
-    case DType::I64: return 8;
+    case DType::I64:
+      return 8;
     case DType::U8:
-    case DType::BOOL: return 1;
+    case DType::BOOL:
+      return 1;
   }
   return 0;
 }
@@ -190,10 +201,10 @@ inline std::size_t checked_byte_count(const char* where, const std::string& subj
   }
   const std::optional<std::int64_t> count = checked_element_count(shape);
   const std::size_t element_size = io::dtype_size(dtype);
-  if (!count || static_cast<std::uint64_t>(*count) >
-                    std::numeric_limits<std::size_t>::max() / element_size) {
-    fail<ShapeError>(where, subject, ": shape ", format_shape(shape), " of ",
-                     io::dtype_name(dtype), " overflows the addressable byte count");
+  if (!count ||
+      static_cast<std::uint64_t>(*count) > std::numeric_limits<std::size_t>::max() / element_size) {
+    fail<ShapeError>(where, subject, ": shape ", format_shape(shape), " of ", io::dtype_name(dtype),
+                     " overflows the addressable byte count");
   }
   return static_cast<std::size_t>(*count) * element_size;
 }
@@ -265,8 +276,8 @@ inline float narrow_to_float(double value) {
 // Booleans are stored one byte each and must be 0 or 1: any other byte read into a bool is
 // undefined behaviour, and in a mask it means the file is not what it claims.
 inline void check_bool_bytes(const char* where, const std::string& source,
-                             const std::string& subject, io::DType dtype,
-                             const std::uint8_t* bytes, std::size_t count) {
+                             const std::string& subject, io::DType dtype, const std::uint8_t* bytes,
+                             std::size_t count) {
   for (std::size_t i = 0; i < count; ++i) {
     if (bytes[i] > 1) {
       fail<FormatError>(where, source, ": ", subject, " (dtype ", io::dtype_name(dtype),
@@ -287,8 +298,10 @@ std::vector<T> decode_elements(const char* where, const std::string& source,
   using io::DType;
   std::vector<T> out;
   const auto copy_same = [&] {
-    out.resize(count);
-    if (count > 0) std::memcpy(out.data(), bytes, count * sizeof(T));
+    if constexpr (!std::is_same_v<T, bool>) {  // std::vector<bool> has no contiguous storage
+      out.resize(count);
+      if (count > 0) std::memcpy(out.data(), bytes, count * sizeof(T));
+    }
   };
   if constexpr (std::is_floating_point_v<T>) {
     switch (dtype) {
@@ -459,8 +472,8 @@ inline void write_file_atomically(const char* where, const std::string& path,
   std::error_code rename_error;
   std::filesystem::rename(temporary, path, rename_error);
   if (rename_error) {
-    discard("cannot rename the temporary file '" + temporary + "' to it: " +
-            rename_error.message());
+    discard("cannot rename the temporary file '" + temporary +
+            "' to it: " + rename_error.message());
   }
 }
 
@@ -547,8 +560,8 @@ class SafetensorsFile {
   }
 
   // A view of the tensor's bytes as T when its dtype is exactly T's and the address is aligned for
-  // T, else nullptr (fall back to read). Valid while this object lives. Not offered for bool:
-  // a BOOL byte other than 0 or 1 read through a bool is undefined, so use read<bool>, which checks.
+  // T, else nullptr (fall back to read). Valid while this object lives. Not offered for bool: a
+  // BOOL byte other than 0 or 1 read through a bool is undefined; read<bool> checks every byte.
   template <typename T>
   const T* data_if_aligned(const std::string& name) const {
     static_assert(detail::IsIoElement<T>::value && !std::is_same_v<T, bool>,
@@ -587,9 +600,9 @@ class SafetensorsFile {
         }
         available += (listed++ == 0 ? "'" : ", '") + entry.first + "'";
       }
-      detail::fail<FormatError>(where, source_, ": no tensor named '", name, "'; expected one of ",
-                                tensors_.size(), " tensors: ",
-                                available.empty() ? std::string("(none)") : available);
+      detail::fail<FormatError>(
+          where, source_, ": no tensor named '", name, "'; expected one of ", tensors_.size(),
+          " tensors: ", available.empty() ? std::string("(none)") : available);
     }
     return it->second;
   }
@@ -604,7 +617,7 @@ class SafetensorsFile {
                                 " bytes long; expected at least 8 (the header length)");
     }
     std::uint64_t header_length = 0;
-    for (int i = 7; i >= 0; --i) header_length = (header_length << 8) | bytes_[i];
+    for (std::size_t i = 8; i-- > 0;) header_length = (header_length << 8) | bytes_[i];
     const std::uint64_t remaining = bytes_.size() - 8;
     if (header_length > max_header_bytes) {
       detail::fail<FormatError>(where, source_, ": header length is ", header_length,
@@ -620,7 +633,7 @@ class SafetensorsFile {
 
     json header;
     try {
-      header = json::parse(bytes_.begin() + 8, bytes_.begin() + data_start_);
+      header = json::parse(bytes_.data() + 8, bytes_.data() + data_start_);
     } catch (const json::exception& error) {
       detail::fail<FormatError>(where, source_, ": header is not valid JSON (", error.what(),
                                 "); expected a JSON object");
@@ -646,8 +659,8 @@ class SafetensorsFile {
     }
     for (const auto& [key, value] : metadata.items()) {
       if (!value.is_string()) {
-        detail::fail<FormatError>(where, source_, ": __metadata__ value of '", key,
-                                  "' is a JSON ", value.type_name(), "; expected a string");
+        detail::fail<FormatError>(where, source_, ": __metadata__ value of '", key, "' is a JSON ",
+                                  value.type_name(), "; expected a string");
       }
       metadata_.emplace(key, value.get<std::string>());
     }
@@ -679,8 +692,8 @@ class SafetensorsFile {
       detail::fail<FormatError>(where, source_, ": tensor '", name, "' ", what, " = ",
                                 value.get<std::int64_t>(), " is negative; expected >= 0");
     }
-    detail::fail<FormatError>(where, source_, ": tensor '", name, "' ", what, " is ",
-                              value.dump(), "; expected a non-negative integer");
+    detail::fail<FormatError>(where, source_, ": tensor '", name, "' ", what, " is ", value.dump(),
+                              "; expected a non-negative integer");
   }
 
   TensorInfo parse_entry(const char* where, const std::string& name, const json& entry,
@@ -730,25 +743,24 @@ class SafetensorsFile {
       detail::fail<FormatError>(where, source_, ": tensor '", name, "' data_offsets is ",
                                 offsets.dump(), "; expected an array [begin, end]");
     }
-    const auto begin =
-        static_cast<std::uint64_t>(non_negative_integer(where, name, offsets[0], "data_offsets[0]"));
-    const auto end =
-        static_cast<std::uint64_t>(non_negative_integer(where, name, offsets[1], "data_offsets[1]"));
+    const auto begin = static_cast<std::uint64_t>(
+        non_negative_integer(where, name, offsets[0], "data_offsets[0]"));
+    const auto end = static_cast<std::uint64_t>(
+        non_negative_integer(where, name, offsets[1], "data_offsets[1]"));
     if (begin > end) {
-      detail::fail<FormatError>(where, source_, ": tensor '", name, "' data_offsets [", begin,
-                                ", ", end, "] begin after end; expected begin <= end");
+      detail::fail<FormatError>(where, source_, ": tensor '", name, "' data_offsets [", begin, ", ",
+                                end, "] begin after end; expected begin <= end");
     }
     if (end > buffer_size) {
-      detail::fail<FormatError>(where, source_, ": tensor '", name, "' data_offsets [", begin,
-                                ", ", end, "] end past the data buffer of ", buffer_size,
+      detail::fail<FormatError>(where, source_, ": tensor '", name, "' data_offsets [", begin, ", ",
+                                end, "] end past the data buffer of ", buffer_size,
                                 " bytes; expected end <= ", buffer_size);
     }
     const std::uint64_t expected_bytes = static_cast<std::uint64_t>(*count) * element_size;
     if (end - begin != expected_bytes) {
-      detail::fail<FormatError>(where, source_, ": tensor '", name, "' data_offsets [", begin,
-                                ", ", end, "] span ", end - begin, " bytes; expected ",
-                                expected_bytes, " (", *count, " elements of ",
-                                dtype_name(tensor.dtype), ", shape ",
+      detail::fail<FormatError>(where, source_, ": tensor '", name, "' data_offsets [", begin, ", ",
+                                end, "] span ", end - begin, " bytes; expected ", expected_bytes,
+                                " (", *count, " elements of ", dtype_name(tensor.dtype), ", shape ",
                                 detail::format_shape(tensor.shape), ")");
     }
     tensor.begin = static_cast<std::size_t>(begin);
@@ -762,18 +774,17 @@ class SafetensorsFile {
     for (const auto& entry : tensors_) {
       if (entry.second.end > entry.second.begin) occupied.push_back(&entry.second);
     }
-    std::sort(occupied.begin(), occupied.end(), [](const TensorInfo* a, const TensorInfo* b) {
-      return a->begin < b->begin;
-    });
+    std::sort(occupied.begin(), occupied.end(),
+              [](const TensorInfo* a, const TensorInfo* b) { return a->begin < b->begin; });
     // Sorted by begin, a range that overlaps any earlier one overlaps its predecessor.
     for (std::size_t i = 1; i < occupied.size(); ++i) {
       const TensorInfo& previous = *occupied[i - 1];
       const TensorInfo& current = *occupied[i];
       if (current.begin < previous.end) {
-        detail::fail<FormatError>(where, source_, ": tensors '", previous.name,
-                                  "' data_offsets [", previous.begin, ", ", previous.end,
-                                  "] and '", current.name, "' data_offsets [", current.begin,
-                                  ", ", current.end, "] overlap; expected disjoint byte ranges");
+        detail::fail<FormatError>(where, source_, ": tensors '", previous.name, "' data_offsets [",
+                                  previous.begin, ", ", previous.end, "] and '", current.name,
+                                  "' data_offsets [", current.begin, ", ", current.end,
+                                  "] overlap; expected disjoint byte ranges");
       }
     }
   }
@@ -794,8 +805,8 @@ class SafetensorsWriter {
  public:
   // Adds a tensor from raw little-endian bytes; ShapeError unless bytes equals the shape's
   // element count times dtype_size(dtype), FormatError for a duplicate or reserved name.
-  void add(const std::string& name, DType dtype, std::vector<std::int64_t> shape,
-           const void* data, std::size_t bytes) {
+  void add(const std::string& name, DType dtype, std::vector<std::int64_t> shape, const void* data,
+           std::size_t bytes) {
     constexpr const char* where = "SafetensorsWriter::add";
     const std::string subject = "tensor '" + name + "'";
     if (name == "__metadata__") {
