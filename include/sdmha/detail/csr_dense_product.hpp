@@ -42,12 +42,6 @@ void csr_dense_panel(const CsrView<Scalar, StorageIndex>& x, const Scalar* weigh
     const Index end = x.row_end(row);
     for (Index k = x.row_begin(row); k < end; ++k) {
       const Scalar* weight_row = weight + Index(columns[k]) * weight_stride + first_column;
-#if SDMHA_PREFETCH_DISTANCE > 0
-      if (k + SDMHA_PREFETCH_DISTANCE < end) {
-        const char* ahead = reinterpret_cast<const char*>(weight + Index(columns[k + SDMHA_PREFETCH_DISTANCE]) * weight_stride + first_column);
-        for (int line = 0; line < int(Packets * packet_size * sizeof(Scalar)); line += 64) __builtin_prefetch(ahead + line);
-      }
-#endif
       const Packet value = pset1<Packet>(values[k]);
       for (int p = 0; p < Packets; ++p)
         accumulator[p] = pmadd(value, ploadu<Packet>(weight_row + p * packet_size), accumulator[p]);

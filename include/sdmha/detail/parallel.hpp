@@ -8,6 +8,7 @@
 #include <atomic>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -51,7 +52,15 @@ void parallel_for(Index count, int threads, Body&& body) {
   };
   std::vector<std::thread> pool;
   pool.reserve(static_cast<std::size_t>(workers - 1));
-  for (int worker = 1; worker < workers; ++worker) pool.emplace_back(work, worker);
+  // A thread that cannot be created (resource limits) only means fewer workers: items are
+  // independent of who runs them, so the result is the same.
+  for (int worker = 1; worker < workers; ++worker) {
+    try {
+      pool.emplace_back(work, worker);
+    } catch (const std::system_error&) {
+      break;
+    }
+  }
   work(0);
   for (auto& thread : pool) thread.join();
   if (failure) std::rethrow_exception(failure);

@@ -51,7 +51,9 @@ class TensorSource {
           metadata[name.substr(prefix.size())] = std::string(bytes.begin(), bytes.end());
         }
       }
-      return TensorSource(std::move(archive), std::move(metadata));
+      TensorSource result(std::move(archive), std::move(metadata));
+      result.npz_source_ = path;
+      return result;
     }
     return TensorSource(SafetensorsFile::open(path));
   }
@@ -67,16 +69,16 @@ class TensorSource {
   }
   std::vector<std::int64_t> shape(const std::string& name) const {
     require(name);
-    return safetensors_ ? safetensors_->info(name).shape : npz_->read(name).shape;
+    return safetensors_ ? safetensors_->info(name).shape : npz_member(name).shape;
   }
   DType dtype(const std::string& name) const {
     require(name);
-    return safetensors_ ? safetensors_->info(name).dtype : npz_->read(name).dtype;
+    return safetensors_ ? safetensors_->info(name).dtype : npz_member(name).dtype;
   }
   template <typename T>
   std::vector<T> read(const std::string& name) const {
     require(name);
-    return safetensors_ ? safetensors_->template read<T>(name) : npz_->read(name).template as<T>();
+    return safetensors_ ? safetensors_->template read<T>(name) : npz_member(name).template as<T>();
   }
   std::optional<std::string> metadata_value(const std::string& key) const {
     if (safetensors_) return safetensors_->metadata_value(key);
@@ -100,7 +102,15 @@ class TensorSource {
   }
 
  private:
+  // An .npz member is decompressed once, on first use, and kept (not thread-safe, like the rest).
+  const NpyArray& npz_member(const std::string& name) const {
+    auto found = npz_cache_.find(name);
+    if (found == npz_cache_.end()) found = npz_cache_.emplace(name, npz_->read(name)).first;
+    return found->second;
+  }
+
   std::optional<SafetensorsFile> safetensors_;
+  mutable std::map<std::string, NpyArray> npz_cache_;
   std::optional<NpzFile> npz_;
   std::map<std::string, std::string> npz_metadata_;
   std::string npz_source_ = "<npz>";
@@ -368,10 +378,21 @@ LayerInputs<Scalar> load_inputs(const TensorSource& source) {
   const auto indices = source.read<std::int64_t>("query/indices");
   const auto values = source.read<Scalar>("query/values");
   using Coo = typename SparseQuery<Scalar>::CooIndices;
-  inputs.query = SparseQuery<Scalar>::from_coo(
-      dense_shape[0], dense_shape[1], dense_shape[2],
-      Eigen::Map<const Coo>(indices.data(), index_shape[0], 3),
-      Eigen::Map<const Vector<Scalar>>(values.data(), Index(values.size())));
+  // SparseQuery's own checks, with the file and the tensors named in front of its message.
+  auto with_context = [&](const Error& error) {
+    return std::string("sdmha: io: ") + source.source() +
+           ": tensors 'query/indices', 'query/values', 'query/dense_shape': " + error.what();
+  };
+  try {
+    inputs.query = SparseQuery<Scalar>::from_coo(
+        dense_shape[0], dense_shape[1], dense_shape[2],
+        Eigen::Map<const Coo>(indices.data(), index_shape[0], 3),
+        Eigen::Map<const Vector<Scalar>>(values.data(), Index(values.size())));
+  } catch (const IndexError& error) {
+    throw IndexError(with_context(error));
+  } catch (const ShapeError& error) {
+    throw ShapeError(with_context(error));
+  }
 
   auto read_tensor = [&](const std::string& name) {
     const auto dims = source.expect_rank(name, 3);

@@ -496,7 +496,7 @@ class NpzFile {
       detail::fail<FormatError>(where, "'", path, "' is empty; expected a zip archive");
     }
     int code = 0;
-    zip_t* raw = zip_open(path.c_str(), ZIP_RDONLY | ZIP_CHECKCONS, &code);
+    zip_t* raw = zip_open(path.c_str(), ZIP_RDONLY, &code);
     if (raw == nullptr) {
       zip_error_t zip_error;
       zip_error_init_with_code(&zip_error, code);

@@ -22,8 +22,10 @@ struct DenseProjection {
     mutable MatrixRef<Scalar> output;       // rows × N
   };
 
-  static void can_implement(const Arguments& args) {
-    constexpr const char* where = "DenseProjection";
+  static void can_implement(const Arguments& args) { check("DenseProjection", args); }
+
+ protected:
+  static void check(const char* where, const Arguments& args) {
     if (args.kernel.rows() != args.input.cols())
       detail::fail<ShapeError>(where, "kernel has ", args.kernel.rows(),
                                " rows; expected the input width ", args.input.cols());
@@ -35,6 +37,8 @@ struct DenseProjection {
                                "; expected ", args.input.rows(), " x ", args.kernel.cols());
   }
 
+
+ public:
   void operator()(const Arguments& args) const {
     args.output.noalias() = args.input * args.kernel;
     if (args.bias.size() != 0) args.output.rowwise() += args.bias.transpose();

@@ -12,6 +12,11 @@ namespace sdmha {
 // The same computation as the key and value projections; a type of its own so that a layer can
 // swap one without the other.
 template <typename Scalar>
-struct OutputProjection : DenseProjection<Scalar> {};
+struct OutputProjection : DenseProjection<Scalar> {
+  using typename DenseProjection<Scalar>::Arguments;
+  static void can_implement(const Arguments& args) {
+    DenseProjection<Scalar>::check("OutputProjection", args);
+  }
+};
 
 }  // namespace sdmha

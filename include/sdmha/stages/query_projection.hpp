@@ -2,10 +2,11 @@
 //
 //   math:  Q = X·Wq + bq, X sparse (rows × Eq, CSR), Wq dense row-major (Eq × N), bq (N) or none
 //   pre:   X validated (columns in [0, Eq)); Wq has Eq rows; Q is rows × N
-//   cost:  O(nnz(X)·N) flops, reading one row of Wq per stored value; X is never densified
+//   cost:  2·nnz(X)·N flops, reading one row of Wq per stored value; X is never densified
 #pragma once
 
 #include "sdmha/config.hpp"
+#include "sdmha/detail/csr_dense_product.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/sparse_query.hpp"
 
@@ -36,20 +37,12 @@ struct SparseQueryProjection {
                                "; expected ", args.query.rows, " x ", args.kernel.cols());
   }
 
-  // Row by row: the output row starts as the bias and accumulates value · Wq[column] for each
-  // stored value, so that it stays in L1 while the row's nonzeros stream through it.
+  // Register-blocked: a panel of output columns stays in vector registers across a row's stored
+  // values and is stored once (detail/csr_dense_product.hpp gives the reasons).
   void operator()(const Arguments& args) const {
-    const auto& query = args.query;
-    for (Index row = 0; row < query.rows; ++row) {
-      auto out = args.output.row(row);
-      if (args.bias.size() != 0) {
-        out = args.bias.transpose();
-      } else {
-        out.setZero();
-      }
-      for (Index k = query.row_begin(row); k < query.row_end(row); ++k)
-        out.noalias() += query.values[k] * args.kernel.row(query.column_indices[k]);
-    }
+    detail::csr_dense_product(args.query, args.kernel.data(), args.kernel.outerStride(),
+                              args.bias.size() != 0 ? args.bias.data() : nullptr, args.output.data(),
+                              args.output.outerStride(), args.kernel.cols());
   }
 };
 

@@ -1,0 +1,420 @@
+// sdmha/backward.hpp — mha_backward: every gradient of SparseDenseMHA's forward in one call.
+//
+// With scale = 1/√Dk, P = softmax(S) and P' = P after dropout, the forward is
+//   Q = X·Wq + bq,  K = key·Wk + bk,  V = value·Wv + bv,
+//   S_bh = scale·Q_bh·K_bhᵀ (blocked → −∞),  A_bh = P'_bh·V_bh,  Y = A·Wo + bo,
+// and from dY the backward is
+//   dWo = Aᵀ·dY, dbo = 1ᵀ·dY, dA = dY·Woᵀ;
+//   per (b, h): dP' = dA_bh·V_bhᵀ, dV_bh = P'ᵀ·dA_bh, dP = dP' ⊙ (dropout's keep/(1 − rate)),
+//               dS = P ⊙ (dP − rowsum(P ⊙ dP)), dQ_bh = scale·dS·K_bh, dK_bh = scale·dSᵀ·Q_bh;
+//   dWq = Xᵀ·dQ (QueryKernelGradient), dbq = 1ᵀ·dQ, dX = dQ·Wqᵀ sampled at X's stored
+//   positions (QueryValuesGradient); dWk = keyᵀ·dK, dbk = 1ᵀ·dK, dkey = dK·Wkᵀ; likewise V.
+//
+// Nothing is saved from the forward: the backward recomputes Q, K, V and, tile by tile, the
+// probabilities, with the same stages, tiles and dropout mask as the forward, so P and P' are
+// the forward's bit for bit.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "sdmha/config.hpp"
+#include "sdmha/detail/dropout.hpp"
+#include "sdmha/detail/parallel.hpp"
+#include "sdmha/errors.hpp"
+#include "sdmha/gradients.hpp"
+#include "sdmha/mask.hpp"
+#include "sdmha/options.hpp"
+#include "sdmha/sparse_query.hpp"
+#include "sdmha/stages/attend_values.hpp"
+#include "sdmha/stages/dense_projection.hpp"
+#include "sdmha/stages/masked_softmax.hpp"
+#include "sdmha/stages/output_projection.hpp"
+#include "sdmha/stages/query_kernel_gradient.hpp"
+#include "sdmha/stages/query_projection.hpp"
+#include "sdmha/stages/query_values_gradient.hpp"
+#include "sdmha/stages/score_kernel.hpp"
+#include "sdmha/weights.hpp"
+
+namespace sdmha {
+namespace detail::gradient {
+
+// Tiles of a weight gradient (rows × columns of dW); fixed, so that every entry of dW is one
+// GEMM over the same rows for any thread count.
+constexpr Index kWeightTile = 64;
+
+template <typename Scalar>
+struct Inputs {
+  Index batch, steps, key_steps;
+  Eigen::Map<const RowMatrix<Scalar>> key, value;
+  int threads;
+};
+
+// The checks of the forward (the same messages and exception types), for the backward's entry.
+template <typename Scalar>
+Inputs<Scalar> check_inputs(const char* where, const LayerDims& dims, Index batch, Index steps,
+                            const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
+                            const AttentionOptions<Scalar>& options) {
+  auto check_tensor = [&](const char* name, const TensorRef3<Scalar>& tensor, Index width) {
+    if (tensor.dimension(0) != batch)
+      fail<ShapeError>(where, name, " has batch ", tensor.dimension(0),
+                       "; expected the query's batch ", batch);
+    if (tensor.dimension(2) != width)
+      fail<ShapeError>(where, name, " has width ", tensor.dimension(2),
+                       "; expected the kernel's input width ", width);
+    if (tensor.data() == nullptr && tensor.dimension(0) * tensor.dimension(1) * width > 0)
+      fail<ShapeError>(where, name, " has no data; expected ", batch, " x ", tensor.dimension(1),
+                       " x ", width, " values");
+  };
+  check_tensor("key", key, dims.key_in_dim);
+  check_tensor("value", value, dims.value_in_dim);
+  const Index key_steps = value.dimension(1);
+  if (key.dimension(1) != key_steps)
+    fail<ShapeError>(where, "key has ", key.dimension(1), " steps but value has ", key_steps,
+                     "; expected equal");
+  const auto& mask = options.attention_mask;
+  if (mask.size() != 0 || mask.dimension(0) != 0 || mask.dimension(1) != 0 || mask.dimension(2) != 0) {
+    if (mask.dimension(0) != batch || mask.dimension(1) != steps || mask.dimension(2) != key_steps)
+      fail<ShapeError>(where, "attention_mask is (", mask.dimension(0), ", ", mask.dimension(1),
+                       ", ", mask.dimension(2), "); expected (B, T, S) = (", batch, ", ", steps,
+                       ", ", key_steps, ")");
+  }
+  const auto& padding = options.key_padding_mask;
+  if (padding.dimension(0) != 0 || padding.dimension(1) != 0) {
+    if (padding.dimension(0) != batch || padding.dimension(1) != key_steps)
+      fail<ShapeError>(where, "key_padding_mask is (", padding.dimension(0), ", ",
+                       padding.dimension(1), "); expected (B, S) = (", batch, ", ", key_steps, ")");
+  }
+  if (!(options.dropout_rate >= 0.0 && options.dropout_rate < 1.0))
+    fail<ConfigError>(where, "dropout_rate = ", options.dropout_rate, "; expected 0 <= dropout_rate < 1");
+  if (options.num_threads < 0)
+    fail<ConfigError>(where, "num_threads = ", options.num_threads,
+                      "; expected >= 0 (0 means all hardware threads)");
+  return Inputs<Scalar>{batch, steps, key_steps, key.as_matrix(), value.as_matrix(),
+                        resolve_thread_count(options.num_threads)};
+}
+
+// The rows [first, first + count) of a CSR or a dense input.
+template <typename Scalar, typename StorageIndex>
+CsrView<Scalar, StorageIndex> rows_of(const CsrView<Scalar, StorageIndex>& input, Index first, Index count) {
+  return input.middle_rows(first, count);
+}
+template <typename Dense>
+auto rows_of(const Dense& input, Index first, Index count) {
+  return input.middleRows(first, count);
+}
+
+// input (rows × E) · kernel + bias → output, in the forward's fixed row blocks.
+template <typename Projection, typename Input, typename Scalar>
+void project_rows(const Projection& projection, const Input& input, const RowMatrix<Scalar>& kernel,
+                  const Vector<Scalar>& bias, RowMatrix<Scalar>& output, int threads) {
+  const Index rows = output.rows();
+  const Vector<Scalar> no_bias;
+  parallel_for(row_block_count(rows), threads, [&](Index block, int) {
+    const Index first = block * kProjectionRowBlock;
+    const Index count = std::min(kProjectionRowBlock, rows - first);
+    typename Projection::Arguments args{rows_of(input, first, count), kernel,
+                                        bias.size() != 0 ? bias : no_bias,
+                                        output.middleRows(first, count)};
+    Projection::can_implement(args);
+    projection(args);
+  });
+}
+
+// d_input (rows × E) = d_output · kernelᵀ, in fixed row blocks.
+template <typename Scalar>
+void input_gradient(const RowMatrix<Scalar>& d_output, const RowMatrix<Scalar>& kernel,
+                    Eigen::Map<RowMatrix<Scalar>> d_input, int threads) {
+  const Index rows = d_output.rows();
+  parallel_for(row_block_count(rows), threads, [&](Index block, int) {
+    const Index first = block * kProjectionRowBlock;
+    const Index count = std::min(kProjectionRowBlock, rows - first);
+    d_input.middleRows(first, count).noalias() = d_output.middleRows(first, count) * kernel.transpose();
+  });
+}
+
+// d_weight (E × N) = inputᵀ · d_output over all rows, one GEMM per fixed tile of d_weight.
+template <typename Scalar>
+void transposed_product_tiles(const ConstMatrixRef<Scalar>& input, const ConstMatrixRef<Scalar>& d_output,
+                              RowMatrix<Scalar>& d_weight, int threads) {
+  const Index row_tiles = (d_weight.rows() + kWeightTile - 1) / kWeightTile;
+  const Index column_tiles = (d_weight.cols() + kWeightTile - 1) / kWeightTile;
+  parallel_for(row_tiles * column_tiles, threads, [&](Index item, int) {
+    const Index first_row = (item / column_tiles) * kWeightTile;
+    const Index first_column = (item % column_tiles) * kWeightTile;
+    const Index rows = std::min(kWeightTile, d_weight.rows() - first_row);
+    const Index columns = std::min(kWeightTile, d_weight.cols() - first_column);
+    d_weight.block(first_row, first_column, rows, columns).noalias() =
+        input.middleCols(first_row, rows).transpose() * d_output.middleCols(first_column, columns);
+  });
+}
+
+// The gradient of a dense projection's kernel, dW = inputᵀ·dY. A row of the input that no query
+// attends (a blocked key step) has dY's row exactly 0 and may hold NaN or Inf; a GEMM would turn
+// 0·NaN into NaN, so when the input is not finite only the rows with a gradient take part.
+template <typename Scalar>
+RowMatrix<Scalar> kernel_gradient(const ConstMatrixRef<Scalar>& input, const ConstMatrixRef<Scalar>& d_output,
+                                  int threads) {
+  RowMatrix<Scalar> d_weight(input.cols(), d_output.cols());
+  if (input.allFinite()) {
+    transposed_product_tiles<Scalar>(input, d_output, d_weight, threads);
+    return d_weight;
+  }
+  std::vector<Index> rows;
+  for (Index row = 0; row < input.rows(); ++row)
+    if ((d_output.row(row).array() != Scalar(0)).any()) rows.push_back(row);
+  RowMatrix<Scalar> gathered_input(Index(rows.size()), input.cols());
+  RowMatrix<Scalar> gathered_output(Index(rows.size()), d_output.cols());
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    gathered_input.row(Index(i)) = input.row(rows[i]);
+    gathered_output.row(Index(i)) = d_output.row(rows[i]);
+  }
+  transposed_product_tiles<Scalar>(gathered_input, gathered_output, d_weight, threads);
+  return d_weight;
+}
+
+template <typename Scalar, typename Matrix>
+Vector<Scalar> bias_gradient(bool use_bias, const Matrix& d_output) {
+  if (!use_bias) return Vector<Scalar>();
+  return d_output.colwise().sum().transpose();
+}
+
+// out = alpha · weights · rows, where a zero weight never meets its row: a row of K that every
+// query is blocked from may be NaN, and its weights (dS's column) are exactly 0.
+template <typename Scalar, typename Weights, typename Rows, typename Out>
+void product_skipping_zero_weights(Scalar alpha, const Weights& weights, const Rows& rows, Out&& out) {
+  if (rows.allFinite()) {
+    out.noalias() = (alpha * weights) * rows;
+    return;
+  }
+  out.setZero();
+  for (Index t = 0; t < weights.rows(); ++t)
+    for (Index s = 0; s < weights.cols(); ++s)
+      if (weights(t, s) != Scalar(0)) out.row(t).noalias() += (alpha * weights(t, s)) * rows.row(s);
+}
+
+}  // namespace detail::gradient
+
+// The gradients of loss(Y) for Y = layer.forward(query, key, value, options), given d_output =
+// ∂loss/∂Y (B, T, O). Honours every mask, the score strategy, dropout (training, dropout_rate,
+// dropout_seed: the forward's mask for the same seed) and num_threads; the result is bitwise the
+// same for any thread count. Blocked (t, s) pairs pass no gradient, fully blocked query rows get
+// exactly zero, and NaN or Inf in key or value rows that no query attends never reach a gradient.
+// Throws what forward throws for bad input, and ShapeError when d_output is not (B, T, O).
+template <typename Layer>
+MhaGradients<typename Layer::ScalarType> mha_backward(
+    const Layer& layer, const typename Layer::Query& query,
+    const TensorRef3<typename Layer::ScalarType>& key, const TensorRef3<typename Layer::ScalarType>& value,
+    const TensorRef3<typename Layer::ScalarType>& d_output,
+    const AttentionOptions<typename Layer::ScalarType>& options = {}) {
+  using Scalar = typename Layer::ScalarType;
+  using StorageIndex = typename Layer::StorageIndex;
+  // The derivatives below are those of the default stages; a layer with a stage of its own (a
+  // temperature softmax, a biased score) has a different gradient.
+  static_assert(std::is_same<typename Layer::QueryProjection, SparseQueryProjection<Scalar, StorageIndex>>::value &&
+                    std::is_same<typename Layer::ContextProjection, DenseProjection<Scalar>>::value &&
+                    std::is_same<typename Layer::OutputProjection, OutputProjection<Scalar>>::value,
+                "mha_backward: differentiates the default projection stages only");
+  static_assert(std::is_same<typename Layer::ScoreKernel, ScoreKernel<Scalar, StorageIndex>>::value &&
+                    std::is_same<typename Layer::Softmax, MaskedSoftmax<Scalar>>::value &&
+                    std::is_same<typename Layer::AttendValues, AttendValues<Scalar>>::value,
+                "mha_backward: differentiates the default ScoreKernel, MaskedSoftmax and AttendValues only");
+  namespace grad = detail::gradient;
+  constexpr const char* where = "mha_backward";
+
+  const MhaConfig& config = layer.config();
+  const MhaWeights<Scalar>& weights = layer.weights();
+  const LayerDims& dims = layer.dims();
+  if (query.features() != dims.query_dim)
+    detail::fail<ShapeError>(where, "query has ", query.features(),
+                             " features; expected the query kernel's input width ", dims.query_dim);
+  const auto inputs = grad::check_inputs<Scalar>(where, dims, query.batch(), query.steps(), key, value, options);
+  const Index B = inputs.batch, T = inputs.steps, S = inputs.key_steps;
+  const Index H = dims.num_heads, Dk = dims.key_dim, Dv = dims.value_dim, O = dims.output_dim;
+  if (d_output.dimension(0) != B || d_output.dimension(1) != T || d_output.dimension(2) != O)
+    detail::fail<ShapeError>(where, "d_output is (", d_output.dimension(0), ", ", d_output.dimension(1),
+                             ", ", d_output.dimension(2), "); expected (B, T, O) = (", B, ", ", T,
+                             ", ", O, ")");
+  if (d_output.data() == nullptr && B * T * O > 0)
+    detail::fail<ShapeError>(where, "d_output has no data; expected ", B, " x ", T, " x ", O, " values");
+  const int threads = inputs.threads;
+  const Scalar scale = Scalar(1.0 / std::sqrt(double(Dk)));
+  const auto& csr = query.csr();
+
+  // The forward's projections, recomputed.
+  RowMatrix<Scalar> queries(B * T, H * Dk), keys(B * S, H * Dk), values(B * S, H * Dv);
+  grad::project_rows(SparseQueryProjection<Scalar, StorageIndex>(), csr, weights.query_kernel,
+                     weights.query_bias, queries, threads);
+  grad::project_rows(DenseProjection<Scalar>(), inputs.key, weights.key_kernel, weights.key_bias, keys, threads);
+  grad::project_rows(DenseProjection<Scalar>(), inputs.value, weights.value_kernel, weights.value_bias,
+                     values, threads);
+
+  // dA = dY·Woᵀ does not depend on the attention, so it is ready before the (b, h) loop.
+  const auto d_output_matrix = d_output.as_matrix();
+  RowMatrix<Scalar> d_heads(B * T, H * Dv);
+  detail::parallel_for(detail::row_block_count(B * T), threads, [&](Index block, int) {
+    const Index first = block * detail::kProjectionRowBlock;
+    const Index count = std::min(detail::kProjectionRowBlock, B * T - first);
+    d_heads.middleRows(first, count).noalias() =
+        d_output_matrix.middleRows(first, count) * weights.output_kernel.transpose();
+  });
+
+  // One work item per (b, h): it owns the (b, h) blocks of A, dQ, dK and dV, and sums dK_bh and
+  // dV_bh over its query tiles in tile order, so no sum depends on the thread count.
+  RowMatrix<Scalar> heads(B * T, H * Dv), d_queries(B * T, H * Dk);
+  RowMatrix<Scalar> d_keys = RowMatrix<Scalar>::Zero(B * S, H * Dk);
+  RowMatrix<Scalar> d_values = RowMatrix<Scalar>::Zero(B * S, H * Dv);
+  const bool regrouped = options.score_strategy == ScoreStrategy::sparse_regrouped;
+  // The forward's tiles: the regrouped kernel shares M_bh across all of a batch entry's rows.
+  const Index query_tile = regrouped ? T : detail::kQueryTile;
+  const Index tiles = query_tile > 0 ? (T + query_tile - 1) / query_tile : 0;
+  const detail::DropoutMask dropout =
+      options.training ? detail::DropoutMask(options.dropout_rate, options.dropout_seed) : detail::DropoutMask();
+  const Vector<Scalar> no_bias;
+  const int workers = detail::worker_count(B * H, threads);
+  // Per worker: P, P' (when dropout is on) and dP → dS of the tile in flight.
+  std::vector<RowMatrix<Scalar>> probabilities_scratch(std::size_t(workers)), dropped_scratch(std::size_t(workers)),
+      d_scores_scratch(std::size_t(workers));
+  const ScoreKernel<Scalar, StorageIndex> score_kernel;
+  const MaskedSoftmax<Scalar> softmax;
+  const AttendValues<Scalar> attend_values;
+
+  detail::parallel_for(B * H, threads, [&](Index item, int worker) {
+    const Index b = item / H, h = item % H;
+    using ScratchMap = Eigen::Map<RowMatrix<Scalar>>;
+    auto scratch = [&](std::vector<RowMatrix<Scalar>>& buffers, Index rows, Index columns) {
+      RowMatrix<Scalar>& buffer = buffers[std::size_t(worker)];
+      if (buffer.size() < rows * columns) buffer.resize(std::min(query_tile, T), S);
+      return ScratchMap(buffer.data(), rows, columns);
+    };
+    for (Index tile = 0; tile < tiles; ++tile) {
+      const Index first_step = tile * query_tile, rows = std::min(query_tile, T - first_step);
+      const Index key_end = options.use_causal_mask ? std::min(S, first_step + rows) : S;
+      const auto key_bh = keys.block(b * S, h * Dk, key_end, Dk);
+      const auto value_bh = values.block(b * S, h * Dv, key_end, Dv);
+      const auto query_tile_bh = queries.block(b * T + first_step, h * Dk, rows, Dk);
+      const auto d_heads_tile = d_heads.block(b * T + first_step, h * Dv, rows, Dv);
+
+      BatchMask mask;
+      mask.steps = rows;
+      mask.key_steps = key_end;
+      mask.first_step = first_step;
+      mask.causal = options.use_causal_mask;
+      if (options.attention_mask.size() != 0) {
+        mask.attention = options.attention_mask.data() + (b * T + first_step) * S;
+        mask.attention_stride = S;
+      }
+      if (options.key_padding_mask.size() != 0) mask.key_padding = options.key_padding_mask.data() + b * S;
+
+      ScratchMap probabilities = scratch(probabilities_scratch, rows, key_end);
+      if (regrouped) {
+        typename ScoreKernel<Scalar, StorageIndex>::SparseArguments args{
+            query.batch_rows(b), weights.query_kernel.middleCols(h * Dk, Dk),
+            weights.query_bias.size() != 0 ? ConstVectorRef<Scalar>(weights.query_bias.segment(h * Dk, Dk))
+                                           : ConstVectorRef<Scalar>(no_bias),
+            key_bh, scale, mask, probabilities};
+        score_kernel.can_implement(args);
+        score_kernel(args);
+      } else {
+        typename ScoreKernel<Scalar, StorageIndex>::Arguments args{query_tile_bh, key_bh, scale, mask,
+                                                                   probabilities};
+        score_kernel.can_implement(args);
+        score_kernel(args);
+      }
+      typename MaskedSoftmax<Scalar>::Arguments softmax_args{probabilities};
+      softmax.can_implement(softmax_args);
+      softmax(softmax_args);
+
+      ScratchMap dropped = dropout.active() ? scratch(dropped_scratch, rows, key_end) : probabilities;
+      if (dropout.active()) {
+        dropped = probabilities;
+        dropout.apply(dropped, b, h, first_step, 0);
+      }
+      typename AttendValues<Scalar>::Arguments values_args{dropped, value_bh,
+                                                           heads.block(b * T + first_step, h * Dv, rows, Dv)};
+      attend_values.can_implement(values_args);
+      attend_values(values_args);
+
+      // dP' = dA·Vᵀ, then dP = dP' ⊙ dropout's scale mask (dropped entries set to 0, not scaled).
+      ScratchMap d_scores = scratch(d_scores_scratch, rows, key_end);
+      d_scores.noalias() = d_heads_tile * value_bh.transpose();
+      dropout.apply(d_scores, b, h, first_step, 0);
+      // dS = P ⊙ (dP − Σ_s P·dP). Entries with P = 0 (blocked, or a fully blocked row) are set,
+      // not multiplied, to 0: dP there may be NaN from a blocked value row.
+      for (Index t = 0; t < rows; ++t) {
+        auto p = probabilities.row(t).array();
+        auto d = d_scores.row(t).array();
+        const Scalar weighted = (p != Scalar(0)).select(p * d, Scalar(0)).sum();
+        d = (p != Scalar(0)).select(p * (d - weighted), Scalar(0));
+      }
+      grad::product_skipping_zero_weights(scale, d_scores, key_bh,
+                                          d_queries.block(b * T + first_step, h * Dk, rows, Dk));
+      d_keys.block(b * S, h * Dk, key_end, Dk).noalias() += (scale * d_scores.transpose()) * query_tile_bh;
+      d_values.block(b * S, h * Dv, key_end, Dv).noalias() += dropped.transpose() * d_heads_tile;
+    }
+  });
+
+  MhaGradients<Scalar> gradients;
+  const bool use_bias = config.use_bias;
+
+  // Output projection.
+  gradients.output_kernel = grad::kernel_gradient<Scalar>(heads, d_output_matrix, threads);
+  gradients.output_bias = grad::bias_gradient<Scalar>(use_bias, d_output_matrix);
+
+  // Query projection: dWq = Xᵀ·dQ in fixed column panels, dX sampled at X's pattern in row blocks.
+  gradients.query_kernel.resize(dims.query_dim, H * Dk);
+  const Index panels = (H * Dk + grad::kWeightTile - 1) / grad::kWeightTile;
+  detail::parallel_for(panels, threads, [&](Index panel, int) {
+    const Index first = panel * grad::kWeightTile, count = std::min(grad::kWeightTile, H * Dk - first);
+    typename QueryKernelGradient<Scalar, StorageIndex>::Arguments args{
+        csr, d_queries.middleCols(first, count), gradients.query_kernel.middleCols(first, count)};
+    QueryKernelGradient<Scalar, StorageIndex>::can_implement(args);
+    QueryKernelGradient<Scalar, StorageIndex>()(args);
+  });
+  gradients.query_bias = grad::bias_gradient<Scalar>(use_bias, d_queries);
+  const Index blocks = detail::row_block_count(csr.rows);
+  std::vector<Index> block_start(std::size_t(blocks) + 1, 0);
+  for (Index block = 0; block < blocks; ++block) {
+    const Index first = block * detail::kProjectionRowBlock;
+    block_start[std::size_t(block) + 1] =
+        block_start[std::size_t(block)] +
+        csr.middle_rows(first, std::min(detail::kProjectionRowBlock, csr.rows - first)).nonzeros();
+  }
+  Vector<Scalar> d_stored(block_start.back());
+  detail::parallel_for(blocks, threads, [&](Index block, int) {
+    const Index first = block * detail::kProjectionRowBlock;
+    const Index count = std::min(detail::kProjectionRowBlock, csr.rows - first);
+    const Index start = block_start[std::size_t(block)];
+    typename QueryValuesGradient<Scalar, StorageIndex>::Arguments args{
+        csr.middle_rows(first, count), weights.query_kernel, d_queries.middleRows(first, count),
+        d_stored.segment(start, block_start[std::size_t(block) + 1] - start)};
+    QueryValuesGradient<Scalar, StorageIndex>::can_implement(args);
+    QueryValuesGradient<Scalar, StorageIndex>()(args);
+  });
+  const auto& coo_to_stored = query.coo_to_stored();
+  if (coo_to_stored.empty()) {
+    gradients.query_values = std::move(d_stored);
+  } else {
+    gradients.query_values.resize(Index(coo_to_stored.size()));
+    for (std::size_t entry = 0; entry < coo_to_stored.size(); ++entry)
+      gradients.query_values[Index(entry)] = d_stored[Index(coo_to_stored[entry])];
+  }
+
+  // Key and value projections.
+  gradients.key_kernel = grad::kernel_gradient<Scalar>(inputs.key, d_keys, threads);
+  gradients.key_bias = grad::bias_gradient<Scalar>(use_bias, d_keys);
+  gradients.key.resize(B, S, dims.key_in_dim);
+  grad::input_gradient(d_keys, weights.key_kernel,
+                       Eigen::Map<RowMatrix<Scalar>>(gradients.key.data(), B * S, dims.key_in_dim), threads);
+  gradients.value_kernel = grad::kernel_gradient<Scalar>(inputs.value, d_values, threads);
+  gradients.value_bias = grad::bias_gradient<Scalar>(use_bias, d_values);
+  gradients.value.resize(B, S, dims.value_in_dim);
+  grad::input_gradient(d_values, weights.value_kernel,
+                       Eigen::Map<RowMatrix<Scalar>>(gradients.value.data(), B * S, dims.value_in_dim),
+                       threads);
+  return gradients;
+}
+
+}  // namespace sdmha
