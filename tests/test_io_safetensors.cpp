@@ -606,13 +606,23 @@ TEST(SafetensorsMalformed, OverlappingTensors) {
                   8, "overlap");
 }
 
-TEST(SafetensorsMalformed, GapsAndEmptyTensorsAreAccepted) {
+TEST(SafetensorsMalformed, HolesAndUncoveredBytesAreRejected) {
+  expect_rejected(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                  R"("b":{"dtype":"F32","shape":[1],"data_offsets":[12,16]}})",
+                  16, "bytes [4, 12) between tensors 'a' and 'b' belong to no tensor");
+  expect_rejected(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8,
+                  "bytes [0, 4) of the data belong to no tensor");
+  expect_rejected(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 8,
+                  "the data buffer holds 8 bytes but the tensors cover [0, 4)");
+}
+
+TEST(SafetensorsMalformed, EmptyTensorsOccupyNoBytes) {
   const SafetensorsFile file =
       parse_crafted(craft(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
-                          R"("b":{"dtype":"F32","shape":[1],"data_offsets":[12,16]},)"
+                          R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]},)"
                           R"("e":{"dtype":"F64","shape":[0,5],"data_offsets":[0,0]},)"
-                          R"("f":{"dtype":"F64","shape":[3,0],"data_offsets":[14,14]}})",
-                          20));
+                          R"("f":{"dtype":"F64","shape":[3,0],"data_offsets":[6,6]}})",
+                          8));
   EXPECT_EQ(file.names(), (std::vector<std::string>{"a", "b", "e", "f"}));
   EXPECT_TRUE(file.read<double>("f").empty());
 }

@@ -484,7 +484,7 @@ namespace io {
 // A safetensors file held in memory, its header validated on open.
 //
 // Every tensor's byte range lies inside the data buffer, matches its shape and dtype exactly and
-// overlaps no other tensor (gaps between tensors are allowed). Reads copy into a std::vector and
+// overlaps no other tensor and the tensors cover the data buffer without holes. Reads copy into a std::vector and
 // work at any alignment; data_if_aligned gives a zero-copy view when the bytes allow one.
 class SafetensorsFile {
  public:
@@ -786,7 +786,24 @@ class SafetensorsFile {
                                   "' data_offsets [", current.begin, ", ", current.end,
                                   "] overlap; expected disjoint byte ranges");
       }
+      if (current.begin > previous.end) {
+        detail::fail<FormatError>(where, source_, ": bytes [", previous.end, ", ", current.begin,
+                                  ") between tensors '", previous.name, "' and '", current.name,
+                                  "' belong to no tensor; expected contiguous data_offsets (no holes)");
+      }
     }
+    // As in the reference implementation, the tensors tile the data buffer exactly.
+    const std::size_t buffer_size = bytes_.size() - data_start_;
+    const std::size_t first = occupied.empty() ? 0 : occupied.front()->begin;
+    const std::size_t last = occupied.empty() ? 0 : occupied.back()->end;
+    if (first != 0)
+      detail::fail<FormatError>(where, source_, ": bytes [0, ", first, ") of the data belong to no tensor ('",
+                                occupied.front()->name, "' starts at ", first,
+                                "); expected contiguous data_offsets from 0 (no holes)");
+    if (last != buffer_size)
+      detail::fail<FormatError>(where, source_, ": the data buffer holds ", buffer_size,
+                                " bytes but the tensors cover [0, ", last,
+                                "); expected the tensors to cover the whole buffer");
   }
 
   std::vector<std::uint8_t> bytes_;
