@@ -77,7 +77,7 @@ TYPED_TEST(OptionsTest, TensorRef3OfEmptyTensorsHasEmptyMatrices) {
   EXPECT_EQ(sdmha::TensorRef3<TypeParam>(nullptr, 0, 0, 0).as_matrix().size(), 0);
 }
 
-TYPED_TEST(OptionsTest, AttentionOptionsDefaultToNoMaskAllThreadsProjectFirstNoDropout) {
+TYPED_TEST(OptionsTest, AttentionOptionsDefaultToNoMaskAllThreadsAutomaticStrategyNoDropout) {
   const sdmha::AttentionOptions<TypeParam> options;
   EXPECT_EQ(options.attention_mask.size(), 0);
   for (int axis = 0; axis < 3; ++axis) EXPECT_EQ(options.attention_mask.dimension(axis), 0);
@@ -86,7 +86,7 @@ TYPED_TEST(OptionsTest, AttentionOptionsDefaultToNoMaskAllThreadsProjectFirstNoD
   for (int axis = 0; axis < 2; ++axis) EXPECT_EQ(options.key_padding_mask.dimension(axis), 0);
   EXPECT_FALSE(options.return_attention_scores);
   EXPECT_EQ(options.num_threads, 0);
-  EXPECT_EQ(options.score_strategy, sdmha::ScoreStrategy::project_first);
+  EXPECT_EQ(options.score_strategy, sdmha::ScoreStrategy::automatic);
   EXPECT_FALSE(options.training);
   EXPECT_EQ(options.dropout_rate, 0.0);
   EXPECT_EQ(options.dropout_seed, 0u);
@@ -100,6 +100,7 @@ TYPED_TEST(OptionsTest, AttentionResultStartsEmpty) {
 
 TEST(ScoreStrategyTest, ToStringNamesEachStrategy) {
   EXPECT_STREQ(sdmha::to_string(sdmha::ScoreStrategy::project_first), "project_first");
+  EXPECT_STREQ(sdmha::to_string(sdmha::ScoreStrategy::automatic), "automatic");
   EXPECT_STREQ(sdmha::to_string(sdmha::ScoreStrategy::sparse_regrouped), "sparse_regrouped");
 }
 

@@ -41,7 +41,8 @@ void check_layer(const Case<Scalar>& c, sdmha::AttentionOptions<Scalar> options,
   const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
   const auto query = c.query();
   options.return_attention_scores = true;
-  for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+  for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped,
+                        sdmha::ScoreStrategy::automatic}) {
     SCOPED_TRACE(sdmha::to_string(strategy));
     options.score_strategy = strategy;
     const auto result = layer.forward(query, c.key, c.value, options);
@@ -194,6 +195,70 @@ TYPED_TEST(SparseDenseMhaTest, AttentionScoresStayEmptyUnlessAsked) {
   const auto c = make_case<TypeParam>(Shape{}, 16);
   const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
   EXPECT_EQ(layer.forward(c.query(), c.key, c.value, c.options).attention_scores.size(), 0);
+}
+
+TYPED_TEST(SparseDenseMhaTest, ProjectedContextGivesTheSameOutputBitwise) {
+  Shape s;
+  s.random_mask = true;
+  s.steps = 70;
+  const auto c = make_case<TypeParam>(s, 21);
+  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
+  const auto query = c.query();
+  const auto context = layer.project_context(c.key, c.value, 2);
+  EXPECT_EQ(context.batch, s.batch);
+  EXPECT_EQ(context.key_steps, s.key_steps);
+  for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+    auto options = c.options;
+    options.score_strategy = strategy;
+    const auto direct = layer.forward(query, c.key, c.value, options);
+    const auto cached = layer.forward(query, context, options);
+    ASSERT_EQ(0, std::memcmp(direct.output.data(), cached.output.data(),
+                             sizeof(TypeParam) * std::size_t(direct.output.size())));
+  }
+}
+
+TYPED_TEST(SparseDenseMhaTest, RejectsAProjectedContextThatDoesNotFit) {
+  const auto c = make_case<TypeParam>(Shape{}, 22);
+  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
+  const auto query = c.query();
+  auto context = layer.project_context(c.key, c.value);
+  context.batch = 3;
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, context), sdmha::ShapeError,
+                          "context has batch 3; expected the query's batch 2");
+  context = layer.project_context(c.key, c.value);
+  context.keys.conservativeResize(Eigen::NoChange, 7);
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, context), sdmha::ShapeError,
+                          "context.keys is 14 x 7; expected batch * key_steps x num_heads * key_dim = 14 x 8");
+  context = layer.project_context(c.key, c.value);
+  context.values.resize(13, 8);
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, context), sdmha::ShapeError, "context.values is 13 x 8");
+  Tensor3<TypeParam> other_batch(3, 7, 12);
+  other_batch.setZero();
+  SDMHA_EXPECT_THROW_WITH(layer.project_context(c.key, other_batch), sdmha::ShapeError,
+                          "value has batch 3; expected the query's batch 2");
+}
+
+// The cost model: regrouped when T is long against the distinct features a batch entry uses,
+// project-first when every row touches many features of a wide query.
+TYPED_TEST(SparseDenseMhaTest, AutomaticStrategyFollowsTheCostModel) {
+  Shape few_features;
+  few_features.steps = 400; few_features.key_steps = 50; few_features.query_dim = 6;
+  few_features.key_dim = 32; few_features.density = 0.2;
+  const auto a = make_case<TypeParam>(few_features, 23);
+  const sdmha::SparseDenseMHA<TypeParam> layer_a(a.config, a.weights);
+  EXPECT_EQ(layer_a.resolve_strategy(sdmha::ScoreStrategy::automatic, a.query(), 50, false),
+            sdmha::ScoreStrategy::sparse_regrouped);
+  Shape many_features;
+  many_features.steps = 4; many_features.key_steps = 50; many_features.query_dim = 400;
+  many_features.density = 0.3;
+  const auto b = make_case<TypeParam>(many_features, 24);
+  const sdmha::SparseDenseMHA<TypeParam> layer_b(b.config, b.weights);
+  EXPECT_EQ(layer_b.resolve_strategy(sdmha::ScoreStrategy::automatic, b.query(), 50, false),
+            sdmha::ScoreStrategy::project_first);
+  // A forced strategy is kept whatever the cost.
+  EXPECT_EQ(layer_b.resolve_strategy(sdmha::ScoreStrategy::sparse_regrouped, b.query(), 50, false),
+            sdmha::ScoreStrategy::sparse_regrouped);
+  check_layer(a, a.options, "few_features");
 }
 
 // ---- bad input: every check names the argument, the value and the expectation ----

@@ -50,12 +50,14 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
     if (query.data() == nullptr && B * T * dims.query_dim > 0)
       detail::fail<ShapeError>(where, "query has no data; expected ", B, " x ", T, " x ",
                                dims.query_dim, " values");
-    const auto inputs = this->check_inputs(where, B, T, key, value, options);
+    this->check_context(where, B, key, value);
+    const auto inputs = this->check_options(where, B, T, value.dimension(1), options);
+    const auto context = this->project_checked(key, value, inputs.threads);
     RowMatrix<Scalar> projected_query(B * T, dims.projected_key_width());
     this->project_rows(query_projection_, query.as_matrix(), this->weights_.query_kernel,
                        this->weights_.query_bias, projected_query, inputs.threads);
     const Scalar scale = this->score_scale();
-    return this->attend(inputs, options, detail::kQueryTile,
+    return this->attend(inputs, context, options, detail::kQueryTile,
                         [&](Index b, Index h, Index first_step, const ConstMatrixRef<Scalar>& key_bh,
                             const BatchMask& mask, MatrixRef<Scalar> scores) {
       typename ScoreKernelT::Arguments args{

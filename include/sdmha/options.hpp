@@ -16,10 +16,15 @@ namespace sdmha {
 //  sparse_regrouped  S_bh = X_b·M_bh + 1·c_bh with M_bh = Wq_h·K_bhᵀ/√Dk restricted to the features
 //                    that batch b uses (U_b of them): 2·U_b·Dk·S + 2·nnz_b·S per (b, h).
 // The regrouped form wins when batch b's rows touch few distinct features relative to T.
-enum class ScoreStrategy { project_first, sparse_regrouped };
+// automatic       a cost model on the shapes and the query's nonzeros picks one per call.
+enum class ScoreStrategy { automatic, project_first, sparse_regrouped };
 
 inline const char* to_string(ScoreStrategy strategy) {
-  return strategy == ScoreStrategy::project_first ? "project_first" : "sparse_regrouped";
+  switch (strategy) {
+    case ScoreStrategy::project_first: return "project_first";
+    case ScoreStrategy::sparse_regrouped: return "sparse_regrouped";
+    default: return "automatic";
+  }
 }
 
 template <typename Scalar>
@@ -37,7 +42,7 @@ struct AttentionOptions {
   // Worker threads for the batch × head work and the projections; 0 means all hardware threads.
   // The output is bitwise the same for any value.
   int num_threads = 0;
-  ScoreStrategy score_strategy = ScoreStrategy::project_first;
+  ScoreStrategy score_strategy = ScoreStrategy::automatic;
   // Dropout on the attention probabilities, applied only when `training` is true (Keras'
   // training=True): after the softmax, before the values; attention_scores are returned before
   // dropout. The mask is a function of (dropout_seed, b, h, t, s): forward and backward with the
@@ -45,6 +50,16 @@ struct AttentionOptions {
   bool training = false;
   double dropout_rate = 0.0;
   std::uint64_t dropout_seed = 0;
+};
+
+// Keys and values already projected (K = key·Wk + bk, V = value·Wv + bv): made once by a layer's
+// project_context and reused by forward against many query batches over the same context.
+template <typename Scalar>
+struct ProjectedContext {
+  Index batch = 0;            // B
+  Index key_steps = 0;        // S
+  RowMatrix<Scalar> keys;     // B·S × H·Dk, row b·S + s
+  RowMatrix<Scalar> values;   // B·S × H·Dv
 };
 
 template <typename Scalar>

@@ -10,7 +10,9 @@
 // never formed. The math is Keras 3's MultiHeadAttention (see README: Keras/PyTorch correspondence).
 #pragma once
 
+#include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "sdmha/detail/attention_core.hpp"
 #include "sdmha/sparse_query.hpp"
@@ -59,20 +61,87 @@ class SparseDenseMHA
                                   const TensorRef3<Scalar>& value,
                                   const AttentionOptions<Scalar>& options = {}) const {
     constexpr const char* where = "SparseDenseMHA::forward";
-    const LayerDims& dims = this->dims_;
-    if (query.features() != dims.query_dim)
+    check_query(where, query);
+    this->check_context(where, query.batch(), key, value);
+    const auto inputs = this->check_options(where, query.batch(), query.steps(), value.dimension(1), options);
+    return run(query, this->project_checked(key, value, inputs.threads), inputs, options);
+  }
+
+  // The same against keys and values projected once by project_context(key, value).
+  AttentionResult<Scalar> forward(const Query& query, const ProjectedContext<Scalar>& context,
+                                  const AttentionOptions<Scalar>& options = {}) const {
+    constexpr const char* where = "SparseDenseMHA::forward";
+    check_query(where, query);
+    this->check_context(where, query.batch(), context);
+    const auto inputs = this->check_options(where, query.batch(), query.steps(), context.key_steps, options);
+    return run(query, context, inputs, options);
+  }
+
+  // The score strategy that `requested` resolves to for this query and S key steps. The cost
+  // model counts, per call, project-first's 2·nnz·H·Dk sparse flops plus 2·B·H·T·S·Dk GEMM flops
+  // (about half under a causal mask, whose blocked key tiles are skipped) against regrouped's
+  // 2·H·Dk·S·Σ_b U_b GEMM flops plus 2·nnz·H·S sparse flops, U_b being the distinct features of
+  // batch b. A sparse flop is weighted as kSparseFlopCost GEMM flops: it streams a row of a
+  // dense operand per stored value instead of reusing registers and cache as a GEMM does.
+  ScoreStrategy resolve_strategy(ScoreStrategy requested, const Query& query, Index key_steps,
+                                 bool causal) const {
+    if (requested != ScoreStrategy::automatic) return requested;
+    constexpr double kSparseFlopCost = 4.0;
+    const double H = double(this->dims_.num_heads), Dk = double(this->dims_.key_dim);
+    const double S = double(key_steps), nnz = double(query.nonzeros());
+    const double B = double(query.batch()), T = double(query.steps());
+    const double project_first = kSparseFlopCost * 2 * nnz * H * Dk + (causal ? 0.5 : 1.0) * 2 * B * H * T * S * Dk;
+    const double regrouped = 2 * H * Dk * S * double(distinct_features_per_batch(query)) +
+                             kSparseFlopCost * 2 * nnz * H * S;
+    return regrouped < project_first ? ScoreStrategy::sparse_regrouped : ScoreStrategy::project_first;
+  }
+
+  // Self-attention form of Keras' call(query, value): the key is the value.
+  AttentionResult<Scalar> forward(const Query& query, const TensorRef3<Scalar>& value,
+                                  const AttentionOptions<Scalar>& options = {}) const {
+    return forward(query, value, value, options);
+  }
+
+ private:
+  void check_query(const char* where, const Query& query) const {
+    if (query.features() != this->dims_.query_dim)
       detail::fail<ShapeError>(where, "query has ", query.features(),
-                               " features; expected the query kernel's input width ", dims.query_dim);
-    const auto inputs =
-        this->check_inputs(where, query.batch(), query.steps(), key, value, options);
+                               " features; expected the query kernel's input width ", this->dims_.query_dim);
+  }
+
+  // Σ_b U_b: for each batch entry, the number of distinct features its rows use. O(nnz + Eq).
+  static Index distinct_features_per_batch(const Query& query) {
+    std::vector<Index> last_batch(static_cast<std::size_t>(query.features()), -1);
+    const auto& csr = query.csr();
+    Index total = 0;
+    for (Index row = 0; row < csr.rows; ++row) {
+      const Index b = row / std::max<Index>(query.steps(), 1);
+      for (Index k = csr.row_begin(row); k < csr.row_end(row); ++k) {
+        Index& seen = last_batch[std::size_t(csr.column_indices[k])];
+        if (seen != b) {
+          seen = b;
+          ++total;
+        }
+      }
+    }
+    return total;
+  }
+
+  AttentionResult<Scalar> run(const Query& query, const ProjectedContext<Scalar>& context,
+                              const typename Core::Inputs& inputs,
+                              const AttentionOptions<Scalar>& options) const {
+    const LayerDims& dims = this->dims_;
     const Index T = inputs.steps, Dk = dims.key_dim;
     const Scalar scale = this->score_scale();
     const auto& weights = this->weights_;
+    const ScoreStrategy strategy =
+        resolve_strategy(options.score_strategy, query, inputs.key_steps, options.use_causal_mask);
 
-    if (options.score_strategy == ScoreStrategy::sparse_regrouped) {
+    if (strategy == ScoreStrategy::sparse_regrouped) {
       // The regrouped form works on a batch entry's rows at once: M_bh is shared by all of them.
-      return this->attend(inputs, options, T, [&](Index b, Index h, Index, const ConstMatrixRef<Scalar>& key_bh,
-                                                  const BatchMask& mask, MatrixRef<Scalar> scores) {
+      return this->attend(inputs, context, options, T,
+                          [&](Index b, Index h, Index, const ConstMatrixRef<Scalar>& key_bh,
+                              const BatchMask& mask, MatrixRef<Scalar> scores) {
         typename ScoreKernelT::SparseArguments args{
             query.batch_rows(b), weights.query_kernel.middleCols(h * Dk, Dk),
             this->bias_segment(weights.query_bias, h * Dk, Dk), key_bh, scale, mask, scores};
@@ -92,7 +161,7 @@ class SparseDenseMHA
       QueryProjection::can_implement(args);
       query_projection_(args);
     });
-    return this->attend(inputs, options, detail::kQueryTile,
+    return this->attend(inputs, context, options, detail::kQueryTile,
                         [&](Index b, Index h, Index first_step, const ConstMatrixRef<Scalar>& key_bh,
                             const BatchMask& mask, MatrixRef<Scalar> scores) {
       typename ScoreKernelT::Arguments args{
@@ -102,13 +171,6 @@ class SparseDenseMHA
     });
   }
 
-  // Self-attention form of Keras' call(query, value): the key is the value.
-  AttentionResult<Scalar> forward(const Query& query, const TensorRef3<Scalar>& value,
-                                  const AttentionOptions<Scalar>& options = {}) const {
-    return forward(query, value, value, options);
-  }
-
- private:
   QueryProjection query_projection_;
 };
 

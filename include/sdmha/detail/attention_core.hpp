@@ -54,16 +54,15 @@ class AttentionCore {
   AttentionCore(const MhaConfig& config, MhaWeights<Scalar> weights)
       : config_(config), weights_(std::move(weights)), dims_(weights_.validate(config_)) {}
 
-  // The validated inputs of one call; key and value seen as (B·S × E) matrices.
+  // The sizes of one validated call.
   struct Inputs {
     Index batch, steps, key_steps;
-    Eigen::Map<const RowMatrix<Scalar>> key, value;
     int threads;
   };
 
-  Inputs check_inputs(const char* where, Index batch, Index steps, const TensorRef3<Scalar>& key,
-                      const TensorRef3<Scalar>& value,
-                      const AttentionOptions<Scalar>& options) const {
+  // Checks key (B, S, Ek) and value (B, S, Ev) against the weights and the query's batch.
+  void check_context(const char* where, Index batch, const TensorRef3<Scalar>& key,
+                     const TensorRef3<Scalar>& value) const {
     auto check_tensor = [&](const char* name, const TensorRef3<Scalar>& tensor, Index width) {
       if (tensor.dimension(0) != batch)
         fail<ShapeError>(where, name, " has batch ", tensor.dimension(0),
@@ -77,10 +76,30 @@ class AttentionCore {
     };
     check_tensor("key", key, dims_.key_in_dim);
     check_tensor("value", value, dims_.value_in_dim);
-    const Index key_steps = value.dimension(1);
-    if (key.dimension(1) != key_steps)
-      fail<ShapeError>(where, "key has ", key.dimension(1), " steps but value has ", key_steps,
-                       "; expected equal");
+    if (key.dimension(1) != value.dimension(1))
+      fail<ShapeError>(where, "key has ", key.dimension(1), " steps but value has ",
+                       value.dimension(1), "; expected equal");
+  }
+
+  // Checks a ProjectedContext against the weights and the query's batch.
+  void check_context(const char* where, Index batch, const ProjectedContext<Scalar>& context) const {
+    if (context.batch != batch)
+      fail<ShapeError>(where, "context has batch ", context.batch, "; expected the query's batch ", batch);
+    if (context.key_steps < 0 || context.keys.rows() != context.batch * context.key_steps ||
+        context.keys.cols() != dims_.projected_key_width())
+      fail<ShapeError>(where, "context.keys is ", context.keys.rows(), " x ", context.keys.cols(),
+                       "; expected batch * key_steps x num_heads * key_dim = ",
+                       context.batch * context.key_steps, " x ", dims_.projected_key_width());
+    if (context.values.rows() != context.keys.rows() ||
+        context.values.cols() != dims_.projected_value_width())
+      fail<ShapeError>(where, "context.values is ", context.values.rows(), " x ",
+                       context.values.cols(), "; expected batch * key_steps x num_heads * value_dim = ",
+                       context.keys.rows(), " x ", dims_.projected_value_width());
+  }
+
+  // Checks the options against (B, T, S) and resolves the thread count.
+  Inputs check_options(const char* where, Index batch, Index steps, Index key_steps,
+                       const AttentionOptions<Scalar>& options) const {
     const auto& mask = options.attention_mask;
     if (mask.size() != 0 || mask.dimension(0) != 0 || mask.dimension(1) != 0 || mask.dimension(2) != 0) {
       if (mask.dimension(0) != batch || mask.dimension(1) != steps || mask.dimension(2) != key_steps)
@@ -99,10 +118,37 @@ class AttentionCore {
     if (options.num_threads < 0)
       fail<ConfigError>(where, "num_threads = ", options.num_threads,
                         "; expected >= 0 (0 means all hardware threads)");
-    return Inputs{batch, steps, key_steps, key.as_matrix(), value.as_matrix(),
-                  resolve_thread_count(options.num_threads)};
+    return Inputs{batch, steps, key_steps, resolve_thread_count(options.num_threads)};
   }
 
+  // K and V of validated key and value.
+  ProjectedContext<Scalar> project_checked(const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
+                                           int threads) const {
+    ProjectedContext<Scalar> context;
+    context.batch = value.dimension(0);
+    context.key_steps = value.dimension(1);
+    const Index rows = context.batch * context.key_steps;
+    context.keys.resize(rows, dims_.projected_key_width());
+    context.values.resize(rows, dims_.projected_value_width());
+    project_rows(context_projection_, key.as_matrix(), weights_.key_kernel, weights_.key_bias,
+                 context.keys, threads);
+    project_rows(context_projection_, value.as_matrix(), weights_.value_kernel, weights_.value_bias,
+                 context.values, threads);
+    return context;
+  }
+
+ public:
+  // Projects key (B, S, Ek) and value (B, S, Ev) once, for forward calls that reuse them.
+  ProjectedContext<Scalar> project_context(const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
+                                           int num_threads = 0) const {
+    constexpr const char* where = "project_context";
+    check_context(where, key.dimension(0), key, value);
+    if (num_threads < 0)
+      fail<ConfigError>(where, "num_threads = ", num_threads, "; expected >= 0 (0 means all hardware threads)");
+    return project_checked(key, value, resolve_thread_count(num_threads));
+  }
+
+ protected:
   Scalar score_scale() const { return Scalar(1.0 / std::sqrt(double(dims_.key_dim))); }
 
   // The bias of a projection, or an empty vector when the layer has none.
@@ -136,16 +182,14 @@ class AttentionCore {
   // Work items are (b, h, query tile) with tiles of `query_tile` steps; for a causal mask the
   // key steps that no row of the tile may see are skipped, neither computed nor stored.
   template <typename ComputeScores>
-  AttentionResult<Scalar> attend(const Inputs& inputs, const AttentionOptions<Scalar>& options,
-                                 Index query_tile, ComputeScores&& compute_scores) const {
+  AttentionResult<Scalar> attend(const Inputs& inputs, const ProjectedContext<Scalar>& context,
+                                 const AttentionOptions<Scalar>& options, Index query_tile,
+                                 ComputeScores&& compute_scores) const {
     const Index B = inputs.batch, T = inputs.steps, S = inputs.key_steps;
     const Index H = dims_.num_heads, Dk = dims_.key_dim, Dv = dims_.value_dim;
     const int threads = inputs.threads;
-
-    RowMatrix<Scalar> keys(B * S, H * Dk), values(B * S, H * Dv);
-    project_rows(context_projection_, inputs.key, weights_.key_kernel, weights_.key_bias, keys, threads);
-    project_rows(context_projection_, inputs.value, weights_.value_kernel, weights_.value_bias,
-                 values, threads);
+    const RowMatrix<Scalar>& keys = context.keys;
+    const RowMatrix<Scalar>& values = context.values;
 
     AttentionResult<Scalar> result;
     const bool return_scores = options.return_attention_scores;
