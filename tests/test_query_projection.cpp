@@ -192,3 +192,82 @@ TYPED_TEST(QueryProjectionTest, CanImplementRejectsEachMismatch) {
 
 }  // namespace
 }  // namespace sdmha_test
+
+// ---- the two kernels behind the stage: by rows and by features ----
+
+namespace sdmha_test {
+namespace {
+
+template <typename Scalar>
+class QueryProjectionKernelsTest : public ::testing::Test {};
+TYPED_TEST_SUITE(QueryProjectionKernelsTest, ScalarTypes);
+
+// Both kernels against a naive product, over widths that exercise full panels, 4- and 1-packet
+// panels and the scalar tail, with and without bias; on sorted rows they agree bitwise.
+TYPED_TEST(QueryProjectionKernelsTest, ByRowsAndByFeaturesMatchTheNaiveProductAndEachOther) {
+  using Scalar = TypeParam;
+  std::mt19937_64 generator(31);
+  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+  for (Index columns : {1, 3, 16, 37, 256, 300, 517}) {
+    Shape s;
+    s.batch = 3; s.steps = 11; s.query_dim = 50; s.density = 0.3; s.empty_rows = true; s.duplicates = true;
+    const auto c = make_case<Scalar>(s, 40 + std::uint64_t(columns));
+    const auto query = c.query();
+    sdmha::RowMatrix<Scalar> kernel(s.query_dim, columns);
+    for (Index i = 0; i < kernel.size(); ++i) kernel.data()[i] = Scalar(uniform(generator));
+    sdmha::Vector<Scalar> bias(columns);
+    for (Index i = 0; i < bias.size(); ++i) bias[i] = Scalar(uniform(generator));
+    const sdmha::RowMatrix<Scalar> dense = query.to_dense();
+    for (bool with_bias : {false, true}) {
+      std::vector<double> expected(std::size_t(query.rows() * columns));
+      for (Index r = 0; r < query.rows(); ++r)
+        for (Index j = 0; j < columns; ++j) {
+          double sum = with_bias ? double(bias[j]) : 0.0;
+          for (Index f = 0; f < s.query_dim; ++f) sum += double(dense(r, f)) * double(kernel(f, j));
+          expected[std::size_t(r * columns + j)] = sum;
+        }
+      sdmha::RowMatrix<Scalar> by_rows(query.rows(), columns), by_features(query.rows(), columns);
+      const Scalar* bias_data = with_bias ? bias.data() : nullptr;
+      sdmha::detail::csr_dense_product(query.csr(), kernel.data(), columns, bias_data, by_rows.data(), columns, columns);
+      sdmha::detail::csr_dense_product_by_feature(query.csr(), kernel.data(), columns, bias_data,
+                                                  by_features.data(), columns, columns);
+      EXPECT_TRUE(all_near(by_rows.data(), expected, relative_tolerance<Scalar>())) << columns << " columns";
+      EXPECT_TRUE(all_near(by_features.data(), expected, relative_tolerance<Scalar>())) << columns << " columns";
+      EXPECT_EQ(0, std::memcmp(by_rows.data(), by_features.data(), sizeof(Scalar) * std::size_t(by_rows.size())))
+          << columns << " columns";
+    }
+  }
+}
+
+// The stage takes the by-feature kernel for a kernel beyond the cache that the rows reuse, and
+// still gives the naive product.
+TYPED_TEST(QueryProjectionKernelsTest, StageOnAWideKernelMatchesTheNaiveProduct) {
+  using Scalar = TypeParam;
+  const Index features = 4200, columns = 40 + 4 * 1024 * 1024 / (4200 * Index(sizeof(Scalar)));
+  Shape s;
+  s.batch = 2; s.steps = 60; s.query_dim = features; s.density = 0.04;
+  const auto c = make_case<Scalar>(s, 77);
+  const auto query = c.query();
+  ASSERT_GE(query.nonzeros(), 2 * features);
+  std::mt19937_64 generator(5);
+  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+  sdmha::RowMatrix<Scalar> kernel(features, columns);
+  for (Index i = 0; i < kernel.size(); ++i) kernel.data()[i] = Scalar(uniform(generator));
+  sdmha::Vector<Scalar> bias = sdmha::Vector<Scalar>::Constant(columns, Scalar(0.25));
+  sdmha::RowMatrix<Scalar> output(query.rows(), columns), by_rows(query.rows(), columns);
+  const sdmha::SparseQueryProjection<Scalar> stage;
+  stage({query.csr(), kernel, bias, output});
+  sdmha::detail::csr_dense_product(query.csr(), kernel.data(), columns, bias.data(), by_rows.data(), columns, columns);
+  EXPECT_EQ(0, std::memcmp(output.data(), by_rows.data(), sizeof(Scalar) * std::size_t(output.size())));
+  const auto& csr = query.csr();
+  for (Index r = 0; r < query.rows(); r += 17)
+    for (Index j = 0; j < columns; j += 13) {
+      double sum = 0.25;
+      for (Index k = csr.row_begin(r); k < csr.row_end(r); ++k)
+        sum += double(csr.values[k]) * double(kernel(csr.column_indices[k], j));
+      EXPECT_NEAR(double(output(r, j)), sum, relative_tolerance<Scalar>() * (1 + std::abs(sum)));
+    }
+}
+
+}  // namespace
+}  // namespace sdmha_test

@@ -43,7 +43,7 @@ namespace detail::gradient {
 
 // Tiles of a weight gradient (rows × columns of dW); fixed, so that every entry of dW is one
 // GEMM over the same rows for any thread count.
-constexpr Index kWeightTile = 64;
+constexpr Index kWeightTile = 256;
 
 template <typename Scalar>
 struct Inputs {
@@ -195,68 +195,72 @@ void product_skipping_zero_weights(Scalar alpha, const Weights& weights, const R
       if (weights(t, s) != Scalar(0)) out.row(t).noalias() += (alpha * weights(t, s)) * rows.row(s);
 }
 
-}  // namespace detail::gradient
-
-// The gradients of loss(Y) for Y = layer.forward(query, key, value, options), given d_output =
-// ∂loss/∂Y (B, T, O). Honours every mask, the score strategy, dropout (training, dropout_rate,
-// dropout_seed: the forward's mask for the same seed) and num_threads; the result is bitwise the
-// same for any thread count. Blocked (t, s) pairs pass no gradient, fully blocked query rows get
-// exactly zero, and NaN or Inf in key or value rows that no query attends never reach a gradient.
-// Throws what forward throws for bad input, and ShapeError when d_output is not (B, T, O).
+// The layer's stages must be the ones differentiated here: the derivatives below are those of
+// the default stages, and a stage of one's own (a temperature softmax, a biased score) has a
+// different gradient.
 template <typename Layer>
-MhaGradients<typename Layer::ScalarType> mha_backward(
-    const Layer& layer, const typename Layer::Query& query,
-    const TensorRef3<typename Layer::ScalarType>& key, const TensorRef3<typename Layer::ScalarType>& value,
-    const TensorRef3<typename Layer::ScalarType>& d_output,
-    const AttentionOptions<typename Layer::ScalarType>& options = {}) {
+struct HasDefaultStages {
   using Scalar = typename Layer::ScalarType;
   using StorageIndex = typename Layer::StorageIndex;
-  // The derivatives below are those of the default stages; a layer with a stage of its own (a
-  // temperature softmax, a biased score) has a different gradient.
-  static_assert(std::is_same<typename Layer::QueryProjection, SparseQueryProjection<Scalar, StorageIndex>>::value &&
-                    std::is_same<typename Layer::ContextProjection, DenseProjection<Scalar>>::value &&
-                    std::is_same<typename Layer::OutputProjection, OutputProjection<Scalar>>::value,
-                "mha_backward: differentiates the default projection stages only");
-  static_assert(std::is_same<typename Layer::ScoreKernel, ScoreKernel<Scalar, StorageIndex>>::value &&
-                    std::is_same<typename Layer::Softmax, MaskedSoftmax<Scalar>>::value &&
-                    std::is_same<typename Layer::AttendValues, AttendValues<Scalar>>::value,
-                "mha_backward: differentiates the default ScoreKernel, MaskedSoftmax and AttendValues only");
-  namespace grad = detail::gradient;
-  constexpr const char* where = "mha_backward";
+  static constexpr bool projections =
+      std::is_same<typename Layer::QueryProjection, SparseQueryProjection<Scalar, StorageIndex>>::value &&
+      std::is_same<typename Layer::ContextProjection, DenseProjection<Scalar>>::value &&
+      std::is_same<typename Layer::OutputProjection, OutputProjection<Scalar>>::value;
+  static constexpr bool attention = std::is_same<typename Layer::ScoreKernel, ScoreKernel<Scalar, StorageIndex>>::value &&
+                                    std::is_same<typename Layer::Softmax, MaskedSoftmax<Scalar>>::value &&
+                                    std::is_same<typename Layer::AttendValues, AttendValues<Scalar>>::value;
+};
 
+// Everything that the backward checks before any work: the forward's checks with the same
+// messages, then d_output against (B, T, O).
+template <typename Layer, typename Scalar = typename Layer::ScalarType>
+Inputs<Scalar> check_backward(const char* where, const Layer& layer, const typename Layer::Query& query,
+                              const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
+                              const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options) {
+  static_assert(HasDefaultStages<Layer>::projections,
+                "mha_backward: differentiates the default projection stages only");
+  static_assert(HasDefaultStages<Layer>::attention,
+                "mha_backward: differentiates the default ScoreKernel, MaskedSoftmax and AttendValues only");
+  const LayerDims& dims = layer.dims();
+  if (query.features() != dims.query_dim)
+    fail<ShapeError>(where, "query has ", query.features(), " features; expected the query kernel's input width ",
+                     dims.query_dim);
+  const auto inputs = check_inputs<Scalar>(where, dims, query.batch(), query.steps(), key, value, options);
+  const Index B = inputs.batch, T = inputs.steps, O = dims.output_dim;
+  if (d_output.dimension(0) != B || d_output.dimension(1) != T || d_output.dimension(2) != O)
+    fail<ShapeError>(where, "d_output is (", d_output.dimension(0), ", ", d_output.dimension(1), ", ",
+                     d_output.dimension(2), "); expected (B, T, O) = (", B, ", ", T, ", ", O, ")");
+  if (d_output.data() == nullptr && B * T * O > 0)
+    fail<ShapeError>(where, "d_output has no data; expected ", B, " x ", T, " x ", O, " values");
+  return inputs;
+}
+
+// The backward on validated inputs, K = `keys` and V = `values` being the key and value projected.
+template <typename Layer, typename Scalar = typename Layer::ScalarType>
+MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& query, const Inputs<Scalar>& inputs,
+                              const RowMatrix<Scalar>& keys, const RowMatrix<Scalar>& values,
+                              const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options) {
+  using StorageIndex = typename Layer::StorageIndex;
   const MhaConfig& config = layer.config();
   const MhaWeights<Scalar>& weights = layer.weights();
   const LayerDims& dims = layer.dims();
-  if (query.features() != dims.query_dim)
-    detail::fail<ShapeError>(where, "query has ", query.features(),
-                             " features; expected the query kernel's input width ", dims.query_dim);
-  const auto inputs = grad::check_inputs<Scalar>(where, dims, query.batch(), query.steps(), key, value, options);
   const Index B = inputs.batch, T = inputs.steps, S = inputs.key_steps;
-  const Index H = dims.num_heads, Dk = dims.key_dim, Dv = dims.value_dim, O = dims.output_dim;
-  if (d_output.dimension(0) != B || d_output.dimension(1) != T || d_output.dimension(2) != O)
-    detail::fail<ShapeError>(where, "d_output is (", d_output.dimension(0), ", ", d_output.dimension(1),
-                             ", ", d_output.dimension(2), "); expected (B, T, O) = (", B, ", ", T,
-                             ", ", O, ")");
-  if (d_output.data() == nullptr && B * T * O > 0)
-    detail::fail<ShapeError>(where, "d_output has no data; expected ", B, " x ", T, " x ", O, " values");
+  const Index H = dims.num_heads, Dk = dims.key_dim, Dv = dims.value_dim;
   const int threads = inputs.threads;
   const Scalar scale = Scalar(1.0 / std::sqrt(double(Dk)));
   const auto& csr = query.csr();
 
-  // The forward's projections, recomputed.
-  RowMatrix<Scalar> queries(B * T, H * Dk), keys(B * S, H * Dk), values(B * S, H * Dv);
-  grad::project_rows(SparseQueryProjection<Scalar, StorageIndex>(), csr, weights.query_kernel,
-                     weights.query_bias, queries, threads);
-  grad::project_rows(DenseProjection<Scalar>(), inputs.key, weights.key_kernel, weights.key_bias, keys, threads);
-  grad::project_rows(DenseProjection<Scalar>(), inputs.value, weights.value_kernel, weights.value_bias,
-                     values, threads);
+  // The forward's query projection, recomputed whatever the score strategy: dK needs Q.
+  RowMatrix<Scalar> queries(B * T, H * Dk);
+  project_rows(SparseQueryProjection<Scalar, StorageIndex>(), csr, weights.query_kernel, weights.query_bias,
+               queries, threads);
 
   // dA = dY·Woᵀ does not depend on the attention, so it is ready before the (b, h) loop.
   const auto d_output_matrix = d_output.as_matrix();
   RowMatrix<Scalar> d_heads(B * T, H * Dv);
-  detail::parallel_for(detail::row_block_count(B * T), threads, [&](Index block, int) {
-    const Index first = block * detail::kProjectionRowBlock;
-    const Index count = std::min(detail::kProjectionRowBlock, B * T - first);
+  parallel_for(row_block_count(B * T), threads, [&](Index block, int) {
+    const Index first = block * kProjectionRowBlock;
+    const Index count = std::min(kProjectionRowBlock, B * T - first);
     d_heads.middleRows(first, count).noalias() =
         d_output_matrix.middleRows(first, count) * weights.output_kernel.transpose();
   });
@@ -266,22 +270,22 @@ MhaGradients<typename Layer::ScalarType> mha_backward(
   RowMatrix<Scalar> heads(B * T, H * Dv), d_queries(B * T, H * Dk);
   RowMatrix<Scalar> d_keys = RowMatrix<Scalar>::Zero(B * S, H * Dk);
   RowMatrix<Scalar> d_values = RowMatrix<Scalar>::Zero(B * S, H * Dv);
-  const bool regrouped = options.score_strategy == ScoreStrategy::sparse_regrouped;
+  const bool regrouped = layer.resolve_strategy(options.score_strategy, query, S, options.use_causal_mask) ==
+                         ScoreStrategy::sparse_regrouped;
   // The forward's tiles: the regrouped kernel shares M_bh across all of a batch entry's rows.
-  const Index query_tile = regrouped ? T : detail::kQueryTile;
+  const Index query_tile = regrouped ? T : kQueryTile;
   const Index tiles = query_tile > 0 ? (T + query_tile - 1) / query_tile : 0;
-  const detail::DropoutMask dropout =
-      options.training ? detail::DropoutMask(options.dropout_rate, options.dropout_seed) : detail::DropoutMask();
+  const DropoutMask dropout =
+      options.training ? DropoutMask(options.dropout_rate, options.dropout_seed) : DropoutMask();
   const Vector<Scalar> no_bias;
-  const int workers = detail::worker_count(B * H, threads);
+  const auto workers = static_cast<std::size_t>(worker_count(B * H, threads));
   // Per worker: P, P' (when dropout is on) and dP → dS of the tile in flight.
-  std::vector<RowMatrix<Scalar>> probabilities_scratch(std::size_t(workers)), dropped_scratch(std::size_t(workers)),
-      d_scores_scratch(std::size_t(workers));
+  std::vector<RowMatrix<Scalar>> probabilities_scratch(workers), dropped_scratch(workers), d_scores_scratch(workers);
   const ScoreKernel<Scalar, StorageIndex> score_kernel;
   const MaskedSoftmax<Scalar> softmax;
   const AttendValues<Scalar> attend_values;
 
-  detail::parallel_for(B * H, threads, [&](Index item, int worker) {
+  parallel_for(B * H, threads, [&](Index item, int worker) {
     const Index b = item / H, h = item % H;
     using ScratchMap = Eigen::Map<RowMatrix<Scalar>>;
     auto scratch = [&](std::vector<RowMatrix<Scalar>>& buffers, Index rows, Index columns) {
@@ -349,7 +353,7 @@ MhaGradients<typename Layer::ScalarType> mha_backward(
         const Scalar weighted = (p != Scalar(0)).select(p * d, Scalar(0)).sum();
         d = (p != Scalar(0)).select(p * (d - weighted), Scalar(0));
       }
-      grad::product_skipping_zero_weights(scale, d_scores, key_bh,
+      product_skipping_zero_weights(scale, d_scores, key_bh,
                                           d_queries.block(b * T + first_step, h * Dk, rows, Dk));
       d_keys.block(b * S, h * Dk, key_end, Dk).noalias() += (scale * d_scores.transpose()) * query_tile_bh;
       d_values.block(b * S, h * Dv, key_end, Dv).noalias() += dropped.transpose() * d_heads_tile;
@@ -360,32 +364,32 @@ MhaGradients<typename Layer::ScalarType> mha_backward(
   const bool use_bias = config.use_bias;
 
   // Output projection.
-  gradients.output_kernel = grad::kernel_gradient<Scalar>(heads, d_output_matrix, threads);
-  gradients.output_bias = grad::bias_gradient<Scalar>(use_bias, d_output_matrix);
+  gradients.output_kernel = kernel_gradient<Scalar>(heads, d_output_matrix, threads);
+  gradients.output_bias = bias_gradient<Scalar>(use_bias, d_output_matrix);
 
   // Query projection: dWq = Xᵀ·dQ in fixed column panels, dX sampled at X's pattern in row blocks.
   gradients.query_kernel.resize(dims.query_dim, H * Dk);
-  const Index panels = (H * Dk + grad::kWeightTile - 1) / grad::kWeightTile;
-  detail::parallel_for(panels, threads, [&](Index panel, int) {
-    const Index first = panel * grad::kWeightTile, count = std::min(grad::kWeightTile, H * Dk - first);
+  const Index panels = (H * Dk + kWeightTile - 1) / kWeightTile;
+  parallel_for(panels, threads, [&](Index panel, int) {
+    const Index first = panel * kWeightTile, count = std::min(kWeightTile, H * Dk - first);
     typename QueryKernelGradient<Scalar, StorageIndex>::Arguments args{
         csr, d_queries.middleCols(first, count), gradients.query_kernel.middleCols(first, count)};
     QueryKernelGradient<Scalar, StorageIndex>::can_implement(args);
     QueryKernelGradient<Scalar, StorageIndex>()(args);
   });
-  gradients.query_bias = grad::bias_gradient<Scalar>(use_bias, d_queries);
-  const Index blocks = detail::row_block_count(csr.rows);
+  gradients.query_bias = bias_gradient<Scalar>(use_bias, d_queries);
+  const Index blocks = row_block_count(csr.rows);
   std::vector<Index> block_start(std::size_t(blocks) + 1, 0);
   for (Index block = 0; block < blocks; ++block) {
-    const Index first = block * detail::kProjectionRowBlock;
+    const Index first = block * kProjectionRowBlock;
     block_start[std::size_t(block) + 1] =
         block_start[std::size_t(block)] +
-        csr.middle_rows(first, std::min(detail::kProjectionRowBlock, csr.rows - first)).nonzeros();
+        csr.middle_rows(first, std::min(kProjectionRowBlock, csr.rows - first)).nonzeros();
   }
   Vector<Scalar> d_stored(block_start.back());
-  detail::parallel_for(blocks, threads, [&](Index block, int) {
-    const Index first = block * detail::kProjectionRowBlock;
-    const Index count = std::min(detail::kProjectionRowBlock, csr.rows - first);
+  parallel_for(blocks, threads, [&](Index block, int) {
+    const Index first = block * kProjectionRowBlock;
+    const Index count = std::min(kProjectionRowBlock, csr.rows - first);
     const Index start = block_start[std::size_t(block)];
     typename QueryValuesGradient<Scalar, StorageIndex>::Arguments args{
         csr.middle_rows(first, count), weights.query_kernel, d_queries.middleRows(first, count),
@@ -403,18 +407,72 @@ MhaGradients<typename Layer::ScalarType> mha_backward(
   }
 
   // Key and value projections.
-  gradients.key_kernel = grad::kernel_gradient<Scalar>(inputs.key, d_keys, threads);
-  gradients.key_bias = grad::bias_gradient<Scalar>(use_bias, d_keys);
+  gradients.key_kernel = kernel_gradient<Scalar>(inputs.key, d_keys, threads);
+  gradients.key_bias = bias_gradient<Scalar>(use_bias, d_keys);
   gradients.key.resize(B, S, dims.key_in_dim);
-  grad::input_gradient(d_keys, weights.key_kernel,
+  input_gradient(d_keys, weights.key_kernel,
                        Eigen::Map<RowMatrix<Scalar>>(gradients.key.data(), B * S, dims.key_in_dim), threads);
-  gradients.value_kernel = grad::kernel_gradient<Scalar>(inputs.value, d_values, threads);
-  gradients.value_bias = grad::bias_gradient<Scalar>(use_bias, d_values);
+  gradients.value_kernel = kernel_gradient<Scalar>(inputs.value, d_values, threads);
+  gradients.value_bias = bias_gradient<Scalar>(use_bias, d_values);
   gradients.value.resize(B, S, dims.value_in_dim);
-  grad::input_gradient(d_values, weights.value_kernel,
+  input_gradient(d_values, weights.value_kernel,
                        Eigen::Map<RowMatrix<Scalar>>(gradients.value.data(), B * S, dims.value_in_dim),
                        threads);
   return gradients;
+}
+
+}  // namespace detail::gradient
+
+// The gradients of loss(Y) for Y = layer.forward(query, key, value, options), given d_output =
+// ∂loss/∂Y (B, T, O). Honours every mask, the score strategy, dropout (training, dropout_rate,
+// dropout_seed: the forward's mask for the same seed) and num_threads; the result is bitwise the
+// same for any thread count. Blocked (t, s) pairs pass no gradient, fully blocked query rows get
+// exactly zero, and NaN or Inf in key or value rows that no query attends never reach a gradient.
+// Throws what forward throws for bad input, and ShapeError when d_output is not (B, T, O).
+// Cost: about 2.5 forwards (the forward's attention recomputed, then twice its products again).
+template <typename Layer>
+MhaGradients<typename Layer::ScalarType> mha_backward(
+    const Layer& layer, const typename Layer::Query& query, const TensorRef3<typename Layer::ScalarType>& key,
+    const TensorRef3<typename Layer::ScalarType>& value, const TensorRef3<typename Layer::ScalarType>& d_output,
+    const AttentionOptions<typename Layer::ScalarType>& options = {}) {
+  using Scalar = typename Layer::ScalarType;
+  namespace grad = detail::gradient;
+  const auto inputs = grad::check_backward("mha_backward", layer, query, key, value, d_output, options);
+  const MhaWeights<Scalar>& weights = layer.weights();
+  const LayerDims& dims = layer.dims();
+  RowMatrix<Scalar> keys(inputs.batch * inputs.key_steps, dims.projected_key_width());
+  RowMatrix<Scalar> values(inputs.batch * inputs.key_steps, dims.projected_value_width());
+  grad::project_rows(DenseProjection<Scalar>(), inputs.key, weights.key_kernel, weights.key_bias, keys, inputs.threads);
+  grad::project_rows(DenseProjection<Scalar>(), inputs.value, weights.value_kernel, weights.value_bias, values,
+                     inputs.threads);
+  return grad::backward(layer, query, inputs, keys, values, d_output, options);
+}
+
+// The same, reusing K and V from `context = layer.project_context(key, value)` (the context the
+// forward ran against) instead of projecting key and value again. key and value are still needed:
+// the kernels' gradients are keyᵀ·dK and valueᵀ·dV. ShapeError when the context's sizes are not
+// those of key and value.
+template <typename Layer>
+MhaGradients<typename Layer::ScalarType> mha_backward(
+    const Layer& layer, const typename Layer::Query& query, const TensorRef3<typename Layer::ScalarType>& key,
+    const TensorRef3<typename Layer::ScalarType>& value, const ProjectedContext<typename Layer::ScalarType>& context,
+    const TensorRef3<typename Layer::ScalarType>& d_output,
+    const AttentionOptions<typename Layer::ScalarType>& options = {}) {
+  namespace grad = detail::gradient;
+  constexpr const char* where = "mha_backward";
+  const auto inputs = grad::check_backward(where, layer, query, key, value, d_output, options);
+  const LayerDims& dims = layer.dims();
+  const Index rows = inputs.batch * inputs.key_steps;
+  if (context.batch != inputs.batch || context.key_steps != inputs.key_steps || context.keys.rows() != rows ||
+      context.keys.cols() != dims.projected_key_width() || context.values.rows() != rows ||
+      context.values.cols() != dims.projected_value_width())
+    detail::fail<ShapeError>(where, "context has batch ", context.batch, ", key_steps ", context.key_steps,
+                             ", keys ", context.keys.rows(), " x ", context.keys.cols(), ", values ",
+                             context.values.rows(), " x ", context.values.cols(),
+                             "; expected those of project_context(key, value): batch ", inputs.batch,
+                             ", key_steps ", inputs.key_steps, ", keys ", rows, " x ", dims.projected_key_width(),
+                             ", values ", rows, " x ", dims.projected_value_width());
+  return grad::backward(layer, query, inputs, context.keys, context.values, d_output, options);
 }
 
 }  // namespace sdmha

@@ -152,9 +152,11 @@ class SparseDenseMHA
 
     RowMatrix<Scalar> projected_query(query.rows(), dims.projected_key_width());
     const auto& csr = query.csr();
-    detail::parallel_for(detail::row_block_count(query.rows()), inputs.threads, [&](Index block, int) {
-      const Index first = block * detail::kProjectionRowBlock;
-      const Index count = std::min(detail::kProjectionRowBlock, query.rows() - first);
+    constexpr Index block_rows = detail::kQueryProjectionRowBlock;
+    const Index blocks = (query.rows() + block_rows - 1) / block_rows;
+    detail::parallel_for(blocks, inputs.threads, [&](Index block, int) {
+      const Index first = block * block_rows;
+      const Index count = std::min(block_rows, query.rows() - first);
       typename QueryProjection::Arguments args{csr.middle_rows(first, count), weights.query_kernel,
                                                this->bias_or_empty(weights.query_bias),
                                                projected_query.middleRows(first, count)};

@@ -11,6 +11,8 @@
 // tail for the columns that do not fill a packet.
 #pragma once
 
+#include <vector>
+
 #include <Eigen/Core>
 
 #include "sdmha/config.hpp"
@@ -87,6 +89,80 @@ void csr_dense_product(const CsrView<Scalar, StorageIndex>& x, const Scalar* wei
   }
   if (column < columns)
     csr_dense_columns_scalar(x, weight, weight_stride, bias, output, output_stride, column, columns - column);
+}
+
+// Y = X·W + b by features, for a W too large for cache that many rows share: X's rows are
+// regrouped by feature (CSC), and for each feature the panel of W's row is loaded into registers
+// once and added into every row that holds the feature, whose output panel stays in L1/L2.
+// W then streams from memory once per panel instead of once per stored value. Each output entry
+// still accumulates its row's values in ascending feature order with one FMA each, so for rows
+// with sorted columns the result is bitwise that of csr_dense_product.
+template <int Packets, typename Scalar>
+void scatter_feature_panel(const std::vector<Index>& feature_offsets, const std::vector<Index>& used_features,
+                           const std::vector<Index>& entry_rows, const std::vector<Scalar>& entry_values,
+                           const Scalar* weight, Index weight_stride, Scalar* output,
+                           Index output_stride, Index first_column) {
+  using namespace Eigen::internal;
+  using Packet = typename PacketOf<Scalar>::Packet;
+  constexpr int packet_size = PacketOf<Scalar>::size;
+  for (const Index feature : used_features) {
+    const Scalar* weight_row = weight + feature * weight_stride + first_column;
+    Packet panel[Packets];
+    for (int p = 0; p < Packets; ++p) panel[p] = ploadu<Packet>(weight_row + p * packet_size);
+    for (Index k = feature_offsets[feature]; k < feature_offsets[feature + 1]; ++k) {
+      Scalar* out = output + entry_rows[k] * output_stride + first_column;
+      const Packet value = pset1<Packet>(entry_values[k]);
+      for (int p = 0; p < Packets; ++p)
+        pstoreu(out + p * packet_size, pmadd(value, panel[p], ploadu<Packet>(out + p * packet_size)));
+    }
+  }
+}
+
+template <typename Scalar, typename StorageIndex>
+void csr_dense_product_by_feature(const CsrView<Scalar, StorageIndex>& x, const Scalar* weight,
+                                  Index weight_stride, const Scalar* bias, Scalar* output,
+                                  Index output_stride, Index columns) {
+  // CSC of x by counting sort: feature_offsets[f] … feature_offsets[f + 1] hold (row, value).
+  std::vector<Index> feature_offsets(static_cast<std::size_t>(x.cols) + 1, 0);
+  for (Index row = 0; row < x.rows; ++row)
+    for (Index k = x.row_begin(row); k < x.row_end(row); ++k) ++feature_offsets[std::size_t(x.column_indices[k]) + 1];
+  std::vector<Index> used_features;
+  for (Index feature = 0; feature < x.cols; ++feature) {
+    if (feature_offsets[feature + 1] != 0) used_features.push_back(feature);
+    feature_offsets[feature + 1] += feature_offsets[feature];
+  }
+  std::vector<Index> entry_rows(static_cast<std::size_t>(feature_offsets[x.cols]));
+  std::vector<Scalar> entry_values(entry_rows.size());
+  {
+    std::vector<Index> cursor(feature_offsets.begin(), feature_offsets.end() - 1);
+    for (Index row = 0; row < x.rows; ++row)
+      for (Index k = x.row_begin(row); k < x.row_end(row); ++k) {
+        const Index position = cursor[std::size_t(x.column_indices[k])]++;
+        entry_rows[position] = row;
+        entry_values[position] = x.values[k];
+      }
+  }
+  for (Index row = 0; row < x.rows; ++row) {
+    Scalar* output_row = output + row * output_stride;
+    for (Index j = 0; j < columns; ++j) output_row[j] = bias != nullptr ? bias[j] : Scalar(0);
+  }
+  constexpr int kPanelPackets = 16;
+  Index column = 0;
+  if constexpr (PacketOf<Scalar>::vectorized) {
+    constexpr Index packet_size = PacketOf<Scalar>::size;
+    for (; column + kPanelPackets * packet_size <= columns; column += kPanelPackets * packet_size)
+      scatter_feature_panel<kPanelPackets>(feature_offsets, used_features, entry_rows, entry_values,
+                                           weight, weight_stride, output, output_stride, column);
+    for (; column + packet_size <= columns; column += packet_size)
+      scatter_feature_panel<1>(feature_offsets, used_features, entry_rows, entry_values, weight,
+                               weight_stride, output, output_stride, column);
+  }
+  for (const Index feature : used_features)
+    for (Index k = feature_offsets[feature]; k < feature_offsets[feature + 1]; ++k) {
+      Scalar* out = output + entry_rows[k] * output_stride;
+      const Scalar* weight_row = weight + feature * weight_stride;
+      for (Index j = column; j < columns; ++j) out[j] += entry_values[k] * weight_row[j];
+    }
 }
 
 }  // namespace sdmha::detail

@@ -68,6 +68,9 @@ void parallel_for(Index count, int threads, Body&& body) {
 
 // Row blocks of a fixed height, so that projections split the same way for any thread count.
 constexpr Index kProjectionRowBlock = 64;
+// Rows per query-projection work item: enough stored values per item for the by-feature kernel
+// to pay on wide queries (see stages/query_projection.hpp).
+constexpr Index kQueryProjectionRowBlock = 256;
 // Query steps per attention work item: the scores in flight are kQueryTile × S per worker, never
 // the whole (B, H, T, S) tensor.
 constexpr Index kQueryTile = 64;

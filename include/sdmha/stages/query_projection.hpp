@@ -37,12 +37,23 @@ struct SparseQueryProjection {
                                "; expected ", args.query.rows, " x ", args.kernel.cols());
   }
 
-  // Register-blocked: a panel of output columns stays in vector registers across a row's stored
-  // values and is stored once (detail/csr_dense_product.hpp gives the reasons).
+  // Two register-blocked kernels (detail/csr_dense_product.hpp gives the reasons). By rows: a
+  // panel of output columns stays in vector registers across a row's stored values. By features:
+  // for a kernel larger than the L2 cache that the rows touch at least twice per feature on
+  // average, X is regrouped by feature so that Wq streams through once, in order, instead of one
+  // random row per stored value (measured 1.5–2× faster for `bow` at 1 %). Both add each row's
+  // values in ascending feature order with one FMA each, so sorted rows give the same bits.
   void operator()(const Arguments& args) const {
-    detail::csr_dense_product(args.query, args.kernel.data(), args.kernel.outerStride(),
-                              args.bias.size() != 0 ? args.bias.data() : nullptr, args.output.data(),
-                              args.output.outerStride(), args.kernel.cols());
+    const Scalar* bias = args.bias.size() != 0 ? args.bias.data() : nullptr;
+    const double kernel_bytes = double(args.kernel.rows()) * double(args.kernel.cols()) * sizeof(Scalar);
+    constexpr double kCacheBytes = 4.0 * 1024 * 1024;
+    if (kernel_bytes > kCacheBytes && args.query.nonzeros() >= 2 * args.query.cols) {
+      detail::csr_dense_product_by_feature(args.query, args.kernel.data(), args.kernel.outerStride(), bias,
+                                           args.output.data(), args.output.outerStride(), args.kernel.cols());
+    } else {
+      detail::csr_dense_product(args.query, args.kernel.data(), args.kernel.outerStride(), bias,
+                                args.output.data(), args.output.outerStride(), args.kernel.cols());
+    }
   }
 };
 
