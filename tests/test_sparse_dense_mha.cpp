@@ -9,30 +9,6 @@ template <typename Scalar>
 class SparseDenseMhaTest : public ::testing::Test {};
 TYPED_TEST_SUITE(SparseDenseMhaTest, ScalarTypes);
 
-struct Variant {
-  const char* name;
-  Shape shape;
-};
-
-std::vector<Variant> variants() {
-  std::vector<Variant> list;
-  list.push_back({"basic", Shape{}});
-  Shape s;
-  s = Shape{}; s.batch = 1; s.heads = 1; list.push_back({"batch1_head1", s});
-  s = Shape{}; s.steps = 3; s.key_steps = 11; s.query_dim = 23; s.key_in_dim = 9; s.value_in_dim = 13;
-  s.heads = 3; s.key_dim = 5; s.value_dim = 7; s.output_dim = 6; list.push_back({"odd_sizes_dv_o", s});
-  s = Shape{}; s.random_mask = true; list.push_back({"random_mask", s});
-  s = Shape{}; s.causal = true; s.steps = 6; s.key_steps = 4; list.push_back({"causal_t_gt_s", s});
-  s = Shape{}; s.causal = true; s.steps = 3; s.key_steps = 8; s.random_mask = true; list.push_back({"causal_t_lt_s_mask", s});
-  s = Shape{}; s.empty_rows = true; s.steps = 9; list.push_back({"empty_rows", s});
-  s = Shape{}; s.fully_blocked_rows = true; s.steps = 8; list.push_back({"fully_blocked_rows", s});
-  s = Shape{}; s.key_padding = true; s.random_mask = true; list.push_back({"key_padding", s});
-  s = Shape{}; s.duplicates = true; s.density = 0.4; list.push_back({"duplicates", s});
-  s = Shape{}; s.use_bias = false; s.empty_rows = true; list.push_back({"no_bias", s});
-  s = Shape{}; s.batch = 3; s.steps = 17; s.key_steps = 33; s.query_dim = 64; s.heads = 4;
-  s.key_dim = 8; s.density = 0.05; s.random_mask = true; s.causal = true; list.push_back({"larger", s});
-  return list;
-}
 
 template <typename Scalar>
 void check_layer(const Case<Scalar>& c, sdmha::AttentionOptions<Scalar> options, const char* name) {
