@@ -10,9 +10,10 @@
 //   dWq = Xᵀ·dQ (QueryKernelGradient), dbq = 1ᵀ·dQ, dX = dQ·Wqᵀ sampled at X's stored
 //   positions (QueryValuesGradient); dWk = keyᵀ·dK, dbk = 1ᵀ·dK, dkey = dK·Wkᵀ; likewise V.
 //
-// Nothing is saved from the forward: the backward recomputes Q, K, V and, tile by tile, the
-// probabilities, with the same stages, tiles and dropout mask as the forward, so P and P' are
-// the forward's bit for bit.
+// Nothing is saved from the forward: the backward recomputes Q, K and V (or takes K and V from
+// the ProjectedContext the forward ran against) and, tile by tile, the probabilities, with the
+// forward's stages, tiles and dropout mask. The (b, h) loop keeps one tile of scores per worker,
+// never the whole (B, H, T, S) tensor.
 #pragma once
 
 #include <algorithm>
@@ -52,77 +53,6 @@ struct Inputs {
   int threads;
 };
 
-// The checks of the forward (the same messages and exception types), for the backward's entry.
-template <typename Scalar>
-Inputs<Scalar> check_inputs(const char* where, const LayerDims& dims, Index batch, Index steps,
-                            const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
-                            const AttentionOptions<Scalar>& options) {
-  auto check_tensor = [&](const char* name, const TensorRef3<Scalar>& tensor, Index width) {
-    if (tensor.dimension(0) != batch)
-      fail<ShapeError>(where, name, " has batch ", tensor.dimension(0),
-                       "; expected the query's batch ", batch);
-    if (tensor.dimension(2) != width)
-      fail<ShapeError>(where, name, " has width ", tensor.dimension(2),
-                       "; expected the kernel's input width ", width);
-    if (tensor.data() == nullptr && tensor.dimension(0) * tensor.dimension(1) * width > 0)
-      fail<ShapeError>(where, name, " has no data; expected ", batch, " x ", tensor.dimension(1),
-                       " x ", width, " values");
-  };
-  check_tensor("key", key, dims.key_in_dim);
-  check_tensor("value", value, dims.value_in_dim);
-  const Index key_steps = value.dimension(1);
-  if (key.dimension(1) != key_steps)
-    fail<ShapeError>(where, "key has ", key.dimension(1), " steps but value has ", key_steps,
-                     "; expected equal");
-  const auto& mask = options.attention_mask;
-  if (mask.size() != 0 || mask.dimension(0) != 0 || mask.dimension(1) != 0 || mask.dimension(2) != 0) {
-    if (mask.dimension(0) != batch || mask.dimension(1) != steps || mask.dimension(2) != key_steps)
-      fail<ShapeError>(where, "attention_mask is (", mask.dimension(0), ", ", mask.dimension(1),
-                       ", ", mask.dimension(2), "); expected (B, T, S) = (", batch, ", ", steps,
-                       ", ", key_steps, ")");
-  }
-  const auto& padding = options.key_padding_mask;
-  if (padding.dimension(0) != 0 || padding.dimension(1) != 0) {
-    if (padding.dimension(0) != batch || padding.dimension(1) != key_steps)
-      fail<ShapeError>(where, "key_padding_mask is (", padding.dimension(0), ", ",
-                       padding.dimension(1), "); expected (B, S) = (", batch, ", ", key_steps, ")");
-  }
-  if (!(options.dropout_rate >= 0.0 && options.dropout_rate < 1.0))
-    fail<ConfigError>(where, "dropout_rate = ", options.dropout_rate, "; expected 0 <= dropout_rate < 1");
-  if (options.num_threads < 0)
-    fail<ConfigError>(where, "num_threads = ", options.num_threads,
-                      "; expected >= 0 (0 means all hardware threads)");
-  return Inputs<Scalar>{batch, steps, key_steps, key.as_matrix(), value.as_matrix(),
-                        resolve_thread_count(options.num_threads)};
-}
-
-// The rows [first, first + count) of a CSR or a dense input.
-template <typename Scalar, typename StorageIndex>
-CsrView<Scalar, StorageIndex> rows_of(const CsrView<Scalar, StorageIndex>& input, Index first, Index count) {
-  return input.middle_rows(first, count);
-}
-template <typename Dense>
-auto rows_of(const Dense& input, Index first, Index count) {
-  return input.middleRows(first, count);
-}
-
-// input (rows × E) · kernel + bias → output, in the forward's fixed row blocks.
-template <typename Projection, typename Input, typename Scalar>
-void project_rows(const Projection& projection, const Input& input, const RowMatrix<Scalar>& kernel,
-                  const Vector<Scalar>& bias, RowMatrix<Scalar>& output, int threads) {
-  const Index rows = output.rows();
-  const Vector<Scalar> no_bias;
-  parallel_for(row_block_count(rows), threads, [&](Index block, int) {
-    const Index first = block * kProjectionRowBlock;
-    const Index count = std::min(kProjectionRowBlock, rows - first);
-    typename Projection::Arguments args{rows_of(input, first, count), kernel,
-                                        bias.size() != 0 ? bias : no_bias,
-                                        output.middleRows(first, count)};
-    Projection::can_implement(args);
-    projection(args);
-  });
-}
-
 // d_input (rows × E) = d_output · kernelᵀ, in fixed row blocks.
 template <typename Scalar>
 void input_gradient(const RowMatrix<Scalar>& d_output, const RowMatrix<Scalar>& kernel,
@@ -131,14 +61,16 @@ void input_gradient(const RowMatrix<Scalar>& d_output, const RowMatrix<Scalar>& 
   parallel_for(row_block_count(rows), threads, [&](Index block, int) {
     const Index first = block * kProjectionRowBlock;
     const Index count = std::min(kProjectionRowBlock, rows - first);
-    d_input.middleRows(first, count).noalias() = d_output.middleRows(first, count) * kernel.transpose();
+    d_input.middleRows(first, count).noalias() =
+        d_output.middleRows(first, count) * kernel.transpose();
   });
 }
 
 // d_weight (E × N) = inputᵀ · d_output over all rows, one GEMM per fixed tile of d_weight.
 template <typename Scalar>
-void transposed_product_tiles(const ConstMatrixRef<Scalar>& input, const ConstMatrixRef<Scalar>& d_output,
-                              RowMatrix<Scalar>& d_weight, int threads) {
+void transposed_product_tiles(const ConstMatrixRef<Scalar>& input,
+                              const ConstMatrixRef<Scalar>& d_output, RowMatrix<Scalar>& d_weight,
+                              int threads) {
   const Index row_tiles = (d_weight.rows() + kWeightTile - 1) / kWeightTile;
   const Index column_tiles = (d_weight.cols() + kWeightTile - 1) / kWeightTile;
   parallel_for(row_tiles * column_tiles, threads, [&](Index item, int) {
@@ -155,8 +87,8 @@ void transposed_product_tiles(const ConstMatrixRef<Scalar>& input, const ConstMa
 // attends (a blocked key step) has dY's row exactly 0 and may hold NaN or Inf; a GEMM would turn
 // 0·NaN into NaN, so when the input is not finite only the rows with a gradient take part.
 template <typename Scalar>
-RowMatrix<Scalar> kernel_gradient(const ConstMatrixRef<Scalar>& input, const ConstMatrixRef<Scalar>& d_output,
-                                  int threads) {
+RowMatrix<Scalar> kernel_gradient(const ConstMatrixRef<Scalar>& input,
+                                  const ConstMatrixRef<Scalar>& d_output, int threads) {
   RowMatrix<Scalar> d_weight(input.cols(), d_output.cols());
   if (input.allFinite()) {
     transposed_product_tiles<Scalar>(input, d_output, d_weight, threads);
@@ -184,7 +116,8 @@ Vector<Scalar> bias_gradient(bool use_bias, const Matrix& d_output) {
 // out = alpha · weights · rows, where a zero weight never meets its row: a row of K that every
 // query is blocked from may be NaN, and its weights (dS's column) are exactly 0.
 template <typename Scalar, typename Weights, typename Rows, typename Out>
-void product_skipping_zero_weights(Scalar alpha, const Weights& weights, const Rows& rows, Out&& out) {
+void product_skipping_zero_weights(Scalar alpha, const Weights& weights, const Rows& rows,
+                                   Out&& out) {
   if (rows.allFinite()) {
     out.noalias() = (alpha * weights) * rows;
     return;
@@ -203,33 +136,39 @@ struct HasDefaultStages {
   using Scalar = typename Layer::ScalarType;
   using StorageIndex = typename Layer::StorageIndex;
   static constexpr bool projections =
-      std::is_same<typename Layer::QueryProjection, SparseQueryProjection<Scalar, StorageIndex>>::value &&
+      std::is_same<typename Layer::QueryProjection,
+                   SparseQueryProjection<Scalar, StorageIndex>>::value &&
       std::is_same<typename Layer::ContextProjection, DenseProjection<Scalar>>::value &&
       std::is_same<typename Layer::OutputProjection, OutputProjection<Scalar>>::value;
-  static constexpr bool attention = std::is_same<typename Layer::ScoreKernel, ScoreKernel<Scalar, StorageIndex>>::value &&
-                                    std::is_same<typename Layer::Softmax, MaskedSoftmax<Scalar>>::value &&
-                                    std::is_same<typename Layer::AttendValues, AttendValues<Scalar>>::value;
+  static constexpr bool attention =
+      std::is_same<typename Layer::ScoreKernel, ScoreKernel<Scalar, StorageIndex>>::value &&
+      std::is_same<typename Layer::Softmax, MaskedSoftmax<Scalar>>::value &&
+      std::is_same<typename Layer::AttendValues, AttendValues<Scalar>>::value;
 };
 
 // Everything that the backward checks before any work: the forward's checks with the same
 // messages, then d_output against (B, T, O).
 template <typename Layer, typename Scalar = typename Layer::ScalarType>
-Inputs<Scalar> check_backward(const char* where, const Layer& layer, const typename Layer::Query& query,
-                              const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
-                              const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options) {
+Inputs<Scalar> check_backward(const char* where, const Layer& layer,
+                              const typename Layer::Query& query, const TensorRef3<Scalar>& key,
+                              const TensorRef3<Scalar>& value, const TensorRef3<Scalar>& d_output,
+                              const AttentionOptions<Scalar>& options) {
   static_assert(HasDefaultStages<Layer>::projections,
                 "mha_backward: differentiates the default projection stages only");
-  static_assert(HasDefaultStages<Layer>::attention,
-                "mha_backward: differentiates the default ScoreKernel, MaskedSoftmax and AttendValues only");
+  static_assert(
+      HasDefaultStages<Layer>::attention,
+      "mha_backward: differentiates the default ScoreKernel, MaskedSoftmax and AttendValues only");
   const LayerDims& dims = layer.dims();
-  if (query.features() != dims.query_dim)
-    fail<ShapeError>(where, "query has ", query.features(), " features; expected the query kernel's input width ",
-                     dims.query_dim);
-  const auto inputs = check_inputs<Scalar>(where, dims, query.batch(), query.steps(), key, value, options);
+  layer.check_query(where, query);
+  layer.check_context(where, query.batch(), key, value);
+  const auto sizes = layer.check_options(where, query.batch(), query.steps(), value.dimension(1), options);
+  const Inputs<Scalar> inputs{sizes.batch, sizes.steps, sizes.key_steps, key.as_matrix(),
+                              value.as_matrix(), sizes.threads};
   const Index B = inputs.batch, T = inputs.steps, O = dims.output_dim;
   if (d_output.dimension(0) != B || d_output.dimension(1) != T || d_output.dimension(2) != O)
-    fail<ShapeError>(where, "d_output is (", d_output.dimension(0), ", ", d_output.dimension(1), ", ",
-                     d_output.dimension(2), "); expected (B, T, O) = (", B, ", ", T, ", ", O, ")");
+    fail<ShapeError>(where, "d_output is (", d_output.dimension(0), ", ", d_output.dimension(1),
+                     ", ", d_output.dimension(2), "); expected (B, T, O) = (", B, ", ", T, ", ", O,
+                     ")");
   if (d_output.data() == nullptr && B * T * O > 0)
     fail<ShapeError>(where, "d_output has no data; expected ", B, " x ", T, " x ", O, " values");
   return inputs;
@@ -237,9 +176,10 @@ Inputs<Scalar> check_backward(const char* where, const Layer& layer, const typen
 
 // The backward on validated inputs, K = `keys` and V = `values` being the key and value projected.
 template <typename Layer, typename Scalar = typename Layer::ScalarType>
-MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& query, const Inputs<Scalar>& inputs,
-                              const RowMatrix<Scalar>& keys, const RowMatrix<Scalar>& values,
-                              const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options) {
+MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& query,
+                              const Inputs<Scalar>& inputs, const RowMatrix<Scalar>& keys,
+                              const RowMatrix<Scalar>& values, const TensorRef3<Scalar>& d_output,
+                              const AttentionOptions<Scalar>& options) {
   using StorageIndex = typename Layer::StorageIndex;
   const MhaConfig& config = layer.config();
   const MhaWeights<Scalar>& weights = layer.weights();
@@ -251,9 +191,7 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
   const auto& csr = query.csr();
 
   // The forward's query projection, recomputed whatever the score strategy: dK needs Q.
-  RowMatrix<Scalar> queries(B * T, H * Dk);
-  project_rows(SparseQueryProjection<Scalar, StorageIndex>(), csr, weights.query_kernel, weights.query_bias,
-               queries, threads);
+  const RowMatrix<Scalar> queries = layer.project_query(query, threads);
 
   // dA = dY·Woᵀ does not depend on the attention, so it is ready before the (b, h) loop.
   const auto d_output_matrix = d_output.as_matrix();
@@ -270,8 +208,9 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
   RowMatrix<Scalar> heads(B * T, H * Dv), d_queries(B * T, H * Dk);
   RowMatrix<Scalar> d_keys = RowMatrix<Scalar>::Zero(B * S, H * Dk);
   RowMatrix<Scalar> d_values = RowMatrix<Scalar>::Zero(B * S, H * Dv);
-  const bool regrouped = layer.resolve_strategy(options.score_strategy, query, S, options.use_causal_mask) ==
-                         ScoreStrategy::sparse_regrouped;
+  const bool regrouped =
+      layer.resolve_strategy(options.score_strategy, query, S, options.use_causal_mask) ==
+      ScoreStrategy::sparse_regrouped;
   // The forward's tiles: the regrouped kernel shares M_bh across all of a batch entry's rows.
   const Index query_tile = regrouped ? T : kQueryTile;
   const Index tiles = query_tile > 0 ? (T + query_tile - 1) / query_tile : 0;
@@ -280,7 +219,8 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
   const Vector<Scalar> no_bias;
   const auto workers = static_cast<std::size_t>(worker_count(B * H, threads));
   // Per worker: P, P' (when dropout is on) and dP → dS of the tile in flight.
-  std::vector<RowMatrix<Scalar>> probabilities_scratch(workers), dropped_scratch(workers), d_scores_scratch(workers);
+  std::vector<RowMatrix<Scalar>> probabilities_scratch(workers), dropped_scratch(workers),
+      d_scores_scratch(workers);
   const ScoreKernel<Scalar, StorageIndex> score_kernel;
   const MaskedSoftmax<Scalar> softmax;
   const AttendValues<Scalar> attend_values;
@@ -310,20 +250,23 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
         mask.attention = options.attention_mask.data() + (b * T + first_step) * S;
         mask.attention_stride = S;
       }
-      if (options.key_padding_mask.size() != 0) mask.key_padding = options.key_padding_mask.data() + b * S;
+      if (options.key_padding_mask.size() != 0)
+        mask.key_padding = options.key_padding_mask.data() + b * S;
 
       ScratchMap probabilities = scratch(probabilities_scratch, rows, key_end);
       if (regrouped) {
+        const ConstVectorRef<Scalar> query_bias_h =
+            weights.query_bias.size() != 0
+                ? ConstVectorRef<Scalar>(weights.query_bias.segment(h * Dk, Dk))
+                : ConstVectorRef<Scalar>(no_bias);
         typename ScoreKernel<Scalar, StorageIndex>::SparseArguments args{
-            query.batch_rows(b), weights.query_kernel.middleCols(h * Dk, Dk),
-            weights.query_bias.size() != 0 ? ConstVectorRef<Scalar>(weights.query_bias.segment(h * Dk, Dk))
-                                           : ConstVectorRef<Scalar>(no_bias),
-            key_bh, scale, mask, probabilities};
+            query.batch_rows(b), weights.query_kernel.middleCols(h * Dk, Dk), query_bias_h, key_bh,
+            scale, mask, probabilities};
         score_kernel.can_implement(args);
         score_kernel(args);
       } else {
-        typename ScoreKernel<Scalar, StorageIndex>::Arguments args{query_tile_bh, key_bh, scale, mask,
-                                                                   probabilities};
+        typename ScoreKernel<Scalar, StorageIndex>::Arguments args{query_tile_bh, key_bh, scale,
+                                                                   mask, probabilities};
         score_kernel.can_implement(args);
         score_kernel(args);
       }
@@ -331,13 +274,14 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
       softmax.can_implement(softmax_args);
       softmax(softmax_args);
 
-      ScratchMap dropped = dropout.active() ? scratch(dropped_scratch, rows, key_end) : probabilities;
+      ScratchMap dropped =
+          dropout.active() ? scratch(dropped_scratch, rows, key_end) : probabilities;
       if (dropout.active()) {
         dropped = probabilities;
         dropout.apply(dropped, b, h, first_step, 0);
       }
-      typename AttendValues<Scalar>::Arguments values_args{dropped, value_bh,
-                                                           heads.block(b * T + first_step, h * Dv, rows, Dv)};
+      typename AttendValues<Scalar>::Arguments values_args{
+          dropped, value_bh, heads.block(b * T + first_step, h * Dv, rows, Dv)};
       attend_values.can_implement(values_args);
       attend_values(values_args);
 
@@ -354,8 +298,9 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
         d = (p != Scalar(0)).select(p * (d - weighted), Scalar(0));
       }
       product_skipping_zero_weights(scale, d_scores, key_bh,
-                                          d_queries.block(b * T + first_step, h * Dk, rows, Dk));
-      d_keys.block(b * S, h * Dk, key_end, Dk).noalias() += (scale * d_scores.transpose()) * query_tile_bh;
+                                    d_queries.block(b * T + first_step, h * Dk, rows, Dk));
+      d_keys.block(b * S, h * Dk, key_end, Dk).noalias() +=
+          (scale * d_scores.transpose()) * query_tile_bh;
       d_values.block(b * S, h * Dv, key_end, Dv).noalias() += dropped.transpose() * d_heads_tile;
     }
   });
@@ -411,13 +356,14 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
   gradients.key_bias = bias_gradient<Scalar>(use_bias, d_keys);
   gradients.key.resize(B, S, dims.key_in_dim);
   input_gradient(d_keys, weights.key_kernel,
-                       Eigen::Map<RowMatrix<Scalar>>(gradients.key.data(), B * S, dims.key_in_dim), threads);
+                 Eigen::Map<RowMatrix<Scalar>>(gradients.key.data(), B * S, dims.key_in_dim),
+                 threads);
   gradients.value_kernel = kernel_gradient<Scalar>(inputs.value, d_values, threads);
   gradients.value_bias = bias_gradient<Scalar>(use_bias, d_values);
   gradients.value.resize(B, S, dims.value_in_dim);
   input_gradient(d_values, weights.value_kernel,
-                       Eigen::Map<RowMatrix<Scalar>>(gradients.value.data(), B * S, dims.value_in_dim),
-                       threads);
+                 Eigen::Map<RowMatrix<Scalar>>(gradients.value.data(), B * S, dims.value_in_dim),
+                 threads);
   return gradients;
 }
 
@@ -429,23 +375,20 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
 // same for any thread count. Blocked (t, s) pairs pass no gradient, fully blocked query rows get
 // exactly zero, and NaN or Inf in key or value rows that no query attends never reach a gradient.
 // Throws what forward throws for bad input, and ShapeError when d_output is not (B, T, O).
-// Cost: about 2.5 forwards (the forward's attention recomputed, then twice its products again).
+// Cost: the flops of about 2.5–3 forwards (2–2.5 with a context): the attention is recomputed and
+// each of its products and projections has two gradient products.
 template <typename Layer>
 MhaGradients<typename Layer::ScalarType> mha_backward(
-    const Layer& layer, const typename Layer::Query& query, const TensorRef3<typename Layer::ScalarType>& key,
-    const TensorRef3<typename Layer::ScalarType>& value, const TensorRef3<typename Layer::ScalarType>& d_output,
+    const Layer& layer, const typename Layer::Query& query,
+    const TensorRef3<typename Layer::ScalarType>& key,
+    const TensorRef3<typename Layer::ScalarType>& value,
+    const TensorRef3<typename Layer::ScalarType>& d_output,
     const AttentionOptions<typename Layer::ScalarType>& options = {}) {
-  using Scalar = typename Layer::ScalarType;
   namespace grad = detail::gradient;
-  const auto inputs = grad::check_backward("mha_backward", layer, query, key, value, d_output, options);
-  const MhaWeights<Scalar>& weights = layer.weights();
-  const LayerDims& dims = layer.dims();
-  RowMatrix<Scalar> keys(inputs.batch * inputs.key_steps, dims.projected_key_width());
-  RowMatrix<Scalar> values(inputs.batch * inputs.key_steps, dims.projected_value_width());
-  grad::project_rows(DenseProjection<Scalar>(), inputs.key, weights.key_kernel, weights.key_bias, keys, inputs.threads);
-  grad::project_rows(DenseProjection<Scalar>(), inputs.value, weights.value_kernel, weights.value_bias, values,
-                     inputs.threads);
-  return grad::backward(layer, query, inputs, keys, values, d_output, options);
+  const auto inputs =
+      grad::check_backward("mha_backward", layer, query, key, value, d_output, options);
+  const auto context = layer.project_context(key, value, inputs.threads);
+  return grad::backward(layer, query, inputs, context.keys, context.values, d_output, options);
 }
 
 // The same, reusing K and V from `context = layer.project_context(key, value)` (the context the
@@ -454,8 +397,10 @@ MhaGradients<typename Layer::ScalarType> mha_backward(
 // those of key and value.
 template <typename Layer>
 MhaGradients<typename Layer::ScalarType> mha_backward(
-    const Layer& layer, const typename Layer::Query& query, const TensorRef3<typename Layer::ScalarType>& key,
-    const TensorRef3<typename Layer::ScalarType>& value, const ProjectedContext<typename Layer::ScalarType>& context,
+    const Layer& layer, const typename Layer::Query& query,
+    const TensorRef3<typename Layer::ScalarType>& key,
+    const TensorRef3<typename Layer::ScalarType>& value,
+    const ProjectedContext<typename Layer::ScalarType>& context,
     const TensorRef3<typename Layer::ScalarType>& d_output,
     const AttentionOptions<typename Layer::ScalarType>& options = {}) {
   namespace grad = detail::gradient;
@@ -463,15 +408,15 @@ MhaGradients<typename Layer::ScalarType> mha_backward(
   const auto inputs = grad::check_backward(where, layer, query, key, value, d_output, options);
   const LayerDims& dims = layer.dims();
   const Index rows = inputs.batch * inputs.key_steps;
-  if (context.batch != inputs.batch || context.key_steps != inputs.key_steps || context.keys.rows() != rows ||
-      context.keys.cols() != dims.projected_key_width() || context.values.rows() != rows ||
-      context.values.cols() != dims.projected_value_width())
-    detail::fail<ShapeError>(where, "context has batch ", context.batch, ", key_steps ", context.key_steps,
-                             ", keys ", context.keys.rows(), " x ", context.keys.cols(), ", values ",
-                             context.values.rows(), " x ", context.values.cols(),
-                             "; expected those of project_context(key, value): batch ", inputs.batch,
-                             ", key_steps ", inputs.key_steps, ", keys ", rows, " x ", dims.projected_key_width(),
-                             ", values ", rows, " x ", dims.projected_value_width());
+  if (context.batch != inputs.batch || context.key_steps != inputs.key_steps ||
+      context.keys.rows() != rows || context.keys.cols() != dims.projected_key_width() ||
+      context.values.rows() != rows || context.values.cols() != dims.projected_value_width())
+    detail::fail<ShapeError>(
+        where, "context has batch ", context.batch, ", key_steps ", context.key_steps, ", keys ",
+        context.keys.rows(), " x ", context.keys.cols(), ", values ", context.values.rows(), " x ",
+        context.values.cols(), "; expected those of project_context(key, value): batch ",
+        inputs.batch, ", key_steps ", inputs.key_steps, ", keys ", rows, " x ",
+        dims.projected_key_width(), ", values ", rows, " x ", dims.projected_value_width());
   return grad::backward(layer, query, inputs, context.keys, context.values, d_output, options);
 }
 

@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "sdmha/backward.hpp"
 #include "sdmha/detail/attention_core.hpp"
 #include "sdmha/sparse_query.hpp"
 #include "sdmha/stages/attend_values.hpp"
@@ -96,6 +97,47 @@ class SparseDenseMHA
     return regrouped < project_first ? ScoreStrategy::sparse_regrouped : ScoreStrategy::project_first;
   }
 
+  // Gradients of a loss through forward(query, key, value, options), given d_output =
+  // ∂loss/∂output (B, T, O): every weight, the query's stored values, key and value. See
+  // mha_backward in sdmha/backward.hpp (recomputes the forward; same masks, dropout, threads).
+  MhaGradients<Scalar> backward(const Query& query, const TensorRef3<Scalar>& key,
+                                const TensorRef3<Scalar>& value, const TensorRef3<Scalar>& d_output,
+                                const AttentionOptions<Scalar>& options = {}) const {
+    return mha_backward(*this, query, key, value, d_output, options);
+  }
+  // The same, reusing the keys and values of project_context(key, value).
+  MhaGradients<Scalar> backward(const Query& query, const TensorRef3<Scalar>& key,
+                                const TensorRef3<Scalar>& value, const ProjectedContext<Scalar>& context,
+                                const TensorRef3<Scalar>& d_output,
+                                const AttentionOptions<Scalar>& options = {}) const {
+    return mha_backward(*this, query, key, value, context, d_output, options);
+  }
+
+  void check_query(const char* where, const Query& query) const {
+    if (query.features() != this->dims_.query_dim)
+      detail::fail<ShapeError>(where, "query has ", query.features(),
+                               " features; expected the query kernel's input width ", this->dims_.query_dim);
+  }
+
+  // Q = X·Wq + bq for a validated query, in fixed blocks of rows spread over `threads`.
+  RowMatrix<Scalar> project_query(const Query& query, int threads) const {
+    RowMatrix<Scalar> projected_query(query.rows(), this->dims_.projected_key_width());
+    const auto& csr = query.csr();
+    const auto& weights = this->weights_;
+    constexpr Index block_rows = detail::kQueryProjectionRowBlock;
+    const Index blocks = (query.rows() + block_rows - 1) / block_rows;
+    detail::parallel_for(blocks, threads, [&](Index block, int) {
+      const Index first = block * block_rows;
+      const Index count = std::min(block_rows, query.rows() - first);
+      typename QueryProjection::Arguments args{csr.middle_rows(first, count), weights.query_kernel,
+                                               this->bias_or_empty(weights.query_bias),
+                                               projected_query.middleRows(first, count)};
+      QueryProjection::can_implement(args);
+      query_projection_(args);
+    });
+    return projected_query;
+  }
+
   // Self-attention form of Keras' call(query, value): the key is the value.
   AttentionResult<Scalar> forward(const Query& query, const TensorRef3<Scalar>& value,
                                   const AttentionOptions<Scalar>& options = {}) const {
@@ -103,11 +145,6 @@ class SparseDenseMHA
   }
 
  private:
-  void check_query(const char* where, const Query& query) const {
-    if (query.features() != this->dims_.query_dim)
-      detail::fail<ShapeError>(where, "query has ", query.features(),
-                               " features; expected the query kernel's input width ", this->dims_.query_dim);
-  }
 
   // Σ_b U_b: for each batch entry, the number of distinct features its rows use. O(nnz + Eq).
   static Index distinct_features_per_batch(const Query& query) {
@@ -150,19 +187,7 @@ class SparseDenseMHA
       });
     }
 
-    RowMatrix<Scalar> projected_query(query.rows(), dims.projected_key_width());
-    const auto& csr = query.csr();
-    constexpr Index block_rows = detail::kQueryProjectionRowBlock;
-    const Index blocks = (query.rows() + block_rows - 1) / block_rows;
-    detail::parallel_for(blocks, inputs.threads, [&](Index block, int) {
-      const Index first = block * block_rows;
-      const Index count = std::min(block_rows, query.rows() - first);
-      typename QueryProjection::Arguments args{csr.middle_rows(first, count), weights.query_kernel,
-                                               this->bias_or_empty(weights.query_bias),
-                                               projected_query.middleRows(first, count)};
-      QueryProjection::can_implement(args);
-      query_projection_(args);
-    });
+    const RowMatrix<Scalar> projected_query = project_query(query, inputs.threads);
     return this->attend(inputs, context, options, detail::kQueryTile,
                         [&](Index b, Index h, Index first_step, const ConstMatrixRef<Scalar>& key_bh,
                             const BatchMask& mask, MatrixRef<Scalar> scores) {

@@ -245,6 +245,14 @@ class SparseQuery {
     if (steps < 0) detail::fail<ShapeError>(where, "steps = ", steps, "; expected >= 0");
     if (features < 0) detail::fail<ShapeError>(where, "features = ", features, "; expected >= 0");
     constexpr Index limit = Index(std::numeric_limits<StorageIndex>::max());
+    // Each dimension on its own fits the index type too: a zero batch must not let steps (or a
+    // zero steps let batch) reach sizes whose later arithmetic (tiles, B·H·T·S) overflows.
+    if (batch > limit)
+      detail::fail<ShapeError>(where, "batch = ", batch,
+                               " does not fit the storage index type; expected <= ", limit);
+    if (steps > limit)
+      detail::fail<ShapeError>(where, "steps = ", steps,
+                               " does not fit the storage index type; expected <= ", limit);
     if (features > limit)
       detail::fail<ShapeError>(where, "features = ", features,
                                " does not fit the storage index type; expected <= ", limit);

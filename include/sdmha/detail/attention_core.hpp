@@ -50,10 +50,8 @@ class AttentionCore {
   OutputProjection& output_projection() { return output_projection_; }
   ContextProjection& context_projection() { return context_projection_; }
 
- protected:
-  AttentionCore(const MhaConfig& config, MhaWeights<Scalar> weights)
-      : config_(config), weights_(std::move(weights)), dims_(weights_.validate(config_)) {}
-
+  // The boundary checks of forward, public so that passes built on the layer (mha_backward)
+  // check the same things with the same messages.
   // The sizes of one validated call.
   struct Inputs {
     Index batch, steps, key_steps;
@@ -120,6 +118,11 @@ class AttentionCore {
                         "; expected >= 0 (0 means all hardware threads)");
     return Inputs{batch, steps, key_steps, resolve_thread_count(options.num_threads)};
   }
+
+
+ protected:
+  AttentionCore(const MhaConfig& config, MhaWeights<Scalar> weights)
+      : config_(config), weights_(std::move(weights)), dims_(weights_.validate(config_)) {}
 
   // K and V of validated key and value.
   ProjectedContext<Scalar> project_checked(const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
@@ -197,6 +200,11 @@ class AttentionCore {
     const DropoutMask dropout = options.training ? DropoutMask(options.dropout_rate, options.dropout_seed)
                                                  : DropoutMask();
     RowMatrix<Scalar> heads(B * T, H * Dv);
+    // Whether V_bh is finite, found once per (b, h) for all of its query tiles.
+    std::vector<char> value_is_finite(static_cast<std::size_t>(B * H));
+    parallel_for(B * H, threads, [&](Index item, int) {
+      value_is_finite[std::size_t(item)] = values.block((item / H) * S, (item % H) * Dv, S, Dv).allFinite();
+    });
     const Index tiles = query_tile > 0 ? (T + query_tile - 1) / query_tile : 0;
     // Per worker: the scores of the tile in flight, and the probabilities after dropout when the
     // scores before it must be returned.
@@ -252,7 +260,8 @@ class AttentionCore {
       ScoresMap probabilities(probabilities_data, rows, key_end, Eigen::OuterStride<>(probabilities_stride));
       dropout.apply(probabilities, b, h, first_step, 0);
       typename AttendValues::Arguments values_args{probabilities, values.block(b * S, h * Dv, key_end, Dv),
-                                                   heads.block(b * T + first_step, h * Dv, rows, Dv)};
+                                                   heads.block(b * T + first_step, h * Dv, rows, Dv),
+                                                   value_is_finite[std::size_t(b * H + h)] != 0};
       AttendValues::can_implement(values_args);
       attend_values_(values_args);
     });

@@ -631,6 +631,30 @@ class SafetensorsFile {
     data_start_ = 8 + static_cast<std::size_t>(header_length);
     const std::size_t buffer_size = bytes_.size() - data_start_;
 
+    // A safetensors header nests three levels deep; refuse far deeper nesting before parsing,
+    // since building and destroying a million nested arrays exhausts the stack.
+    {
+      constexpr int kMaxNesting = 64;
+      int depth = 0;
+      bool in_string = false, escaped = false;
+      for (std::size_t i = 8; i < data_start_; ++i) {
+        const char c = static_cast<char>(bytes_[i]);
+        if (in_string) {
+          if (escaped) escaped = false;
+          else if (c == '\\') escaped = true;
+          else if (c == '"') in_string = false;
+        } else if (c == '"') {
+          in_string = true;
+        } else if (c == '[' || c == '{') {
+          if (++depth > kMaxNesting)
+            detail::fail<FormatError>(where, source_, ": header nests JSON arrays or objects more than ",
+                                      kMaxNesting, " levels deep at byte ", i - 8,
+                                      "; expected a flat safetensors header");
+        } else if (c == ']' || c == '}') {
+          --depth;
+        }
+      }
+    }
     json header;
     try {
       header = json::parse(bytes_.data() + 8, bytes_.data() + data_start_);

@@ -2,8 +2,10 @@
 //
 //   math:  A_h = P·V_h, written into head h's column block of the concatenated heads
 //   pre:   P T × S (rows sum to 1 or are all 0); V_h S × Dv; A_h T × Dv
-//   cost:  2·T·S·Dv flops (one GEMM); plus an O(S·Dv) finiteness scan of V_h
+//   cost:  2·T·S·Dv flops (one GEMM); plus an O(S·Dv) finiteness scan of V_h unless the caller knows
 #pragma once
+
+#include <optional>
 
 #include "sdmha/config.hpp"
 #include "sdmha/errors.hpp"
@@ -18,6 +20,9 @@ struct AttendValues {
     ConstMatrixRef<Scalar> probabilities;  // T × S
     ConstMatrixRef<Scalar> value;          // S × Dv
     mutable MatrixRef<Scalar> output;              // T × Dv
+    // Whether every entry of `value` is finite, when the caller knows it already (a layer checks
+    // V_h once per (batch, head), not once per query tile); unknown means this stage checks.
+    std::optional<bool> value_is_finite = std::nullopt;
   };
 
   static void can_implement(const Arguments& args) {
@@ -34,7 +39,7 @@ struct AttendValues {
   // query reach that query's output. Such rows are rare, so: one GEMM when V_h is finite, and a
   // product that skips zero probabilities when it is not.
   void operator()(const Arguments& args) const {
-    if (args.value.allFinite()) {
+    if (args.value_is_finite.has_value() ? *args.value_is_finite : args.value.allFinite()) {
       args.output.noalias() = args.probabilities * args.value;
       return;
     }

@@ -21,9 +21,9 @@ struct QueryValuesGradient {
   using StorageIndexType = StorageIndex;
 
   struct Arguments {
-    CsrView<Scalar, StorageIndex> query;      // rows × Eq: only its pattern is read
-    ConstMatrixRef<Scalar> query_kernel;      // Eq × N, row-major: a stored value reads one row
-    ConstMatrixRef<Scalar> d_query;           // rows × N, the gradient of the projected query
+    CsrView<Scalar, StorageIndex> query;  // rows × Eq: only its pattern is read
+    ConstMatrixRef<Scalar> query_kernel;  // Eq × N, row-major: a stored value reads one row
+    ConstMatrixRef<Scalar> d_query;       // rows × N, the gradient of the projected query
     mutable Eigen::Ref<Vector<Scalar>> d_values;  // nnz(X), one per stored value in CSR order
   };
 
@@ -33,8 +33,9 @@ struct QueryValuesGradient {
       detail::fail<ShapeError>(where, "query_kernel has ", args.query_kernel.rows(),
                                " rows; expected the query's feature width ", args.query.cols);
     if (args.d_query.rows() != args.query.rows || args.d_query.cols() != args.query_kernel.cols())
-      detail::fail<ShapeError>(where, "d_query is ", args.d_query.rows(), " x ", args.d_query.cols(),
-                               "; expected ", args.query.rows, " x ", args.query_kernel.cols());
+      detail::fail<ShapeError>(where, "d_query is ", args.d_query.rows(), " x ",
+                               args.d_query.cols(), "; expected ", args.query.rows, " x ",
+                               args.query_kernel.cols());
     if (args.d_values.size() != args.query.nonzeros())
       detail::fail<ShapeError>(where, "d_values has ", args.d_values.size(),
                                " entries; expected one per stored value, ", args.query.nonzeros());

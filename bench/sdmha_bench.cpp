@@ -1,0 +1,1019 @@
+// sdmha_bench — the sparse-query layer against the dense baseline (densify the query, then
+// DenseMHA), whole and stage by stage, on the canonical workloads of ../shared/WORKLOADS.md.
+//
+//   sdmha_bench [--quick] [--benchmark_filter=...]       a Google Benchmark binary: every
+//                                                       workload × density × threads × case
+//   sdmha_bench --summary [--quick] [--json FILE] [--repetitions N]
+//                                                       the comparison table (medians of N
+//                                                       interleaved runs), optionally all numbers
+//                                                       as JSON for bench/plot.py
+//
+// Every case builds its inputs once outside timing, runs once untimed to measure the peak heap
+// bytes of one call and to check its result against the dense path's (relative tolerance), and
+// only then is timed. A disagreement skips the case with an error and makes the exit code 1.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "allocation_counter.hpp"
+#include "workloads.hpp"
+
+#ifndef SDMHA_BENCH_COMPILE_FLAGS
+#define SDMHA_BENCH_COMPILE_FLAGS "(unknown)"
+#endif
+
+namespace sdmha_bench {
+
+using Matrix = sdmha::RowMatrix<float>;
+using ConstMatrixMap = Eigen::Map<const Matrix>;
+
+// A result agrees with its reference when max |result − reference| ≤ kRelativeTolerance ·
+// max |reference|: float32 sums of a few hundred to a few thousand terms, taken in different
+// orders by the sparse and dense kernels, differ by ~1e-6 of that scale.
+constexpr double kRelativeTolerance = 1e-3;
+
+ConstMatrixMap as_matrix(const Tensor3& tensor) {
+  return ConstMatrixMap(tensor.data(), tensor.dimension(0) * tensor.dimension(1),
+                        tensor.dimension(2));
+}
+
+// Empty when `actual` agrees with `expected`, else what differs and by how much.
+std::string compare(const char* what, const sdmha::ConstMatrixRef<float>& actual,
+                    const sdmha::ConstMatrixRef<float>& expected) {
+  std::ostringstream message;
+  if (actual.rows() != expected.rows() || actual.cols() != expected.cols()) {
+    message << what << " is " << actual.rows() << " x " << actual.cols() << "; expected "
+            << expected.rows() << " x " << expected.cols();
+    return message.str();
+  }
+  const double scale = expected.size() == 0 ? 0.0 : double(expected.cwiseAbs().maxCoeff());
+  const double difference =
+      expected.size() == 0 ? 0.0 : double((actual - expected).cwiseAbs().maxCoeff());
+  if (difference <= kRelativeTolerance * scale) return {};  // false for NaN, which then fails
+  message << what << " disagrees with the dense path: max |difference| = " << difference << " > "
+          << kRelativeTolerance << " * max |reference| = " << kRelativeTolerance * scale;
+  return message.str();
+}
+
+// One workload at one density: the inputs, both layers, the dense path's intermediates (the
+// references every case is checked against) and the output buffers of the stage cases.
+class Problem {
+ public:
+  Problem(const WorkloadShape& workload, double query_density)
+      : shape(workload),
+        density(query_density),
+        query(make_sparse_query(workload, query_density, kQuerySeed)),
+        key(make_dense_input(workload.batch, workload.key_steps, workload.context_dim, kKeySeed)),
+        value(
+            make_dense_input(workload.batch, workload.key_steps, workload.context_dim, kValueSeed)),
+        sparse_layer(workload.config(),
+                     sdmha::MhaWeights<float>::glorot_uniform(workload.config(), workload.query_dim,
+                                                              workload.context_dim,
+                                                              workload.context_dim, kWeightSeed)),
+        dense_layer(workload.config(), sparse_layer.weights()),
+        flops(flop_counts(workload, query.nonzeros())) {
+    build_references();
+  }
+
+  const sdmha::MhaWeights<float>& weights() const { return sparse_layer.weights(); }
+  Index rows() const { return shape.batch * shape.steps; }
+  float score_scale() const { return float(1.0 / std::sqrt(double(shape.head_dim))); }
+  sdmha::TensorRef3<float> dense_query_tensor(const Matrix& dense) const {
+    return sdmha::TensorRef3<float>(dense.data(), shape.batch, shape.steps, shape.query_dim);
+  }
+
+  const WorkloadShape shape;
+  const double density;
+  const sdmha::SparseQuery<float> query;
+  const Tensor3 key, value;
+  const sdmha::SparseDenseMHA<float> sparse_layer;
+  const sdmha::DenseMHA<float> dense_layer;
+  const FlopCounts flops;
+
+  // The densified query and the dense path's intermediates, one thread.
+  Matrix dense_query, projected_query, keys, values, scores, probabilities, heads, output;
+  // What the cases write.
+  Matrix densified, projected_query_out, keys_out, values_out, scores_out, heads_out, output_out;
+  Tensor3 forward_out;
+
+ private:
+  void build_references();
+};
+
+// ---- The stages, over the whole problem, split over threads exactly as the layer splits them:
+// projections in fixed blocks of rows, the attention stages by (batch, head, tile of query
+// steps). Each stage alone reads and writes whole tensors; the layer instead keeps one tile's
+// scores in a per-worker scratch between the score, softmax and attend stages. ----
+
+// Calls body(first, count) for blocks of `block_rows` rows: kProjectionRowBlock for the dense
+// projections, kQueryProjectionRowBlock for the sparse query projection, as the layers use them.
+template <typename Body>
+void for_row_blocks(Index rows, Index block_rows, int threads, Body&& body) {
+  const Index blocks = (rows + block_rows - 1) / block_rows;
+  sdmha::detail::parallel_for(blocks, threads, [&](Index block, int) {
+    const Index first = block * block_rows;
+    body(first, std::min(block_rows, rows - first));
+  });
+}
+
+template <typename Projection>
+void project_rows(const sdmha::ConstMatrixRef<float>& input, const Matrix& kernel,
+                  const sdmha::Vector<float>& bias, Matrix& output, int threads) {
+  const Projection projection;
+  for_row_blocks(input.rows(), sdmha::detail::kProjectionRowBlock, threads,
+                 [&](Index first, Index count) {
+                   typename Projection::Arguments args{input.middleRows(first, count), kernel, bias,
+                                                       output.middleRows(first, count)};
+                   Projection::can_implement(args);
+                   projection(args);
+                 });
+}
+
+void sparse_query_projection(const Problem& p, int threads, Matrix& output) {
+  using Projection = sdmha::SparseQueryProjection<float>;
+  const Projection projection;
+  for_row_blocks(p.rows(), sdmha::detail::kQueryProjectionRowBlock, threads,
+                 [&](Index first, Index count) {
+                   Projection::Arguments args{p.query.csr().middle_rows(first, count),
+                                              p.weights().query_kernel, p.weights().query_bias,
+                                              output.middleRows(first, count)};
+                   Projection::can_implement(args);
+                   projection(args);
+                 });
+}
+
+// The reference row: Eigen's own CSR × row-major dense product on the same arrays.
+void eigen_query_projection(const Problem& p, int threads, Matrix& output) {
+  const auto& csr = p.query.csr();
+  const Eigen::Map<const Eigen::SparseMatrix<float, Eigen::RowMajor, int>> sparse(
+      csr.rows, csr.cols, csr.nonzeros(), csr.row_offsets, csr.column_indices, csr.values);
+  const auto& weights = p.weights();
+  for_row_blocks(p.rows(), sdmha::detail::kQueryProjectionRowBlock, threads,
+                 [&](Index first, Index count) {
+                   auto block = output.middleRows(first, count);
+                   block.noalias() = sparse.middleRows(first, count) * weights.query_kernel;
+                   if (weights.query_bias.size() != 0)
+                     block.rowwise() += weights.query_bias.transpose();
+                 });
+}
+
+void key_value_projection(const Problem& p, int threads, Matrix& keys, Matrix& values) {
+  project_rows<sdmha::DenseProjection<float>>(as_matrix(p.key), p.weights().key_kernel,
+                                              p.weights().key_bias, keys, threads);
+  project_rows<sdmha::DenseProjection<float>>(as_matrix(p.value), p.weights().value_kernel,
+                                              p.weights().value_bias, values, threads);
+}
+
+// Calls body(b, h, first_step, rows) for every (batch, head) and tile of `tile` query steps, as
+// the layer's attend() does. The scores of (b, h) are rows (b·H + h)·T … of a (B·H·T × S)
+// matrix, the layout of attention_scores.
+template <typename Body>
+void for_attention_tiles(const Problem& p, int threads, Index tile, Body&& body) {
+  const Index H = p.shape.heads, T = p.shape.steps, tiles = (T + tile - 1) / tile;
+  sdmha::detail::parallel_for(p.shape.batch * H * tiles, threads, [&](Index item, int) {
+    const Index b = item / (H * tiles), h = (item / tiles) % H, first_step = (item % tiles) * tile;
+    body(b, h, first_step, std::min(tile, T - first_step));
+  });
+}
+
+void project_first_scores(const Problem& p, int threads, const Matrix& projected_query,
+                          const Matrix& keys, Matrix& scores) {
+  using Kernel = sdmha::ScoreKernel<float>;
+  const Kernel kernel;
+  const Index T = p.shape.steps, S = p.shape.key_steps, D = p.shape.head_dim;
+  const Index H = p.shape.heads;
+  for_attention_tiles(
+      p, threads, sdmha::detail::kQueryTile, [&](Index b, Index h, Index first, Index rows) {
+        Kernel::Arguments args{projected_query.block(b * T + first, h * D, rows, D),
+                               keys.block(b * S, h * D, S, D), p.score_scale(), sdmha::BatchMask{},
+                               scores.middleRows((b * H + h) * T + first, rows)};
+        Kernel::can_implement(args);
+        kernel(args);
+      });
+}
+
+void regrouped_scores(const Problem& p, int threads, const Matrix& keys, Matrix& scores) {
+  using Kernel = sdmha::ScoreKernel<float>;
+  const Kernel kernel;
+  const Index T = p.shape.steps, S = p.shape.key_steps, D = p.shape.head_dim;
+  const auto& weights = p.weights();
+  const sdmha::Vector<float> no_bias;
+  const Index H = p.shape.heads;
+  // One tile of all T steps, as the layer does: M_bh is shared by all rows of batch entry b.
+  for_attention_tiles(p, threads, T, [&](Index b, Index h, Index, Index) {
+    const sdmha::ConstVectorRef<float> bias =
+        weights.query_bias.size() != 0
+            ? sdmha::ConstVectorRef<float>(weights.query_bias.segment(h * D, D))
+            : sdmha::ConstVectorRef<float>(no_bias);
+    Kernel::SparseArguments args{p.query.batch_rows(b),
+                                 weights.query_kernel.middleCols(h * D, D),
+                                 bias,
+                                 keys.block(b * S, h * D, S, D),
+                                 p.score_scale(),
+                                 sdmha::BatchMask{},
+                                 scores.middleRows((b * H + h) * T, T)};
+    Kernel::can_implement(args);
+    kernel(args);
+  });
+}
+
+void softmax(const Problem& p, int threads, Matrix& scores) {
+  using Softmax = sdmha::MaskedSoftmax<float>;
+  const Softmax stage;
+  const Index T = p.shape.steps, H = p.shape.heads;
+  for_attention_tiles(p, threads, sdmha::detail::kQueryTile,
+                      [&](Index b, Index h, Index first, Index rows) {
+                        Softmax::Arguments args{scores.middleRows((b * H + h) * T + first, rows)};
+                        Softmax::can_implement(args);
+                        stage(args);
+                      });
+}
+
+void attend_values(const Problem& p, int threads, const Matrix& probabilities, const Matrix& values,
+                   Matrix& heads) {
+  using Attend = sdmha::AttendValues<float>;
+  const Attend stage;
+  const Index T = p.shape.steps, S = p.shape.key_steps, D = p.shape.head_dim;
+  const Index H = p.shape.heads;
+  for_attention_tiles(
+      p, threads, sdmha::detail::kQueryTile, [&](Index b, Index h, Index first, Index rows) {
+        Attend::Arguments args{probabilities.middleRows((b * H + h) * T + first, rows),
+                               values.block(b * S, h * D, S, D),
+                               heads.block(b * T + first, h * D, rows, D)};
+        Attend::can_implement(args);
+        stage(args);
+      });
+}
+
+void output_projection(const Problem& p, int threads, const Matrix& heads, Matrix& output) {
+  project_rows<sdmha::OutputProjection<float>>(heads, p.weights().output_kernel,
+                                               p.weights().output_bias, output, threads);
+}
+
+void Problem::build_references() {
+  const Index B = shape.batch, T = shape.steps, S = shape.key_steps, H = shape.heads;
+  const Index D = shape.head_dim, hd = H * D;
+  if (query.csr().row_nonzeros != nullptr)
+    throw std::logic_error("the bench expects a compressed CSR query");
+  dense_query = query.to_dense();
+  projected_query.resize(rows(), hd);
+  keys.resize(B * S, hd);
+  values.resize(B * S, hd);
+  scores.resize(B * H * T, S);
+  heads.resize(rows(), hd);
+  output.resize(rows(), shape.output_dim);
+  project_rows<sdmha::DenseProjection<float>>(dense_query, weights().query_kernel,
+                                              weights().query_bias, projected_query, 1);
+  key_value_projection(*this, 1, keys, values);
+  project_first_scores(*this, 1, projected_query, keys, scores);
+  probabilities = scores;
+  softmax(*this, 1, probabilities);
+  attend_values(*this, 1, probabilities, values, heads);
+  output_projection(*this, 1, heads, output);
+
+  // The stages as wired here must be the layer: its own forward has to agree.
+  sdmha::AttentionOptions<float> options;
+  options.num_threads = 1;
+  const Tensor3 layer_output =
+      dense_layer.forward(dense_query_tensor(dense_query), key, value, options).output;
+  const std::string disagreement =
+      compare("DenseMHA::forward vs the bench's stage chain", as_matrix(layer_output), output);
+  if (!disagreement.empty()) throw std::runtime_error(disagreement);
+
+  projected_query_out.resize(rows(), hd);
+  keys_out.resize(B * S, hd);
+  values_out.resize(B * S, hd);
+  scores_out.resize(B * H * T, S);
+  heads_out.resize(rows(), hd);
+  output_out.resize(rows(), shape.output_dim);
+}
+
+// ---- Cases: one timed thing each ----
+
+struct Case {
+  std::string stage;       // forward, densify, query_projection, key_value_projection, scores, ...
+  std::string variant;     // sparse, sparse_regrouped, dense, eigen_csr, or shared (same for both)
+  double flops = 0;        // useful floating-point work of one call, WORKLOADS.md's counting
+  double query_bytes = 0;  // the query form the case reads (CSR or dense); 0 when none
+  double items = 0;        // softmax: score entries per call
+  double bytes = 0;        // densify: bytes written per call
+  std::function<void()> prepare;       // untimed, before the checked call
+  std::function<void()> run;           // one call: what is timed
+  std::function<std::string()> check;  // after a call: empty when the result agrees
+
+  std::string name() const { return stage + "/" + variant; }
+};
+
+// Every case of one problem at one thread count, in the order of case_names(). The regrouped
+// cases are left out where regrouped_is_timed() says they would cost more than the dense layer.
+std::vector<Case> make_cases(Problem& p, int threads) {
+  const FlopCounts& f = p.flops;
+  const double csr = csr_bytes(p.query), dense = dense_query_bytes(p.shape);
+  auto options = [threads](sdmha::ScoreStrategy strategy) {
+    sdmha::AttentionOptions<float> result;
+    result.num_threads = threads;
+    result.score_strategy = strategy;
+    return result;
+  };
+  auto check_forward = [&p] {
+    return compare("forward output", as_matrix(p.forward_out), p.output);
+  };
+  const bool regrouped = regrouped_is_timed(p.shape, p.density);
+  std::vector<Case> cases;
+
+  // The whole layer. "dense" is what a user without sdmha runs: densify, then the dense layer.
+  cases.push_back({"forward", "sparse", f.sparse_total(), csr, 0, 0, nullptr,
+                   [&p, o = options(sdmha::ScoreStrategy::project_first)] {
+                     p.forward_out = p.sparse_layer.forward(p.query, p.key, p.value, o).output;
+                   },
+                   check_forward});
+  if (regrouped)
+    cases.push_back({"forward", "sparse_regrouped", f.sparse_total(), csr, 0, 0, nullptr,
+                     [&p, o = options(sdmha::ScoreStrategy::sparse_regrouped)] {
+                       p.forward_out = p.sparse_layer.forward(p.query, p.key, p.value, o).output;
+                     },
+                     check_forward});
+  cases.push_back(
+      {"forward", "dense", f.dense_total(), dense, 0, 0, nullptr,
+       [&p, o = options(sdmha::ScoreStrategy::project_first)] {
+         const Matrix densified = p.query.to_dense();
+         p.forward_out =
+             p.dense_layer.forward(p.dense_query_tensor(densified), p.key, p.value, o).output;
+       },
+       check_forward});
+
+  // Stage by stage.
+  cases.push_back({"densify", "dense", 0, csr, 0, dense, nullptr,
+                   [&p] { p.densified = p.query.to_dense(); },
+                   [&p] { return compare("densified query", p.densified, p.dense_query); }});
+  auto check_projected_query = [&p] {
+    return compare("projected query", p.projected_query_out, p.projected_query);
+  };
+  cases.push_back({"query_projection", "sparse", f.query_projection_sparse, csr, 0, 0, nullptr,
+                   [&p, threads] { sparse_query_projection(p, threads, p.projected_query_out); },
+                   check_projected_query});
+  cases.push_back({"query_projection", "dense", f.query_projection_dense, dense, 0, 0, nullptr,
+                   [&p, threads] {
+                     project_rows<sdmha::DenseProjection<float>>(
+                         p.dense_query, p.weights().query_kernel, p.weights().query_bias,
+                         p.projected_query_out, threads);
+                   },
+                   check_projected_query});
+  cases.push_back({"query_projection", "eigen_csr", f.query_projection_sparse, csr, 0, 0, nullptr,
+                   [&p, threads] { eigen_query_projection(p, threads, p.projected_query_out); },
+                   check_projected_query});
+  cases.push_back({"key_value_projection", "shared", f.key_value_projection, 0, 0, 0, nullptr,
+                   [&p, threads] { key_value_projection(p, threads, p.keys_out, p.values_out); },
+                   [&p] {
+                     std::string error = compare("projected key", p.keys_out, p.keys);
+                     return error.empty() ? compare("projected value", p.values_out, p.values)
+                                          : error;
+                   }});
+  auto check_scores = [&p] { return compare("scores", p.scores_out, p.scores); };
+  cases.push_back(
+      {"scores", "shared", f.scores, 0, 0, 0, nullptr,
+       [&p, threads] { project_first_scores(p, threads, p.projected_query, p.keys, p.scores_out); },
+       check_scores});
+  // The regrouped kernel reads the CSR rows and the query kernel: it does the query
+  // projection's job too, so its useful work is both stages'.
+  if (regrouped)
+    cases.push_back({"scores", "sparse_regrouped", f.query_projection_sparse + f.scores, csr, 0, 0,
+                     nullptr, [&p, threads] { regrouped_scores(p, threads, p.keys, p.scores_out); },
+                     check_scores});
+  // In place: the checked call turns a copy of the scores into probabilities; the timed calls
+  // that follow rerun it on its own output, which costs the same.
+  cases.push_back({"softmax", "shared", 0, 0, double(p.scores.size()), 0,
+                   [&p] { p.scores_out = p.scores; },
+                   [&p, threads] { softmax(p, threads, p.scores_out); },
+                   [&p] { return compare("probabilities", p.scores_out, p.probabilities); }});
+  cases.push_back(
+      {"attend_values", "shared", f.attend_values, 0, 0, 0, nullptr,
+       [&p, threads] { attend_values(p, threads, p.probabilities, p.values, p.heads_out); },
+       [&p] { return compare("attended heads", p.heads_out, p.heads); }});
+  cases.push_back({"output_projection", "shared", f.output_projection, 0, 0, 0, nullptr,
+                   [&p, threads] { output_projection(p, threads, p.heads, p.output_out); },
+                   [&p] { return compare("output", p.output_out, p.output); }});
+  return cases;
+}
+
+// The names of make_cases' cases, in its order, known before any input is built.
+std::vector<std::string> case_names(const WorkloadShape& shape, double density) {
+  const bool regrouped = regrouped_is_timed(shape, density);
+  std::vector<std::string> names = {"forward/sparse"};
+  if (regrouped) names.push_back("forward/sparse_regrouped");
+  for (const char* name :
+       {"forward/dense", "densify/dense", "query_projection/sparse", "query_projection/dense",
+        "query_projection/eigen_csr", "key_value_projection/shared", "scores/shared"})
+    names.push_back(name);
+  if (regrouped) names.push_back("scores/sparse_regrouped");
+  for (const char* name : {"softmax/shared", "attend_values/shared", "output_projection/shared"})
+    names.push_back(name);
+  return names;
+}
+
+// The checked call of a case: the peak heap bytes of one call and the check's verdict.
+struct CheckedCall {
+  std::int64_t peak_bytes = -1;  // -1 when the heap is not counted
+  std::string error;
+};
+
+CheckedCall checked_call(const Case& c) {
+  CheckedCall result;
+  try {
+    if (c.prepare) c.prepare();
+    const std::int64_t peak = peak_heap_bytes(c.run);
+    if (AllocationCounter::counts_malloc()) result.peak_bytes = peak;
+    result.error = c.check();
+  } catch (const std::exception& error) {
+    result.error = std::string("threw: ") + error.what();
+  }
+  return result;
+}
+
+// ---- The heap counter's own check ----
+
+struct AllocationCheck {
+  bool counted = false;  // the heap is counted and the check passed
+  std::int64_t eigen_matrix_bytes = 0, std_vector_bytes = 0;
+  std::string problem;
+};
+
+// A 1000 × 1000 float matrix (Eigen: aligned_malloc → std::malloc) and a vector of 10⁶ floats
+// (operator new) must each be seen as 4·10⁶ bytes, plus at most the allocator's rounding, and
+// the books must balance once both are gone.
+AllocationCheck allocation_counting_check() {
+  AllocationCheck check;
+  if (!AllocationCounter::counts_malloc()) {
+    check.problem = "malloc is not wrapped on this platform; memory is not counted";
+    return check;
+  }
+  constexpr std::int64_t expected = 1000 * 1000 * 4, slack = 64 * 1024;
+  const std::int64_t live_before = AllocationCounter::live();
+  check.eigen_matrix_bytes = peak_heap_bytes([] {
+    Eigen::MatrixXf matrix(1000, 1000);
+    matrix.setConstant(1.0f);
+    benchmark::DoNotOptimize(matrix.data());
+    benchmark::ClobberMemory();
+  });
+  check.std_vector_bytes = peak_heap_bytes([] {
+    std::vector<float> vector(1000 * 1000, 1.0f);
+    benchmark::DoNotOptimize(vector.data());
+    benchmark::ClobberMemory();
+  });
+  const std::int64_t leaked = AllocationCounter::live() - live_before;
+  auto plausible = [&](std::int64_t bytes) {
+    return bytes >= expected && bytes <= expected + slack;
+  };
+  if (!plausible(check.eigen_matrix_bytes) || !plausible(check.std_vector_bytes) || leaked != 0) {
+    std::ostringstream message;
+    message << "heap counting is off: Eigen::MatrixXf(1000, 1000) counted as "
+            << check.eigen_matrix_bytes << " B, std::vector<float>(1e6) as "
+            << check.std_vector_bytes << " B (expected " << expected << " to " << expected + slack
+            << "), " << leaked << " B unbalanced";
+    check.problem = message.str();
+    return check;
+  }
+  check.counted = true;
+  return check;
+}
+
+// ---- The machine ----
+
+struct Machine {
+  std::string cpu, compiler, flags, eigen;
+  unsigned cores = 0;
+  std::string line() const {
+    std::ostringstream text;
+    text << "machine: " << cpu << " | " << cores << " cores | " << compiler << " | " << flags
+         << " | " << eigen;
+    return text.str();
+  }
+};
+
+Machine describe_machine() {
+  Machine machine;
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  for (std::string line; std::getline(cpuinfo, line);) {
+    if (line.rfind("model name", 0) == 0) {
+      machine.cpu = line.substr(line.find(':') + 2);
+      break;
+    }
+  }
+  if (machine.cpu.empty()) machine.cpu = "unknown CPU";
+  machine.cores = std::thread::hardware_concurrency();
+#if defined(__clang__)
+  machine.compiler = std::string("clang ") + __clang_version__;
+#elif defined(__GNUC__)
+  machine.compiler = std::string("g++ ") + __VERSION__;
+#else
+  machine.compiler = __VERSION__;
+#endif
+  machine.flags = SDMHA_BENCH_COMPILE_FLAGS;
+  std::ostringstream eigen;
+  eigen << "Eigen " << EIGEN_WORLD_VERSION << "." << EIGEN_MAJOR_VERSION << "."
+        << EIGEN_MINOR_VERSION << " (" << Eigen::SimdInstructionSetsInUse() << ")";
+  machine.eigen = eigen.str();
+  return machine;
+}
+
+// The first three fields of /proc/loadavg, or "unknown".
+std::string load_average() {
+  std::ifstream file("/proc/loadavg");
+  std::string one, five, fifteen;
+  if (!(file >> one >> five >> fifteen)) return "unknown";
+  return one + ", " + five + ", " + fifteen;
+}
+
+// ---- Google Benchmark mode ----
+
+bool any_failure = false;
+
+Problem& cached_problem(const WorkloadShape& shape, double density) {
+  // One problem at a time (the long workload's references take ~1 GB); benchmarks run in
+  // registration order, so each problem is built once.
+  static std::unique_ptr<Problem> problem;
+  if (!problem || problem->shape.name != shape.name || problem->density != density) {
+    problem.reset();
+    problem = std::make_unique<Problem>(shape, density);
+  }
+  return *problem;
+}
+
+void run_benchmark(benchmark::State& state, const std::string& name, const WorkloadShape& shape,
+                   double density, int threads, std::size_t case_index) {
+  static std::map<std::string, CheckedCall> checked;  // by benchmark name: once per process
+  try {
+    Problem& p = cached_problem(shape, density);
+    std::vector<Case> cases = make_cases(p, threads);
+    const Case& c = cases.at(case_index);
+    if (c.name() != case_names(shape, density).at(case_index))
+      throw std::logic_error("make_cases and case_names disagree at " + c.name());
+    auto found = checked.find(name);
+    if (found == checked.end()) found = checked.emplace(name, checked_call(c)).first;
+    const CheckedCall& call = found->second;
+    if (!call.error.empty()) {
+      any_failure = true;
+      state.SkipWithError(call.error.c_str());
+      return;
+    }
+    if (c.prepare) c.prepare();
+    for (auto _ : state) c.run();
+
+    using benchmark::Counter;
+    state.counters["nnz"] = double(p.query.nonzeros());
+    state.counters["density"] = p.density;
+    state.counters["threads"] = threads;
+    state.counters["flops"] = Counter(c.flops, Counter::kIsIterationInvariantRate);
+    if (call.peak_bytes >= 0)
+      state.counters["peak_bytes"] =
+          Counter(double(call.peak_bytes), Counter::kDefaults, Counter::kIs1024);
+    if (c.query_bytes > 0)
+      state.counters["query_bytes"] = Counter(c.query_bytes, Counter::kDefaults, Counter::kIs1024);
+    if (c.items > 0) state.SetItemsProcessed(std::int64_t(c.items) * state.iterations());
+    if (c.bytes > 0) state.SetBytesProcessed(std::int64_t(c.bytes) * state.iterations());
+  } catch (const std::exception& error) {
+    any_failure = true;
+    state.SkipWithError((std::string("setup failed: ") + error.what()).c_str());
+  }
+}
+
+std::string density_text(double density) {
+  std::ostringstream text;
+  text << density;
+  return text.str();
+}
+
+void register_benchmarks(const std::vector<WorkloadShape>& shapes) {
+  for (const WorkloadShape& shape : shapes)
+    for (double density : shape.densities)
+      for (int threads : {1, 2}) {
+        const std::vector<std::string> names = case_names(shape, density);
+        for (std::size_t index = 0; index < names.size(); ++index) {
+          const std::string name = shape.name + "/d:" + density_text(density) +
+                                   "/t:" + std::to_string(threads) + "/" + names[index];
+          benchmark::RegisterBenchmark(
+              name.c_str(),
+              [name, shape, density, threads, index](benchmark::State& state) {
+                run_benchmark(state, name, shape, density, threads, index);
+              })
+              ->UseRealTime()
+              ->Unit(benchmark::kMillisecond);
+        }
+      }
+}
+
+// ---- Summary mode ----
+
+struct CaseResult {
+  std::string name;
+  double flops = 0;
+  std::vector<double> milliseconds;
+  double median_ms = 0;
+  std::int64_t peak_bytes = -1;
+  std::string error;
+};
+
+struct ConfigResult {
+  WorkloadShape shape;
+  double density = 0;
+  Index nonzeros = 0, nonzeros_per_row = 0;
+  int threads = 1;
+  FlopCounts flops;
+  double csr_bytes = 0, dense_bytes = 0;
+  std::vector<CaseResult> cases;
+
+  // nullptr for a case that was not run (the regrouped ones, see regrouped_is_timed).
+  const CaseResult* find(const std::string& name) const {
+    for (const CaseResult& c : cases)
+      if (c.name == name) return &c;
+    return nullptr;
+  }
+  const CaseResult& get(const std::string& name) const {
+    if (const CaseResult* c = find(name)) return *c;
+    throw std::logic_error("no case " + name);
+  }
+  // NaN when the case was not run or failed.
+  double ms(const std::string& name) const {
+    const CaseResult* c = find(name);
+    return c == nullptr || !c->error.empty() ? std::nan("") : c->median_ms;
+  }
+  std::int64_t peak_bytes(const std::string& name) const {
+    const CaseResult* c = find(name);
+    return c == nullptr ? -1 : c->peak_bytes;
+  }
+  double speedup() const { return ms("forward/dense") / ms("forward/sparse"); }
+};
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const std::size_t n = values.size();
+  return n == 0 ? 0.0 : n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+double milliseconds_of(const std::function<void()>& call) {
+  const auto start = std::chrono::steady_clock::now();
+  call();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+      .count();
+}
+
+// Every case checked once, then timed `repetitions` times, interleaved (case 1, 2, …, 1, 2, …)
+// so that a burst of load from elsewhere on the machine hits sparse and dense alike.
+ConfigResult measure(Problem& p, int threads, int repetitions) {
+  ConfigResult result;
+  result.shape = p.shape;
+  result.density = p.density;
+  result.nonzeros = p.query.nonzeros();
+  result.nonzeros_per_row = p.shape.nonzeros_per_row(p.density);
+  result.threads = threads;
+  result.flops = p.flops;
+  result.csr_bytes = csr_bytes(p.query);
+  result.dense_bytes = dense_query_bytes(p.shape);
+  const std::vector<Case> cases = make_cases(p, threads);
+  for (const Case& c : cases) {
+    const CheckedCall call = checked_call(c);
+    CaseResult r;
+    r.name = c.name();
+    r.flops = c.flops;
+    r.peak_bytes = call.peak_bytes;
+    r.error = call.error;
+    result.cases.push_back(r);
+  }
+  for (int repetition = 0; repetition < repetitions; ++repetition)
+    for (std::size_t i = 0; i < cases.size(); ++i)
+      if (result.cases[i].error.empty())
+        result.cases[i].milliseconds.push_back(milliseconds_of(cases[i].run));
+  for (CaseResult& r : result.cases) r.median_ms = median(r.milliseconds);
+  return result;
+}
+
+std::string format(const char* pattern, double value) {
+  char buffer[64];
+  std::snprintf(buffer, sizeof buffer, pattern, value);
+  return buffer;
+}
+
+std::string megabytes(std::int64_t bytes) {
+  return bytes < 0 ? "n/a" : format("%.2f", double(bytes) / 1e6);
+}
+
+// A time in ms, or "-" for a case that was not run.
+std::string milliseconds_text(double ms) { return std::isnan(ms) ? "-" : format("%.2f", ms); }
+
+void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
+                   const Machine& machine, const AllocationCheck& allocation, int repetitions,
+                   bool quick, const std::string& load_before, const std::string& load_after) {
+  out << "sdmha_bench --summary"
+      << (quick ? " --quick (reduced B and T: not the canonical shapes)" : "")
+      << ": float32, median of " << repetitions << " interleaved runs per figure\n";
+  out << machine.line() << "\n";
+  out << "load average (1, 5, 15 min) before: " << load_before << "; after: " << load_after
+      << " (other work on the machine slows both paths; compare ratios, not times)\n";
+  if (allocation.counted)
+    out << "heap counting verified: Eigen::MatrixXf(1000, 1000) -> "
+        << allocation.eigen_matrix_bytes << " B, std::vector<float>(1e6) -> "
+        << allocation.std_vector_bytes << " B\n";
+  else
+    out << "heap counting unavailable: " << allocation.problem << "\n";
+  out << "\n";
+
+  char line[512];
+  const char* header = "%-5s %7s %3s %7s | %9s %9s | %8s %9s | %7s %6s | %8s %8s %6s | %8s %8s\n";
+  std::snprintf(line, sizeof line, header, "work", "density", "thr", "nnz/row", "sparse", "regroup",
+                "densify", "dense", "speedup", "ideal", "peak MB", "peak MB", "mem", "query MB",
+                "query MB");
+  out << line;
+  std::snprintf(line, sizeof line, header, "", "", "", "", "ms", "ms", "ms", "ms", "", "", "sparse",
+                "dense", "ratio", "CSR", "dense");
+  out << line;
+  for (const ConfigResult& r : results) {
+    const std::int64_t sparse_peak = r.peak_bytes("forward/sparse");
+    const std::int64_t dense_peak = r.peak_bytes("forward/dense");
+    const std::string ratio = sparse_peak > 0 && dense_peak >= 0
+                                  ? format("%.1fx", double(dense_peak) / double(sparse_peak))
+                                  : "n/a";
+    std::snprintf(
+        line, sizeof line,
+        "%-5s %7g %3d %7ld | %9s %9s | %8s %9s | %6.2fx %6.2f | %8s %8s %6s | %8.2f %8.2f\n",
+        r.shape.name.c_str(), r.density, r.threads, long(r.nonzeros_per_row),
+        milliseconds_text(r.ms("forward/sparse")).c_str(),
+        milliseconds_text(r.ms("forward/sparse_regrouped")).c_str(),
+        milliseconds_text(r.ms("densify/dense")).c_str(),
+        milliseconds_text(r.ms("forward/dense")).c_str(), r.speedup(), r.flops.ideal_speedup(),
+        megabytes(sparse_peak).c_str(), megabytes(dense_peak).c_str(), ratio.c_str(),
+        r.csr_bytes / 1e6, r.dense_bytes / 1e6);
+    out << line;
+  }
+  out << "\nsparse = SparseDenseMHA::forward (project_first); regroup = the same with "
+         "sparse_regrouped\n"
+         "scores (\"-\": not timed where it costs more FLOPs than the dense layer); dense =\n"
+         "SparseQuery::to_dense + DenseMHA::forward, densify included (and shown alone); speedup "
+         "=\n"
+         "dense / sparse; ideal = dense FLOP / sparse FLOP (WORKLOADS.md), the speedup at equal\n"
+         "efficiency; peak MB = most heap bytes one call has live at once, inputs excluded (the "
+         "dense\n"
+         "call's include its densified query); query MB = the query's own bytes (CSR: values, "
+         "column\n"
+         "indices, row offsets).\n";
+
+  out << "\nstages alone, ms (GFLOP/s), split over threads as the layer splits them:\n";
+  const char* stage_header = "%-5s %7s %3s | %8s %14s %14s %14s | %14s %14s %14s | %7s %14s %14s\n";
+  std::snprintf(line, sizeof line, stage_header, "work", "density", "thr", "densify",
+                "q-proj sparse", "q-proj dense", "q-proj eigen", "k+v proj", "scores",
+                "scores regroup", "softmax", "attend values", "out proj");
+  out << line;
+  for (const ConfigResult& r : results) {
+    auto cell = [&](const char* name) {
+      const double ms = r.ms(name);
+      const CaseResult* c = r.find(name);
+      if (std::isnan(ms) || c->flops <= 0) return milliseconds_text(ms);
+      char text[64];
+      std::snprintf(text, sizeof text, "%.2f (%.0f)", ms, c->flops / ms * 1e-6);
+      return std::string(text);
+    };
+    std::snprintf(line, sizeof line, stage_header, r.shape.name.c_str(),
+                  format("%g", r.density).c_str(), std::to_string(r.threads).c_str(),
+                  cell("densify/dense").c_str(), cell("query_projection/sparse").c_str(),
+                  cell("query_projection/dense").c_str(),
+                  cell("query_projection/eigen_csr").c_str(),
+                  cell("key_value_projection/shared").c_str(), cell("scores/shared").c_str(),
+                  cell("scores/sparse_regrouped").c_str(), cell("softmax/shared").c_str(),
+                  cell("attend_values/shared").c_str(), cell("output_projection/shared").c_str());
+    out << line;
+  }
+  out << "(scores regroup includes the query projection, which it replaces; softmax and densify do "
+         "no\n"
+         "counted FLOPs; k+v, scores, softmax, attend values and out proj are the same code for "
+         "both\n"
+         "paths.)\n";
+}
+
+std::string json_string(const std::string& text) {
+  std::string quoted = "\"";
+  for (char ch : text) {
+    if (ch == '"' || ch == '\\') quoted += '\\';
+    if (static_cast<unsigned char>(ch) < 0x20) continue;
+    quoted += ch;
+  }
+  return quoted + "\"";
+}
+
+std::string json_number(double value) {
+  if (!std::isfinite(value)) return "null";
+  std::ostringstream text;
+  text.precision(10);
+  text << value;
+  return text.str();
+}
+
+void write_json(const std::string& path, const std::vector<ConfigResult>& results,
+                const Machine& machine, int repetitions, bool quick, const std::string& load_before,
+                const std::string& load_after) {
+  std::ofstream out(path);
+  if (!out) throw std::runtime_error("cannot write " + path);
+  out << "{\n  \"machine\": {\"cpu\": " << json_string(machine.cpu)
+      << ", \"cores\": " << machine.cores << ", \"compiler\": " << json_string(machine.compiler)
+      << ", \"flags\": " << json_string(machine.flags)
+      << ", \"eigen\": " << json_string(machine.eigen)
+      << ", \"line\": " << json_string(machine.line()) << "},\n";
+  out << "  \"load_average_before\": " << json_string(load_before)
+      << ",\n  \"load_average_after\": " << json_string(load_after) << ",\n";
+  out << "  \"quick\": " << (quick ? "true" : "false") << ",\n  \"repetitions\": " << repetitions
+      << ",\n  \"statistic\": \"median\",\n  \"runs\": [\n";
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    const ConfigResult& r = results[i];
+    const WorkloadShape& w = r.shape;
+    auto ms = [&](const char* name) { return json_number(r.ms(name)); };
+    out << "    {\"workload\": " << json_string(w.name) << ", \"shape\": {\"B\": " << w.batch
+        << ", \"T\": " << w.steps << ", \"Eq\": " << w.query_dim << ", \"S\": " << w.key_steps
+        << ", \"Ek\": " << w.context_dim << ", \"H\": " << w.heads << ", \"Dk\": " << w.head_dim
+        << ", \"O\": " << w.output_dim << "},\n";
+    out << "     \"density\": " << json_number(r.density)
+        << ", \"nonzeros_per_row\": " << r.nonzeros_per_row << ", \"nnz\": " << r.nonzeros
+        << ", \"threads\": " << r.threads << ",\n";
+    out << "     \"flops\": {\"query_projection_dense\": "
+        << json_number(r.flops.query_projection_dense)
+        << ", \"query_projection_sparse\": " << json_number(r.flops.query_projection_sparse)
+        << ", \"key_value_projection\": " << json_number(r.flops.key_value_projection)
+        << ", \"scores\": " << json_number(r.flops.scores)
+        << ", \"attend_values\": " << json_number(r.flops.attend_values)
+        << ", \"output_projection\": " << json_number(r.flops.output_projection)
+        << ", \"dense_total\": " << json_number(r.flops.dense_total())
+        << ", \"sparse_total\": " << json_number(r.flops.sparse_total())
+        << ", \"regrouped_scores_executed_estimate\": "
+        << json_number(regrouped_score_flops(w, r.density)) << "},\n";
+    out << "     \"speedup\": " << json_number(r.speedup())
+        << ", \"ideal_speedup\": " << json_number(r.flops.ideal_speedup()) << ",\n";
+    out << "     \"forward_ms\": {\"sparse\": " << ms("forward/sparse")
+        << ", \"sparse_regrouped\": " << ms("forward/sparse_regrouped")
+        << ", \"dense\": " << ms("forward/dense") << ", \"densify\": " << ms("densify/dense")
+        << "},\n";
+    // Stage times per path; the shared stages are timed once and listed on every path.
+    out << "     \"stages_ms\": {\n"
+        << "       \"sparse\": {\"query_projection\": " << ms("query_projection/sparse")
+        << ", \"key_value_projection\": " << ms("key_value_projection/shared")
+        << ", \"scores\": " << ms("scores/shared") << ", \"softmax\": " << ms("softmax/shared")
+        << ", \"attend_values\": " << ms("attend_values/shared")
+        << ", \"output_projection\": " << ms("output_projection/shared") << "},\n"
+        << "       \"sparse_regrouped\": {\"scores_with_query_projection\": "
+        << ms("scores/sparse_regrouped")
+        << ", \"key_value_projection\": " << ms("key_value_projection/shared")
+        << ", \"softmax\": " << ms("softmax/shared")
+        << ", \"attend_values\": " << ms("attend_values/shared")
+        << ", \"output_projection\": " << ms("output_projection/shared") << "},\n"
+        << "       \"dense\": {\"densify\": " << ms("densify/dense")
+        << ", \"query_projection\": " << ms("query_projection/dense")
+        << ", \"key_value_projection\": " << ms("key_value_projection/shared")
+        << ", \"scores\": " << ms("scores/shared") << ", \"softmax\": " << ms("softmax/shared")
+        << ", \"attend_values\": " << ms("attend_values/shared")
+        << ", \"output_projection\": " << ms("output_projection/shared") << "},\n"
+        << "       \"reference\": {\"eigen_csr_query_projection\": "
+        << ms("query_projection/eigen_csr") << "}},\n";
+    auto peak = [&](const char* name) {
+      const std::int64_t bytes = r.peak_bytes(name);
+      return bytes < 0 ? std::string("null") : std::to_string(bytes);
+    };
+    out << "     \"memory_bytes\": {\"sparse_peak\": " << peak("forward/sparse")
+        << ", \"sparse_regrouped_peak\": " << peak("forward/sparse_regrouped")
+        << ", \"dense_peak\": " << peak("forward/dense")
+        << ", \"query_csr\": " << json_number(r.csr_bytes)
+        << ", \"query_dense\": " << json_number(r.dense_bytes) << "},\n";
+    out << "     \"cases\": [";
+    for (std::size_t k = 0; k < r.cases.size(); ++k) {
+      const CaseResult& c = r.cases[k];
+      out << (k == 0 ? "\n" : ",\n") << "       {\"name\": " << json_string(c.name)
+          << ", \"median_ms\": " << json_number(c.median_ms)
+          << ", \"flops\": " << json_number(c.flops) << ", \"gflops_per_s\": "
+          << json_number(c.median_ms > 0 ? c.flops / c.median_ms * 1e-6 : 0.0)
+          << ", \"peak_bytes\": "
+          << (c.peak_bytes < 0 ? std::string("null") : std::to_string(c.peak_bytes))
+          << ", \"error\": " << json_string(c.error) << "}";
+    }
+    out << "]}" << (i + 1 < results.size() ? "," : "") << "\n";
+  }
+  out << "  ]\n}\n";
+  if (!out) throw std::runtime_error("failed writing " + path);
+}
+
+int run_summary(const std::vector<WorkloadShape>& shapes, int repetitions, bool quick,
+                const std::string& json_path) {
+  const Machine machine = describe_machine();
+  const AllocationCheck allocation = allocation_counting_check();
+  bool failed = AllocationCounter::counts_malloc() && !allocation.counted;
+  const std::string load_before = load_average();
+  std::vector<ConfigResult> results;
+  const auto start = std::chrono::steady_clock::now();
+  for (const WorkloadShape& shape : shapes) {
+    for (double density : shape.densities) {
+      std::cerr << shape.name << " density " << density << ": building inputs and references\n";
+      std::unique_ptr<Problem> problem;
+      try {
+        problem = std::make_unique<Problem>(shape, density);
+      } catch (const std::exception& error) {
+        std::cerr << "FAILED " << shape.name << " density " << density << ": " << error.what()
+                  << "\n";
+        failed = true;
+        continue;
+      }
+      for (int threads : {1, 2}) {
+        results.push_back(measure(*problem, threads, repetitions));
+        for (const CaseResult& c : results.back().cases) {
+          if (c.error.empty()) continue;
+          std::cerr << "FAILED " << shape.name << "/d:" << density << "/t:" << threads << "/"
+                    << c.name << ": " << c.error << "\n";
+          failed = true;
+        }
+        std::cerr << "  threads " << threads << " done, "
+                  << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()
+                  << " s so far\n";
+      }
+    }
+  }
+  const std::string load_after = load_average();
+  print_summary(std::cout, results, machine, allocation, repetitions, quick, load_before,
+                load_after);
+  if (!allocation.counted) std::cerr << "warning: " << allocation.problem << "\n";
+  if (!json_path.empty())
+    write_json(json_path, results, machine, repetitions, quick, load_before, load_after);
+  if (failed) std::cout << "\nFAILED: see the errors above (stderr)\n";
+  return failed ? 1 : 0;
+}
+
+}  // namespace sdmha_bench
+
+int main(int argc, char** argv) {
+  using namespace sdmha_bench;
+  bool summary = false, quick = false;
+  std::string json_path;
+  int repetitions = 0;
+  std::vector<char*> passed_on = {argv[0]};  // what Google Benchmark gets
+  for (int i = 1; i < argc; ++i) {
+    const std::string argument = argv[i];
+    if (argument == "--summary") {
+      summary = true;
+    } else if (argument == "--quick") {
+      quick = true;
+    } else if (argument == "--json" && i + 1 < argc) {
+      json_path = argv[++i];
+    } else if (argument.rfind("--json=", 0) == 0) {
+      json_path = argument.substr(7);
+    } else if (argument == "--repetitions" && i + 1 < argc) {
+      repetitions = std::atoi(argv[++i]);
+    } else if (argument.rfind("--repetitions=", 0) == 0) {
+      repetitions = std::atoi(argument.c_str() + 14);
+    } else {
+      passed_on.push_back(argv[i]);
+    }
+  }
+  const std::vector<WorkloadShape> shapes = quick ? quick_workloads() : canonical_workloads();
+
+  if (summary) {
+    if (passed_on.size() > 1) {
+      std::cerr << "sdmha_bench --summary: unknown argument " << passed_on[1]
+                << " (expected --quick, --json FILE, --repetitions N)\n";
+      return 2;
+    }
+    if (repetitions <= 0) repetitions = quick ? 3 : 5;
+    try {
+      return run_summary(shapes, repetitions, quick, json_path);
+    } catch (const std::exception& error) {
+      std::cerr << "sdmha_bench: " << error.what() << "\n";
+      return 1;
+    }
+  }
+  if (!json_path.empty() || repetitions != 0) {
+    std::cerr
+        << "sdmha_bench: --json and --repetitions go with --summary; Google Benchmark's own are "
+           "--benchmark_out=FILE and --benchmark_repetitions=N\n";
+    return 2;
+  }
+
+  const AllocationCheck allocation = allocation_counting_check();
+  if (!allocation.counted) {
+    std::cerr << (AllocationCounter::counts_malloc() ? "error: " : "warning: ")
+              << allocation.problem << "\n";
+    if (AllocationCounter::counts_malloc()) return 1;
+  }
+  const Machine machine = describe_machine();
+  benchmark::AddCustomContext("sdmha_machine", machine.line());
+  register_benchmarks(shapes);
+  int benchmark_argc = int(passed_on.size());
+  benchmark::Initialize(&benchmark_argc, passed_on.data());
+  if (benchmark::ReportUnrecognizedArguments(benchmark_argc, passed_on.data())) return 2;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return any_failure ? 1 : 0;
+}

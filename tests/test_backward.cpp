@@ -1,0 +1,752 @@
+// Tests of sdmha/backward.hpp (mha_backward) and of its two sparse stages,
+// sdmha/stages/query_values_gradient.hpp and sdmha/stages/query_kernel_gradient.hpp: gradients
+// against central finite differences of the forward over random configurations, dropout, masks,
+// non-finite blocked inputs, thread counts and bad input.
+#include "test_support.hpp"
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include <sdmha/backward.hpp>
+
+namespace sdmha_test {
+namespace {
+
+template <typename Scalar>
+using Layer = sdmha::SparseDenseMHA<Scalar>;
+
+// A gradient with the parameter or input it belongs to (null `parameter` when only compared).
+template <typename Scalar>
+struct GradientView {
+  std::string name;
+  Scalar* parameter;
+  const Scalar* gradient;
+  Index parameter_size;
+  Index gradient_size;
+};
+
+template <typename Scalar>
+std::vector<GradientView<Scalar>> views(Case<Scalar>& c, const sdmha::MhaGradients<Scalar>& g) {
+  auto view = [](const char* name, auto& parameter, const auto& gradient) {
+    return GradientView<Scalar>{name, parameter.data(), gradient.data(), Index(parameter.size()),
+                                Index(gradient.size())};
+  };
+  auto& w = c.weights;
+  return {view("query_kernel", w.query_kernel, g.query_kernel),
+          view("query_bias", w.query_bias, g.query_bias),
+          view("key_kernel", w.key_kernel, g.key_kernel),
+          view("key_bias", w.key_bias, g.key_bias),
+          view("value_kernel", w.value_kernel, g.value_kernel),
+          view("value_bias", w.value_bias, g.value_bias),
+          view("output_kernel", w.output_kernel, g.output_kernel),
+          view("output_bias", w.output_bias, g.output_bias),
+          view("query_values", c.values, g.query_values),
+          view("key", c.key, g.key),
+          view("value", c.value, g.value)};
+}
+
+template <typename Scalar>
+Tensor3<Scalar> random_d_output(const Case<Scalar>& c, std::uint64_t seed) {
+  std::mt19937_64 generator(seed);
+  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+  Tensor3<Scalar> d_output(c.problem.batch, c.problem.steps, c.problem.output_dim);
+  for (Index i = 0; i < d_output.size(); ++i) d_output.data()[i] = Scalar(uniform(generator));
+  return d_output;
+}
+
+template <typename Scalar>
+sdmha::MhaGradients<Scalar> backward(const Case<Scalar>& c, const Tensor3<Scalar>& d_output,
+                                     const sdmha::AttentionOptions<Scalar>& options) {
+  const Layer<Scalar> layer(c.config, c.weights);
+  return sdmha::mha_backward(layer, c.query(), c.key, c.value, d_output, options);
+}
+
+// Σ dY ⊙ Y, accumulated in long double so that its rounding stays far below what the finite
+// differences resolve.
+template <typename Scalar>
+double loss(const Case<Scalar>& c, const Tensor3<Scalar>& d_output,
+            const sdmha::AttentionOptions<Scalar>& options) {
+  const Layer<Scalar> layer(c.config, c.weights);
+  const auto output = layer.forward(c.query(), c.key, c.value, options).output;
+  long double total = 0;
+  for (Index i = 0; i < output.size(); ++i)
+    total += (long double)d_output.data()[i] * output.data()[i];
+  return double(total);
+}
+
+// ---- gradient check against central differences, in double ----
+
+constexpr double kStep = 1e-6;
+constexpr double kAbsoluteTolerance = 1e-7;
+constexpr double kRelativeTolerance = 1e-5;
+constexpr Index kMaxCheckedPerGradient = 1000;
+
+struct GradientCheckSummary {
+  long checked = 0;
+  long failed = 0;
+  double worst = 0;  // the largest |numeric − analytic| / (absolute + relative·|analytic|)
+};
+
+// Checks every entry of every gradient (a random sample of kMaxCheckedPerGradient for larger
+// ones) against (L(θ + h) − L(θ − h)) / 2h.
+void check_against_finite_differences(Case<double> c,
+                                      const sdmha::AttentionOptions<double>& options,
+                                      const std::string& label, std::uint64_t seed,
+                                      GradientCheckSummary& summary) {
+  SCOPED_TRACE(label);
+  const auto d_output = random_d_output(c, seed);
+  const auto gradients = backward(c, d_output, options);
+  std::mt19937_64 generator(seed + 1);
+  for (const auto& view : views(c, gradients)) {
+    ASSERT_EQ(view.gradient_size, view.parameter_size) << view.name;
+    std::vector<Index> entries(static_cast<std::size_t>(view.parameter_size));
+    std::iota(entries.begin(), entries.end(), 0);
+    if (Index(entries.size()) > kMaxCheckedPerGradient) {
+      std::shuffle(entries.begin(), entries.end(), generator);
+      entries.resize(kMaxCheckedPerGradient);
+    }
+    for (Index entry : entries) {
+      double& parameter = view.parameter[entry];
+      const double saved = parameter;
+      parameter = saved + kStep;
+      const double above = loss(c, d_output, options);
+      parameter = saved - kStep;
+      const double below = loss(c, d_output, options);
+      parameter = saved;
+      const double numeric = (above - below) / (2 * kStep);
+      const double analytic = view.gradient[entry];
+      const double error = std::abs(numeric - analytic);
+      const double tolerance = kAbsoluteTolerance + kRelativeTolerance * std::abs(analytic);
+      ++summary.checked;
+      summary.worst = std::max(summary.worst, error / tolerance);
+      if (!(error <= tolerance) && ++summary.failed <= 10)
+        ADD_FAILURE() << view.name << "[" << entry << "]: analytic " << analytic
+                      << ", central difference " << numeric;
+    }
+  }
+}
+
+TEST(BackwardGradientCheck, MatchesCentralDifferencesOnRandomConfigurations) {
+  std::mt19937_64 generator(2024);
+  auto pick = [&](long low, long high) {
+    return std::uniform_int_distribution<long>(low, high)(generator);
+  };
+  GradientCheckSummary summary;
+  constexpr int kConfigurations = 80;
+  for (int round = 0; round < kConfigurations; ++round) {
+    Shape s;
+    s.batch = pick(1, 3);
+    s.steps = pick(1, 9);
+    s.key_steps = pick(1, 9);
+    s.query_dim = pick(1, 25);
+    s.key_in_dim = pick(1, 9);
+    s.value_in_dim = pick(1, 9);
+    s.heads = pick(1, 3);
+    s.key_dim = pick(1, 5);
+    s.value_dim = round % 3 == 0 ? 0 : pick(1, 5);   // Dv ≠ Dk in most rounds
+    s.output_dim = round % 4 == 0 ? 0 : pick(1, 6);  // O ≠ Eq in most rounds
+    s.density = 0.25;
+    s.random_mask = round % 2 == 0;
+    s.causal = round % 3 == 1;
+    s.key_padding = round % 5 == 2;
+    s.empty_rows = round % 4 == 1;
+    s.fully_blocked_rows = round % 6 == 3;
+    s.duplicates = round % 3 == 2;
+    s.use_bias = round % 7 != 5;
+    // The last rounds: two query tiles (project-first) and two row blocks of the projections.
+    const bool two_tiles = round >= kConfigurations - 2;
+    if (two_tiles) {
+      s.batch = 1;
+      s.steps = 70;
+      s.key_steps = 9;
+      s.heads = 1;
+      s.query_dim = 9;
+      s.causal = round % 2 == 0;
+      s.random_mask = true;
+    }
+    auto c = make_case<double>(s, 5000 + round);
+    if (round % 8 == 6) c.weights.query_kernel *= 4.0;  // peaked attention
+    auto options = c.options;
+    options.num_threads = 1;
+    const sdmha::ScoreStrategy strategies[] = {sdmha::ScoreStrategy::project_first,
+                                               sdmha::ScoreStrategy::sparse_regrouped,
+                                               sdmha::ScoreStrategy::automatic};
+    options.score_strategy = two_tiles ? strategies[0] : strategies[round % 3 == 0 ? 2 : round % 2];
+    if (round % 4 == 3) {  // dropout with a fixed seed: forward and backward see the same mask
+      options.training = true;
+      options.dropout_rate = 0.3;
+      options.dropout_seed = 77 + round;
+    }
+    const std::string label =
+        "round " + std::to_string(round) + ": B=" + std::to_string(s.batch) +
+        " T=" + std::to_string(s.steps) + " S=" + std::to_string(s.key_steps) +
+        " Eq=" + std::to_string(s.query_dim) + " H=" + std::to_string(s.heads) +
+        " Dk=" + std::to_string(s.key_dim) + " Dv=" + std::to_string(s.value_dim) +
+        " O=" + std::to_string(s.output_dim) + " " + sdmha::to_string(options.score_strategy) +
+        (options.training ? " dropout" : "");
+    check_against_finite_differences(c, options, label, 900 + round, summary);
+  }
+  EXPECT_EQ(summary.failed, 0) << "of " << summary.checked << " entries checked";
+  EXPECT_GT(summary.checked, 25000);
+  std::printf("%ld entries checked, worst error / tolerance %.3g\n", summary.checked,
+              summary.worst);
+}
+
+TEST(BackwardGradientCheck, HighDropoutRateWithFixedSeed) {
+  Shape s;
+  s.steps = 6;
+  s.key_steps = 8;
+  s.random_mask = true;
+  s.value_dim = 3;
+  s.output_dim = 5;
+  auto c = make_case<double>(s, 31);
+  GradientCheckSummary summary;
+  for (auto strategy :
+       {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+    auto options = c.options;
+    options.score_strategy = strategy;
+    options.training = true;
+    options.dropout_rate = 0.6;
+    options.dropout_seed = 123456789;
+    options.num_threads = 1;
+    check_against_finite_differences(c, options, sdmha::to_string(strategy), 32, summary);
+  }
+  EXPECT_EQ(summary.failed, 0) << "of " << summary.checked << " entries checked";
+}
+
+// ---- properties over float and double ----
+
+template <typename Scalar>
+class BackwardTest : public ::testing::Test {};
+TYPED_TEST_SUITE(BackwardTest, ScalarTypes);
+
+template <typename Scalar>
+::testing::AssertionResult same_bits(Case<Scalar>& c, const sdmha::MhaGradients<Scalar>& a,
+                                     const sdmha::MhaGradients<Scalar>& b) {
+  const auto left = views(c, a), right = views(c, b);
+  for (std::size_t i = 0; i < left.size(); ++i) {
+    if (left[i].gradient_size != right[i].gradient_size)
+      return ::testing::AssertionFailure() << left[i].name << " sizes differ";
+    if (std::memcmp(left[i].gradient, right[i].gradient,
+                    sizeof(Scalar) * std::size_t(left[i].gradient_size)) != 0)
+      return ::testing::AssertionFailure() << left[i].name << " differs";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// |a − b| ≤ tolerance · (1 + |b|) for every entry of every gradient.
+template <typename Scalar, typename Other>
+::testing::AssertionResult all_gradients_near(Case<Scalar>& c, const sdmha::MhaGradients<Scalar>& a,
+                                              Case<Other>& c_other,
+                                              const sdmha::MhaGradients<Other>& b,
+                                              double tolerance) {
+  const auto left = views(c, a);
+  const auto right = views(c_other, b);
+  for (std::size_t i = 0; i < left.size(); ++i) {
+    if (left[i].gradient_size != right[i].gradient_size)
+      return ::testing::AssertionFailure() << left[i].name << " sizes differ";
+    for (Index k = 0; k < left[i].gradient_size; ++k) {
+      const double got = double(left[i].gradient[k]), expected = double(right[i].gradient[k]);
+      if (!(std::abs(got - expected) <= tolerance * (1.0 + std::abs(expected))))
+        return ::testing::AssertionFailure()
+               << left[i].name << "[" << k << "]: " << got << " vs " << expected;
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+template <typename Scalar>
+::testing::AssertionResult all_finite(Case<Scalar>& c, const sdmha::MhaGradients<Scalar>& g) {
+  for (const auto& view : views(c, g))
+    for (Index k = 0; k < view.gradient_size; ++k)
+      if (!std::isfinite(double(view.gradient[k])))
+        return ::testing::AssertionFailure() << view.name << "[" << k << "] = " << view.gradient[k];
+  return ::testing::AssertionSuccess();
+}
+
+TYPED_TEST(BackwardTest, GradientsHaveTheWeightsShapesAndNoBiasWithoutBias) {
+  for (bool use_bias : {true, false}) {
+    Shape s;
+    s.value_dim = 3;
+    s.output_dim = 5;
+    s.use_bias = use_bias;
+    s.duplicates = true;
+    s.density = 0.4;
+    auto c = make_case<TypeParam>(s, 40);
+    const auto g = backward(c, random_d_output(c, 41), c.options);
+    for (const auto& view : views(c, g))
+      EXPECT_EQ(view.gradient_size, view.parameter_size) << view.name;
+    EXPECT_EQ(g.query_kernel.rows(), c.weights.query_kernel.rows());
+    EXPECT_EQ(g.query_kernel.cols(), c.weights.query_kernel.cols());
+    EXPECT_EQ(g.value_kernel.cols(), c.weights.value_kernel.cols());
+    EXPECT_EQ(g.output_kernel.rows(), c.weights.output_kernel.rows());
+    EXPECT_EQ(g.output_kernel.cols(), c.weights.output_kernel.cols());
+    EXPECT_EQ(g.key.dimension(0), s.batch);
+    EXPECT_EQ(g.key.dimension(1), s.key_steps);
+    EXPECT_EQ(g.key.dimension(2), s.key_in_dim);
+    EXPECT_EQ(g.output_bias.size(), use_bias ? 5 : 0);
+    EXPECT_EQ(g.query_bias.size(), use_bias ? 8 : 0);
+    // Duplicates each get their coordinate's gradient.
+    const auto query = c.query();
+    EXPECT_LT(query.nonzeros(), c.values.size());
+    for (Index e = 0; e < c.values.size(); ++e)
+      for (Index f = 0; f < e; ++f)
+        if (c.indices.row(e) == c.indices.row(f)) {
+          EXPECT_EQ(g.query_values[e], g.query_values[f]);
+        }
+  }
+}
+
+TYPED_TEST(BackwardTest, FullyBlockedRowsPassExactlyZeroGradient) {
+  Shape s;
+  s.batch = 3;
+  s.steps = 7;
+  s.fully_blocked_rows = true;
+  s.random_mask = true;
+  s.density = 0.3;
+  auto c = make_case<TypeParam>(s, 42);
+  // Batch entry 2 attends nothing at all.
+  for (long t = 0; t < s.steps; ++t)
+    for (long k = 0; k < s.key_steps; ++k) c.options.attention_mask(2, t, k) = false;
+  const auto d_output = random_d_output(c, 43);
+  for (auto strategy :
+       {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+    auto options = c.options;
+    options.score_strategy = strategy;
+    const auto g = backward(c, d_output, options);
+    ASSERT_TRUE(all_finite(c, g));
+    long blocked_rows = 0;
+    for (Index e = 0; e < c.values.size(); ++e) {
+      const long b = long(c.indices(e, 0)), t = long(c.indices(e, 1));
+      bool any_allowed = false;
+      for (long k = 0; k < s.key_steps; ++k) any_allowed |= c.options.attention_mask(b, t, k);
+      if (!any_allowed) {
+        ++blocked_rows;
+        EXPECT_EQ(g.query_values[e], TypeParam(0)) << "entry " << e;
+      }
+    }
+    EXPECT_GT(blocked_rows, 0);
+    for (long k = 0; k < s.key_steps; ++k) {
+      for (long e = 0; e < s.key_in_dim; ++e) EXPECT_EQ(g.key(2, k, e), TypeParam(0));
+      for (long e = 0; e < s.value_in_dim; ++e) EXPECT_EQ(g.value(2, k, e), TypeParam(0));
+    }
+  }
+}
+
+TYPED_TEST(BackwardTest, NonFiniteKeyAndValueInBlockedRowsNeverReachAGradient) {
+  Shape s;
+  s.random_mask = true;
+  s.key_padding = true;
+  auto clean = make_case<TypeParam>(s, 44);
+  // Key step 3 of batch 0 blocked for every query; key step 5 of batch 1 padded.
+  for (long t = 0; t < s.steps; ++t) clean.options.attention_mask(0, t, 3) = false;
+  clean.options.key_padding_mask(1, 5) = true;
+  auto poisoned = clean;
+  constexpr TypeParam nan = std::numeric_limits<TypeParam>::quiet_NaN();
+  constexpr TypeParam inf = std::numeric_limits<TypeParam>::infinity();
+  for (long e = 0; e < s.key_in_dim; ++e) {
+    poisoned.key(0, 3, e) = nan;
+    poisoned.key(1, 5, e) = e % 2 ? inf : -inf;
+  }
+  for (long e = 0; e < s.value_in_dim; ++e) {
+    poisoned.value(0, 3, e) = e % 2 ? inf : nan;
+    poisoned.value(1, 5, e) = nan;
+  }
+  const auto d_output = random_d_output(clean, 45);
+  for (auto strategy :
+       {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+    for (double rate : {0.0, 0.4}) {
+      SCOPED_TRACE(std::string(sdmha::to_string(strategy)) + " dropout " + std::to_string(rate));
+      auto options = clean.options;
+      options.score_strategy = strategy;
+      options.training = rate > 0;
+      options.dropout_rate = rate;
+      options.dropout_seed = 9;
+      const auto expected = backward(clean, d_output, options);
+      const auto got = backward(poisoned, d_output, options);
+      ASSERT_TRUE(all_finite(poisoned, got));
+      EXPECT_TRUE(
+          all_gradients_near(poisoned, got, clean, expected, relative_tolerance<TypeParam>()));
+      for (long e = 0; e < s.key_in_dim; ++e) {
+        EXPECT_EQ(got.key(0, 3, e), TypeParam(0));
+        EXPECT_EQ(got.key(1, 5, e), TypeParam(0));
+      }
+    }
+  }
+}
+
+TYPED_TEST(BackwardTest, ThreadCountDoesNotChangeGradientsBitwise) {
+  Shape s;
+  s.batch = 2;
+  s.steps = 70;
+  s.key_steps = 20;
+  s.query_dim = 70;
+  s.key_in_dim = 66;
+  s.heads = 3;
+  s.key_dim = 23;
+  s.random_mask = true;
+  s.causal = true;
+  s.empty_rows = true;
+  auto c = make_case<TypeParam>(s, 46);
+  const auto d_output = random_d_output(c, 47);
+  const Layer<TypeParam> layer(c.config, c.weights);
+  const auto query = c.query();
+  for (auto strategy :
+       {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+    SCOPED_TRACE(sdmha::to_string(strategy));
+    auto options = c.options;
+    options.score_strategy = strategy;
+    options.training = true;
+    options.dropout_rate = 0.2;
+    options.num_threads = 1;
+    const auto single = sdmha::mha_backward(layer, query, c.key, c.value, d_output, options);
+    for (int threads : {2, 3, 8}) {
+      options.num_threads = threads;
+      const auto multi = sdmha::mha_backward(layer, query, c.key, c.value, d_output, options);
+      EXPECT_TRUE(same_bits(c, single, multi)) << threads << " threads";
+    }
+  }
+}
+
+TYPED_TEST(BackwardTest, ReusingTheProjectedContextGivesTheSameGradients) {
+  Shape s;
+  s.steps = 9;
+  s.random_mask = true;
+  s.value_dim = 3;
+  auto c = make_case<TypeParam>(s, 58);
+  const auto d_output = random_d_output(c, 59);
+  const Layer<TypeParam> layer(c.config, c.weights);
+  const auto query = c.query();
+  const auto context = layer.project_context(c.key, c.value);
+  for (auto strategy : {sdmha::ScoreStrategy::automatic, sdmha::ScoreStrategy::project_first,
+                        sdmha::ScoreStrategy::sparse_regrouped}) {
+    auto options = c.options;
+    options.score_strategy = strategy;
+    EXPECT_TRUE(
+        same_bits(c, sdmha::mha_backward(layer, query, c.key, c.value, d_output, options),
+                  sdmha::mha_backward(layer, query, c.key, c.value, context, d_output, options)))
+        << sdmha::to_string(strategy);
+  }
+  Tensor3<TypeParam> other_key(2, 6, s.key_in_dim), other_value(2, 6, s.value_in_dim);
+  other_key.setZero();
+  other_value.setZero();
+  const auto short_context = layer.project_context(other_key, other_value);
+  SDMHA_EXPECT_THROW_WITH(
+      sdmha::mha_backward(layer, query, c.key, c.value, short_context, d_output, c.options),
+      sdmha::ShapeError, "context has batch 2, key_steps 6, keys 12 x 8");
+}
+
+TYPED_TEST(BackwardTest, DropoutRateZeroEqualsNoDropout) {
+  Shape s;
+  s.random_mask = true;
+  s.causal = true;
+  auto c = make_case<TypeParam>(s, 48);
+  const auto d_output = random_d_output(c, 49);
+  const auto plain = backward(c, d_output, c.options);
+  auto options = c.options;
+  options.training = true;
+  options.dropout_rate = 0.0;
+  options.dropout_seed = 1234;
+  EXPECT_TRUE(same_bits(c, plain, backward(c, d_output, options)));
+  // Dropout off outside training, whatever the rate.
+  options.training = false;
+  options.dropout_rate = 0.5;
+  EXPECT_TRUE(same_bits(c, plain, backward(c, d_output, options)));
+  // And on in training: the gradients change, and change with the seed.
+  options.training = true;
+  const auto seeded = backward(c, d_output, options);
+  EXPECT_FALSE(same_bits(c, plain, seeded));
+  options.dropout_seed = 1235;
+  EXPECT_FALSE(same_bits(c, seeded, backward(c, d_output, options)));
+}
+
+TYPED_TEST(BackwardTest, ScoreStrategiesGiveTheSameGradients) {
+  for (int round = 0; round < 4; ++round) {
+    Shape s;
+    s.steps = 9;
+    s.key_steps = 6;
+    s.query_dim = 30;
+    s.value_dim = 3;
+    s.output_dim = 4;
+    s.random_mask = round % 2 == 0;
+    s.causal = round >= 2;
+    s.empty_rows = true;
+    s.duplicates = true;
+    auto c = make_case<TypeParam>(s, 50 + round);
+    const auto d_output = random_d_output(c, 60 + round);
+    auto options = c.options;
+    options.training = round == 3;
+    options.dropout_rate = 0.25;
+    const auto first = backward(c, d_output, options);
+    options.score_strategy = sdmha::ScoreStrategy::sparse_regrouped;
+    const auto regrouped = backward(c, d_output, options);
+    EXPECT_TRUE(all_gradients_near(c, regrouped, c, first, relative_tolerance<TypeParam>()))
+        << "round " << round;
+  }
+}
+
+TYPED_TEST(BackwardTest, QueryFromAnUncompressedEigenMatrixGetsOneGradientPerStoredValue) {
+  Shape s;
+  s.empty_rows = true;
+  s.density = 0.3;
+  s.shuffle = false;
+  auto c = make_case<TypeParam>(s, 52);
+  const auto d_output = random_d_output(c, 53);
+  const auto from_coo = backward(c, d_output, c.options);  // COO entries are in CSR order here
+  using Sparse = typename sdmha::SparseQuery<TypeParam>::SparseMatrixType;
+  Sparse matrix(s.batch * s.steps, s.query_dim);
+  matrix.reserve(Eigen::VectorXi::Constant(s.batch * s.steps, 6));  // slack between rows
+  for (Index e = 0; e < c.values.size(); ++e)
+    matrix.insert(c.indices(e, 0) * s.steps + c.indices(e, 1), c.indices(e, 2)) = c.values[e];
+  ASSERT_FALSE(matrix.isCompressed());
+  const auto query = sdmha::SparseQuery<TypeParam>::from_eigen(s.batch, s.steps, std::move(matrix));
+  const Layer<TypeParam> layer(c.config, c.weights);
+  const auto g = sdmha::mha_backward(layer, query, c.key, c.value, d_output, c.options);
+  ASSERT_EQ(g.query_values.size(), c.values.size());
+  // from_coo's gradients are in COO order; the Eigen query's in CSR order.
+  const auto coo_query = c.query();
+  const auto& coo_to_stored = coo_query.coo_to_stored();
+  std::vector<double> expected(coo_to_stored.size());
+  for (std::size_t e = 0; e < coo_to_stored.size(); ++e)
+    expected[std::size_t(coo_to_stored[e])] = double(from_coo.query_values[Index(e)]);
+  EXPECT_TRUE(all_near(g.query_values.data(), expected, relative_tolerance<TypeParam>()));
+}
+
+TYPED_TEST(BackwardTest, ZeroSizedBatchStepsAndKeys) {
+  for (auto dims : std::vector<std::array<long, 3>>{{0, 5, 7}, {2, 0, 7}, {2, 5, 0}}) {
+    Shape s;
+    s.batch = dims[0];
+    s.steps = dims[1];
+    s.key_steps = dims[2];
+    auto c = make_case<TypeParam>(s, 54);
+    const auto g = backward(c, random_d_output(c, 55), c.options);
+    EXPECT_TRUE(all_finite(c, g));
+    EXPECT_EQ(g.key.dimension(1), dims[2]);
+    for (Index i = 0; i < g.query_values.size(); ++i) EXPECT_EQ(g.query_values[i], TypeParam(0));
+  }
+}
+
+TYPED_TEST(BackwardTest, RejectsBadInput) {
+  auto c = make_case<TypeParam>(Shape{}, 56);
+  const Layer<TypeParam> layer(c.config, c.weights);
+  const auto query = c.query();
+  const auto d_output = random_d_output(c, 57);
+  Tensor3<TypeParam> wrong(2, 5, 15), short_steps(2, 4, 16), other_batch(3, 5, 16);
+  wrong.setZero();
+  short_steps.setZero();
+  other_batch.setZero();
+  SDMHA_EXPECT_THROW_WITH(sdmha::mha_backward(layer, query, c.key, c.value, wrong, c.options),
+                          sdmha::ShapeError,
+                          "d_output is (2, 5, 15); expected (B, T, O) = (2, 5, 16)");
+  SDMHA_EXPECT_THROW_WITH(sdmha::mha_backward(layer, query, c.key, c.value, short_steps, c.options),
+                          sdmha::ShapeError, "d_output is (2, 4, 16)");
+  SDMHA_EXPECT_THROW_WITH(sdmha::mha_backward(layer, query, c.key, c.value, other_batch, c.options),
+                          sdmha::ShapeError, "d_output is (3, 5, 16)");
+  Tensor3<TypeParam> narrow_key(2, 7, 11);
+  narrow_key.setZero();
+  SDMHA_EXPECT_THROW_WITH(
+      sdmha::mha_backward(layer, query, narrow_key, c.value, d_output, c.options),
+      sdmha::ShapeError, "key has width 11; expected the kernel's input width 12");
+  const auto wide_query = sdmha::SparseQuery<TypeParam>::from_coo(2, 5, 17, c.indices, c.values);
+  SDMHA_EXPECT_THROW_WITH(
+      sdmha::mha_backward(layer, wide_query, c.key, c.value, d_output, c.options),
+      sdmha::ShapeError, "query has 17 features; expected the query kernel's input width 16");
+  auto options = c.options;
+  options.attention_mask.resize(2, 5, 6);
+  SDMHA_EXPECT_THROW_WITH(sdmha::mha_backward(layer, query, c.key, c.value, d_output, options),
+                          sdmha::ShapeError,
+                          "attention_mask is (2, 5, 6); expected (B, T, S) = (2, 5, 7)");
+  options = c.options;
+  options.dropout_rate = 1.0;
+  SDMHA_EXPECT_THROW_WITH(sdmha::mha_backward(layer, query, c.key, c.value, d_output, options),
+                          sdmha::ConfigError, "dropout_rate = 1; expected 0 <= dropout_rate < 1");
+  options = c.options;
+  options.num_threads = -2;
+  SDMHA_EXPECT_THROW_WITH(sdmha::mha_backward(layer, query, c.key, c.value, d_output, options),
+                          sdmha::ConfigError, "num_threads = -2");
+}
+
+// ---- float against double, and dropout's expectation ----
+
+// The same problem in double: every input and weight of the float case, widened.
+Case<double> widened(const Case<float>& c) {
+  Case<double> d;
+  d.shape = c.shape;
+  d.problem = c.problem;
+  d.config = c.config;
+  d.weights.query_kernel = c.weights.query_kernel.cast<double>();
+  d.weights.query_bias = c.weights.query_bias.cast<double>();
+  d.weights.key_kernel = c.weights.key_kernel.cast<double>();
+  d.weights.key_bias = c.weights.key_bias.cast<double>();
+  d.weights.value_kernel = c.weights.value_kernel.cast<double>();
+  d.weights.value_bias = c.weights.value_bias.cast<double>();
+  d.weights.output_kernel = c.weights.output_kernel.cast<double>();
+  d.weights.output_bias = c.weights.output_bias.cast<double>();
+  d.indices = c.indices;
+  d.values = c.values.cast<double>();
+  d.key = c.key.cast<double>();
+  d.value = c.value.cast<double>();
+  d.options.attention_mask = c.options.attention_mask;
+  d.options.key_padding_mask = c.options.key_padding_mask;
+  d.options.use_causal_mask = c.options.use_causal_mask;
+  return d;
+}
+
+TEST(BackwardPrecision, FloatGradientsAgreeWithDouble) {
+  for (int round = 0; round < 6; ++round) {
+    Shape s;
+    s.batch = 2;
+    s.steps = 11;
+    s.key_steps = 13;
+    s.query_dim = 40;
+    s.heads = 2;
+    s.key_dim = 6;
+    s.value_dim = 5;
+    s.output_dim = 7;
+    s.random_mask = round % 2 == 0;
+    s.causal = round % 3 == 0;
+    s.empty_rows = true;
+    s.fully_blocked_rows = round % 2 == 1;
+    s.duplicates = true;
+    auto single = make_case<float>(s, 70 + round);
+    auto wide = widened(single);
+    const auto d_single = random_d_output(single, 80 + round);
+    const Tensor3<double> d_wide = d_single.cast<double>();
+    auto options_single = single.options;
+    auto options_wide = wide.options;
+    if (round >= 3) {
+      options_single.score_strategy = options_wide.score_strategy =
+          sdmha::ScoreStrategy::sparse_regrouped;
+      options_single.training = options_wide.training = true;
+      options_single.dropout_rate = options_wide.dropout_rate = 0.3;
+      options_single.dropout_seed = options_wide.dropout_seed = 5;
+    }
+    const auto g_single = backward(single, d_single, options_single);
+    const auto g_wide = backward(wide, d_wide, options_wide);
+    EXPECT_TRUE(all_gradients_near(single, g_single, wide, g_wide, relative_tolerance<float>()))
+        << "round " << round;
+  }
+}
+
+TEST(BackwardDropout, KeepsTheExpectationOverSeeds) {
+  Shape s;
+  s.batch = 1;
+  s.steps = 3;
+  s.key_steps = 5;
+  s.query_dim = 8;
+  s.heads = 2;
+  s.key_dim = 3;
+  s.density = 0.5;
+  s.random_mask = true;
+  const auto c = make_case<double>(s, 90);
+  const Layer<double> layer(c.config, c.weights);
+  const auto query = c.query();
+  auto options = c.options;
+  options.num_threads = 1;
+  const auto expected = layer.forward(query, c.key, c.value, options).output;
+  options.training = true;
+  options.dropout_rate = 0.3;
+  constexpr int kSeeds = 4000;
+  std::vector<double> sum(std::size_t(expected.size()), 0.0), sum_of_squares(sum.size(), 0.0);
+  for (int seed = 0; seed < kSeeds; ++seed) {
+    options.dropout_seed = std::uint64_t(seed) * 7919 + 1;
+    const auto output = layer.forward(query, c.key, c.value, options).output;
+    for (std::size_t i = 0; i < sum.size(); ++i) {
+      sum[i] += output.data()[i];
+      sum_of_squares[i] += output.data()[i] * output.data()[i];
+    }
+  }
+  double largest_spread = 0.0;
+  for (std::size_t i = 0; i < sum.size(); ++i) {
+    const double mean = sum[i] / kSeeds;
+    const double variance = std::max(0.0, sum_of_squares[i] / kSeeds - mean * mean);
+    const double standard_error = std::sqrt(variance / kSeeds);
+    largest_spread = std::max(largest_spread, std::sqrt(variance));
+    // Five standard errors: the mean of the dropped-out outputs is the output without dropout.
+    EXPECT_NEAR(mean, expected.data()[i], 5.0 * standard_error + 1e-12) << "output entry " << i;
+  }
+  EXPECT_GT(largest_spread, 1e-3);  // dropout did act
+}
+
+// ---- the two sparse stages against dense twins ----
+
+template <typename Scalar>
+class QueryGradientStagesTest : public ::testing::Test {};
+TYPED_TEST_SUITE(QueryGradientStagesTest, ScalarTypes);
+
+TYPED_TEST(QueryGradientStagesTest, MatchDenseProducts) {
+  using Scalar = TypeParam;
+  Shape s;
+  s.batch = 3;
+  s.steps = 9;
+  s.query_dim = 37;
+  s.density = 0.15;
+  s.empty_rows = true;
+  s.duplicates = true;
+  const auto c = make_case<Scalar>(s, 91);
+  const auto query = c.query();
+  const Index rows = query.rows(), features = query.features(), width = 19;
+  std::mt19937_64 generator(92);
+  Filler<Scalar> fill{generator};
+  sdmha::RowMatrix<Scalar> kernel(features, width), d_query(rows, width);
+  for (Index i = 0; i < kernel.size(); ++i) kernel.data()[i] = fill(-1, 1);
+  for (Index i = 0; i < d_query.size(); ++i) d_query.data()[i] = fill(-1, 1);
+  const sdmha::RowMatrix<double> dense = query.to_dense().template cast<double>();
+  const sdmha::RowMatrix<double> d_query_wide = d_query.template cast<double>();
+  const sdmha::RowMatrix<double> kernel_wide = kernel.template cast<double>();
+
+  sdmha::Vector<Scalar> d_values(query.nonzeros());
+  typename sdmha::QueryValuesGradient<Scalar>::Arguments values_args{query.csr(), kernel, d_query,
+                                                                     d_values};
+  sdmha::QueryValuesGradient<Scalar>::can_implement(values_args);
+  sdmha::QueryValuesGradient<Scalar>()(values_args);
+  const sdmha::RowMatrix<double> full = d_query_wide * kernel_wide.transpose();  // the dense twin
+  std::vector<double> expected_values;
+  const auto& csr = query.csr();
+  for (Index r = 0; r < rows; ++r)
+    for (Index k = csr.row_begin(r); k < csr.row_end(r); ++k)
+      expected_values.push_back(full(r, csr.column_indices[k]));
+  EXPECT_TRUE(all_near(d_values.data(), expected_values, relative_tolerance<Scalar>()));
+
+  sdmha::RowMatrix<Scalar> d_kernel(features, width);
+  d_kernel.setConstant(Scalar(42));  // overwritten, not accumulated into
+  typename sdmha::QueryKernelGradient<Scalar>::Arguments kernel_args{query.csr(), d_query,
+                                                                     d_kernel};
+  sdmha::QueryKernelGradient<Scalar>::can_implement(kernel_args);
+  sdmha::QueryKernelGradient<Scalar>()(kernel_args);
+  const sdmha::RowMatrix<double> expected_kernel = dense.transpose() * d_query_wide;
+  EXPECT_TRUE(all_near(
+      d_kernel.data(),
+      std::vector<double>(expected_kernel.data(), expected_kernel.data() + expected_kernel.size()),
+      relative_tolerance<Scalar>()));
+}
+
+TYPED_TEST(QueryGradientStagesTest, RejectMismatchedShapes) {
+  using Scalar = TypeParam;
+  const auto c = make_case<Scalar>(Shape{}, 93);  // 10 rows, 16 features
+  const auto query = c.query();
+  sdmha::RowMatrix<Scalar> kernel = sdmha::RowMatrix<Scalar>::Zero(16, 8),
+                           d_query = sdmha::RowMatrix<Scalar>::Zero(10, 8);
+  sdmha::RowMatrix<Scalar> short_kernel = sdmha::RowMatrix<Scalar>::Zero(15, 8);
+  sdmha::RowMatrix<Scalar> narrow_d_query = sdmha::RowMatrix<Scalar>::Zero(10, 7);
+  sdmha::Vector<Scalar> d_values(query.nonzeros()), short_values(query.nonzeros() - 1);
+  using Values = sdmha::QueryValuesGradient<Scalar>;
+  SDMHA_EXPECT_THROW_WITH(Values::can_implement({query.csr(), short_kernel, d_query, d_values}),
+                          sdmha::ShapeError,
+                          "query_kernel has 15 rows; expected the query's feature width 16");
+  SDMHA_EXPECT_THROW_WITH(Values::can_implement({query.csr(), kernel, narrow_d_query, d_values}),
+                          sdmha::ShapeError, "d_query is 10 x 7; expected 10 x 8");
+  SDMHA_EXPECT_THROW_WITH(Values::can_implement({query.csr(), kernel, d_query, short_values}),
+                          sdmha::ShapeError,
+                          "d_values has " + std::to_string(query.nonzeros() - 1) + " entries");
+  using Kernel = sdmha::QueryKernelGradient<Scalar>;
+  sdmha::RowMatrix<Scalar> d_kernel(16, 8), wrong_d_kernel(16, 7);
+  SDMHA_EXPECT_THROW_WITH(Kernel::can_implement({query.csr(), d_query.topRows(9), d_kernel}),
+                          sdmha::ShapeError, "d_query has 9 rows; expected 10");
+  SDMHA_EXPECT_THROW_WITH(Kernel::can_implement({query.csr(), d_query, wrong_d_kernel}),
+                          sdmha::ShapeError, "d_kernel is 16 x 7; expected 16 x 8");
+}
+
+}  // namespace
+}  // namespace sdmha_test
