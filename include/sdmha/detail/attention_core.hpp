@@ -202,9 +202,10 @@ class AttentionCore {
     RowMatrix<Scalar> heads(B * T, H * Dv);
     // Whether V_bh is finite, found once per (b, h) for all of its query tiles.
     std::vector<char> value_is_finite(static_cast<std::size_t>(B * H));
-    parallel_for(B * H, threads, [&](Index item, int) {
-      value_is_finite[std::size_t(item)] = values.block((item / H) * S, (item % H) * Dv, S, Dv).allFinite();
-    });
+    if (S > 0)
+      parallel_for(B * H, threads, [&](Index item, int) {
+        value_is_finite[std::size_t(item)] = values.block((item / H) * S, (item % H) * Dv, S, Dv).allFinite();
+      });
     const Index tiles = query_tile > 0 ? (T + query_tile - 1) / query_tile : 0;
     // Per worker: the scores of the tile in flight, and the probabilities after dropout when the
     // scores before it must be returned.
@@ -215,6 +216,12 @@ class AttentionCore {
       const Index first_step = tile * query_tile, rows = std::min(query_tile, T - first_step);
       const Index key_end = options.use_causal_mask ? std::min(S, first_step + rows) : S;
 
+      if (key_end == 0) {
+        // No key steps at all: every row is fully blocked, so its probabilities and head are 0
+        // (and K, V are empty, with no memory to take blocks of).
+        heads.block(b * T + first_step, h * Dv, rows, Dv).setZero();
+        return;
+      }
       using ScoresMap = Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
       Scalar* scores_data;
       Index scores_stride;

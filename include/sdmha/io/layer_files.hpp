@@ -208,6 +208,15 @@ void load_keras(const io::TensorSource& source, const std::string& prefix, io::L
   const std::string q = prefix + "query/", k = prefix + "key/", v = prefix + "value/",
                     o = prefix + "attention_output/";
   const auto query_shape = source.expect_rank(q + "kernel", 3);
+  // Every width must stay far from overflow once multiplied (H·Dk, Eq·H·Dk, H·Dv·O), even for
+  // kernels that hold no bytes: 2^24 per dimension is beyond any real layer.
+  for (const char* kernel : {"query/kernel", "key/kernel", "value/kernel", "attention_output/kernel"}) {
+    const std::string name = prefix + kernel;
+    for (const std::int64_t dimension : source.expect_rank(name, 3))
+      if (dimension > (std::int64_t(1) << 24))
+        fail<ShapeError>("io", source.source(), ": tensor '", name, "' has a dimension of ", dimension,
+                         "; expected at most 2^24");
+  }
   const std::int64_t Eq = query_shape[0], H = query_shape[1], Dk = query_shape[2];
   const auto key_shape = source.expect_rank(k + "kernel", 3);
   expect_dims(source, k + "kernel", key_shape, {-1, H, Dk});

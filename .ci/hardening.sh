@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# CI hardening stages (issue 7), run from .ci/run after the README's test command:
+#   1. the whole suite in a Debug build (assertions on) under AddressSanitizer +
+#      UndefinedBehaviorSanitizer, in build-asan/;
+#   2. the threaded tests under ThreadSanitizer (clang), in build-tsan/;
+#   3. every libFuzzer target for SDMHA_FUZZ_SECONDS (default 60) over a copy of its seed corpus,
+#      in build-fuzz/.
+# Any sanitizer report, failed test or fuzzer finding fails the script. About 30 minutes on a
+# 2-core machine from a cold compiler cache (tests/fuzz/README.md has the figures).
+#
+# SDMHA_HARDENING_STAGES picks stages for a local run, e.g. "tsan fuzz" (default: all three);
+# SDMHA_FUZZ_SECONDS sets the time per fuzz target.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+tools/bootstrap-hardening.sh
+
+readonly JOBS=2
+readonly FUZZ_SECONDS=${SDMHA_FUZZ_SECONDS:-60}
+readonly STAGES=" ${SDMHA_HARDENING_STAGES:-asan tsan fuzz} "
+wanted() { [[ $STAGES == *" $1 "* ]]; }
+launcher=()
+if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
+# Only the library, its tests and sdmha-run (the tool tests run it): no bench.
+common=(-DSDMHA_BUILD_BENCH=OFF -DSDMHA_INSTALL=OFF "${launcher[@]}")
+
+stage_start=0
+banner() {
+  stage_start=$SECONDS
+  printf '\n==================== hardening: %s ====================\n' "$*"
+}
+done_banner() {
+  printf '==================== hardening: %s passed in %d s ====================\n' "$1" \
+    $((SECONDS - stage_start))
+}
+
+# ---- 1. Debug + ASan + UBSan, the whole suite ---------------------------------------------------
+# Debug keeps NDEBUG undefined, so SDMHA_ASSERT and Eigen's assertions are on. clang rather than
+# g++: its UBSan also reports pointer arithmetic on null (g++'s does not), and at -O0 it builds the
+# suite about four times faster than g++ at -O1, which more than pays for the slower tests. The
+# consumer tests are left out: they configure and build other projects (without the sanitizer
+# flags) and test packaging, not memory safety.
+if wanted asan; then
+banner "1/3 Debug + AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/, clang)"
+asan_flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
+  -DCMAKE_CXX_FLAGS="$asan_flags" -DCMAKE_EXE_LINKER_FLAGS="$asan_flags" "${common[@]}"
+cmake --build build-asan -j"$JOBS"
+ASAN_OPTIONS=halt_on_error=1:abort_on_error=1:detect_leaks=1:detect_stack_use_after_return=1:strict_init_order=1:check_initialization_order=1 \
+UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  ctest --test-dir build-asan --output-on-failure -j"$JOBS" -LE consumer
+done_banner "1/3 ASan + UBSan"
+fi
+
+# ---- 2. ThreadSanitizer, the threaded tests ------------------------------------------------------
+# The tests that run threads: one layer shared by 8 threads (Concurrency) and the thread-count
+# invariance tests (the layer and the backward pass on 1 to 8 workers).
+if wanted tsan; then
+banner "2/3 ThreadSanitizer (build-tsan/, clang)"
+tsan_flags="-fsanitize=thread -fno-omit-frame-pointer"
+cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
+  -DCMAKE_CXX_FLAGS="$tsan_flags" -DCMAKE_CXX_FLAGS_DEBUG="-g -O1" \
+  -DCMAKE_EXE_LINKER_FLAGS="$tsan_flags" -DSDMHA_BUILD_EXAMPLES=OFF -DSDMHA_BUILD_TOOLS=OFF "${common[@]}"
+cmake --build build-tsan -j"$JOBS" --target sdmha_tests
+tsan_filter='Concurrency*:*ThreadCount*'
+echo "running build-tsan/tests/sdmha_tests --gtest_filter=$tsan_filter"
+TSAN_OPTIONS=halt_on_error=1:abort_on_error=1:second_deadlock_stack=1 \
+  build-tsan/tests/sdmha_tests --gtest_filter="$tsan_filter"
+done_banner "2/3 TSan"
+fi
+
+# ---- 3. libFuzzer -------------------------------------------------------------------------------
+if wanted fuzz; then
+banner "3/3 libFuzzer, ${FUZZ_SECONDS} s per target (build-fuzz/, clang)"
+cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
+  -DSDMHA_BUILD_FUZZERS=ON -DSDMHA_BUILD_TESTS=OFF -DSDMHA_BUILD_EXAMPLES=OFF \
+  -DSDMHA_BUILD_TOOLS=OFF "${common[@]}"
+targets=(fuzz_sparse_query fuzz_safetensors fuzz_npy fuzz_forward)
+cmake --build build-fuzz -j"$JOBS" --target "${targets[@]}"
+for target in "${targets[@]}"; do
+  echo "---- $target: ${FUZZ_SECONDS} s"
+  # libFuzzer adds what it finds to the first corpus directory: a scratch copy, never the repo's.
+  work=build-fuzz/run/$target
+  rm -rf "$work" && mkdir -p "$work/corpus" "$work/artifacts"
+  if [ -d "tests/fuzz/corpus/$target" ]; then cp -R "tests/fuzz/corpus/$target/." "$work/corpus/"; fi
+  dictionary=()
+  if [ -f "tests/fuzz/$target.dict" ]; then dictionary=(-dict="tests/fuzz/$target.dict"); fi
+  # One worker (-jobs is left alone): 2 cores, and fuzz_forward itself starts threads. The full
+  # log stays in $work/log.txt; its end is printed.
+  if ASAN_OPTIONS=halt_on_error=1:abort_on_error=1:detect_leaks=1 \
+     UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+     "build-fuzz/tests/fuzz/$target" "$work/corpus" "${dictionary[@]}" \
+       -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048 -timeout=30 -print_final_stats=1 \
+       -artifact_prefix="$work/artifacts/" >"$work/log.txt" 2>&1; then
+    grep -v -e '^#' -e 'NEW_FUNC' "$work/log.txt" | tail -n 8
+  else
+    tail -n 150 "$work/log.txt"
+    echo "hardening: $target found a problem; the reproducer is in $work/artifacts/" \
+         "(tests/fuzz/README.md: from a crash to a regression test)"
+    exit 1
+  fi
+done
+done_banner "3/3 libFuzzer"
+fi
+echo "hardening: all stages passed"
