@@ -34,11 +34,12 @@ constexpr Index kMaxDenseElements = 4096;
 constexpr Index kMaxRowsToAllocate = Index(1) << 20;
 
 // Whether the library should accept the dense shape for StorageIndex (mirrors the documented
-// rules: dimensions >= 0, Eq and B·T inside the storage index).
+// rules: dimensions >= 0; B, T and Eq each, and B·T, inside the storage index).
 template <typename StorageIndex>
 bool shape_is_valid(std::int64_t batch, std::int64_t steps, std::int64_t features) {
   constexpr std::int64_t limit = std::numeric_limits<StorageIndex>::max();
-  if (batch < 0 || steps < 0 || features < 0 || features > limit) return false;
+  if (batch < 0 || steps < 0 || features < 0) return false;
+  if (batch > limit || steps > limit || features > limit) return false;
   return steps == 0 || batch <= (limit - 1) / steps;
 }
 
