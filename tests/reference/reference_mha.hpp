@@ -73,8 +73,8 @@ inline Result forward(const Problem& p) {
   for (long b = 0; b < B; ++b)
     for (long h = 0; h < H; ++h)
       for (long t = 0; t < T; ++t) {
-        double* score = &r.scores[((b * H + h) * T + t) * S];
-        double* probability = &r.probabilities[((b * H + h) * T + t) * S];
+        double* score = r.scores.data() + ((b * H + h) * T + t) * S;
+        double* probability = r.probabilities.data() + ((b * H + h) * T + t) * S;
         double row_max = minus_infinity;
         for (long s = 0; s < S; ++s) {
           if (!allowed(p, b, t, s)) {
