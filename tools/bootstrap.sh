@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Installs what building, testing and benchmarking sdmha needs on Debian 12, and nothing when it is
-# all there already. Runs apt-get through sudo when not root.
+# Installs what building, testing and benchmarking sdmha needs on Debian 12 (plus any packages
+# named as arguments), and nothing when it is all there already. Runs apt-get through sudo when
+# not root.
 set -euo pipefail
 packages=(cmake g++ make pkg-config libeigen3-dev libgtest-dev libbenchmark-dev
-          nlohmann-json3-dev libzip-dev)
+          nlohmann-json3-dev libzip-dev "$@")
 missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
