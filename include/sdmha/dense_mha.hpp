@@ -41,6 +41,16 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
   AttentionResult<Scalar> forward(const TensorRef3<Scalar>& query, const TensorRef3<Scalar>& key,
                                   const TensorRef3<Scalar>& value,
                                   const AttentionOptions<Scalar>& options = {}) const {
+    Workspace<Scalar> workspace;
+    AttentionResult<Scalar> result;
+    forward(query, key, value, options, workspace, result);
+    return result;
+  }
+
+  // The same into `result`, working in `workspace` (see SparseDenseMHA).
+  void forward(const TensorRef3<Scalar>& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
+               const AttentionOptions<Scalar>& options, Workspace<Scalar>& workspace,
+               AttentionResult<Scalar>& result) const {
     constexpr const char* where = "DenseMHA::forward";
     const LayerDims& dims = this->dims_;
     if (query.dimension(2) != dims.query_dim)
@@ -51,20 +61,25 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
       detail::fail<ShapeError>(where, "query has no data; expected ", B, " x ", T, " x ",
                                dims.query_dim, " values");
     this->check_context(where, B, key, value);
-    const auto inputs = this->check_options(where, B, T, value.dimension(1), options);
-    const auto context = this->project_checked(key, value, inputs.threads);
-    RowMatrix<Scalar> projected_query(B * T, dims.projected_key_width());
+    auto inputs = this->check_options(where, B, T, value.dimension(1), options);
+    const typename Workspace<Scalar>::Lease lease(workspace, where);
+    auto& buffers = lease.buffers();
+    inputs.pool = &buffers.pool;
+    const auto& context = buffers.context;
+    this->project_checked(key, value, inputs.threads, inputs.pool, buffers.context);
+    RowMatrix<Scalar>& projected_query = buffers.projected_query;
+    projected_query.resize(B * T, dims.projected_key_width());
     this->project_rows(query_projection_, query.as_matrix(), this->weights_.query_kernel,
-                       this->weights_.query_bias, projected_query, inputs.threads);
+                       this->weights_.query_bias, projected_query, inputs.threads, inputs.pool);
     const Scalar scale = this->score_scale();
-    return this->attend(inputs, context, options, detail::kQueryTile,
+    this->attend(inputs, context, options, detail::kQueryTile,
                         [&](Index b, Index h, Index first_step, const ConstMatrixRef<Scalar>& key_bh,
                             const BatchMask& mask, MatrixRef<Scalar> scores) {
       typename ScoreKernelT::Arguments args{
           projected_query.block(b * T + first_step, h * Dk, scores.rows(), Dk), key_bh, scale, mask, scores};
       ScoreKernelT::can_implement(args);
       this->score_kernel_(args);
-    });
+    }, buffers, result);
   }
 
   AttentionResult<Scalar> forward(const TensorRef3<Scalar>& query, const TensorRef3<Scalar>& value,

@@ -6,6 +6,7 @@
 #include "sdmha/sparse_query.hpp"  // SparseQuery: the query as CSR rows (from COO, Eigen, raw CSR)
 #include "sdmha/weights.hpp"     // MhaConfig, MhaWeights (Keras layout), glorot_uniform
 #include "sdmha/options.hpp"     // AttentionOptions, AttentionResult, ScoreStrategy, TensorRef3
+#include "sdmha/workspace.hpp"   // Workspace: buffers and threads reused across forward calls
 #include "sdmha/mask.hpp"        // BatchMask and the −∞ convention for blocked scores
 #include "sdmha/stages/query_projection.hpp"   // 1. SparseQueryProjection: Q = X·Wq + bq from CSR
 #include "sdmha/stages/dense_projection.hpp"   // 1'. DenseProjection: K, V (and the baseline's Q)

@@ -61,21 +61,48 @@ class SparseDenseMHA
   AttentionResult<Scalar> forward(const Query& query, const TensorRef3<Scalar>& key,
                                   const TensorRef3<Scalar>& value,
                                   const AttentionOptions<Scalar>& options = {}) const {
+    Workspace<Scalar> workspace;
+    AttentionResult<Scalar> result;
+    forward(query, key, value, options, workspace, result);
+    return result;
+  }
+
+  // The same into `result`, working in `workspace` (sdmha/workspace.hpp): called again with the
+  // same shapes, it allocates nothing and starts no threads. Thread-safe for distinct workspaces.
+  void forward(const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
+               const AttentionOptions<Scalar>& options, Workspace<Scalar>& workspace,
+               AttentionResult<Scalar>& result) const {
     constexpr const char* where = "SparseDenseMHA::forward";
     check_query(where, query);
     this->check_context(where, query.batch(), key, value);
-    const auto inputs = this->check_options(where, query.batch(), query.steps(), value.dimension(1), options);
-    return run(query, this->project_checked(key, value, inputs.threads), inputs, options);
+    auto inputs = this->check_options(where, query.batch(), query.steps(), value.dimension(1), options);
+    const typename Workspace<Scalar>::Lease lease(workspace, where);
+    auto& buffers = lease.buffers();
+    inputs.pool = &buffers.pool;
+    this->project_checked(key, value, inputs.threads, inputs.pool, buffers.context);
+    run(query, buffers.context, inputs, options, buffers, result);
   }
 
   // The same against keys and values projected once by project_context(key, value).
   AttentionResult<Scalar> forward(const Query& query, const ProjectedContext<Scalar>& context,
                                   const AttentionOptions<Scalar>& options = {}) const {
+    Workspace<Scalar> workspace;
+    AttentionResult<Scalar> result;
+    forward(query, context, options, workspace, result);
+    return result;
+  }
+
+  void forward(const Query& query, const ProjectedContext<Scalar>& context,
+               const AttentionOptions<Scalar>& options, Workspace<Scalar>& workspace,
+               AttentionResult<Scalar>& result) const {
     constexpr const char* where = "SparseDenseMHA::forward";
     check_query(where, query);
     this->check_context(where, query.batch(), context);
-    const auto inputs = this->check_options(where, query.batch(), query.steps(), context.key_steps, options);
-    return run(query, context, inputs, options);
+    auto inputs = this->check_options(where, query.batch(), query.steps(), context.key_steps, options);
+    const typename Workspace<Scalar>::Lease lease(workspace, where);
+    auto& buffers = lease.buffers();
+    inputs.pool = &buffers.pool;
+    run(query, context, inputs, options, buffers, result);
   }
 
   // The score strategy that `requested` resolves to for this query and S key steps. The cost
@@ -86,13 +113,19 @@ class SparseDenseMHA
   // dense operand per stored value instead of reusing registers and cache as a GEMM does.
   ScoreStrategy resolve_strategy(ScoreStrategy requested, const Query& query, Index key_steps,
                                  bool causal) const {
+    std::vector<Index> scratch;
+    return resolve_strategy(requested, query, key_steps, causal, scratch);
+  }
+  // The same with the scratch vector (Eq entries) supplied.
+  ScoreStrategy resolve_strategy(ScoreStrategy requested, const Query& query, Index key_steps,
+                                 bool causal, std::vector<Index>& scratch) const {
     if (requested != ScoreStrategy::automatic) return requested;
     constexpr double kSparseFlopCost = 4.0;
     const double H = double(this->dims_.num_heads), Dk = double(this->dims_.key_dim);
     const double S = double(key_steps), nnz = double(query.nonzeros());
     const double B = double(query.batch()), T = double(query.steps());
     const double project_first = kSparseFlopCost * 2 * nnz * H * Dk + (causal ? 0.5 : 1.0) * 2 * B * H * T * S * Dk;
-    const double regrouped = 2 * H * Dk * S * double(distinct_features_per_batch(query)) +
+    const double regrouped = 2 * H * Dk * S * double(distinct_features_per_batch(query, scratch)) +
                              kSparseFlopCost * 2 * nnz * H * S;
     return regrouped < project_first ? ScoreStrategy::sparse_regrouped : ScoreStrategy::project_first;
   }
@@ -121,7 +154,14 @@ class SparseDenseMHA
 
   // Q = X·Wq + bq for a validated query, in fixed blocks of rows spread over `threads`.
   RowMatrix<Scalar> project_query(const Query& query, int threads) const {
-    RowMatrix<Scalar> projected_query(query.rows(), this->dims_.projected_key_width());
+    RowMatrix<Scalar> projected_query;
+    project_query(query, threads, nullptr, projected_query);
+    return projected_query;
+  }
+  // The same into `projected_query` (resized), on `pool`'s threads when one is given.
+  void project_query(const Query& query, int threads, detail::ThreadPool* pool,
+                     RowMatrix<Scalar>& projected_query) const {
+    projected_query.resize(query.rows(), this->dims_.projected_key_width());
     const auto& csr = query.csr();
     const auto& weights = this->weights_;
     constexpr Index block_rows = detail::kQueryProjectionRowBlock;
@@ -134,8 +174,7 @@ class SparseDenseMHA
                                                projected_query.middleRows(first, count)};
       QueryProjection::can_implement(args);
       query_projection_(args);
-    });
-    return projected_query;
+    }, pool);
   }
 
   // Self-attention form of Keras' call(query, value): the key is the value.
@@ -147,8 +186,8 @@ class SparseDenseMHA
  private:
 
   // Σ_b U_b: for each batch entry, the number of distinct features its rows use. O(nnz + Eq).
-  static Index distinct_features_per_batch(const Query& query) {
-    std::vector<Index> last_batch(static_cast<std::size_t>(query.features()), -1);
+  static Index distinct_features_per_batch(const Query& query, std::vector<Index>& last_batch) {
+    last_batch.assign(static_cast<std::size_t>(query.features()), -1);
     const auto& csr = query.csr();
     Index total = 0;
     for (Index row = 0; row < csr.rows; ++row) {
@@ -164,19 +203,20 @@ class SparseDenseMHA
     return total;
   }
 
-  AttentionResult<Scalar> run(const Query& query, const ProjectedContext<Scalar>& context,
-                              const typename Core::Inputs& inputs,
-                              const AttentionOptions<Scalar>& options) const {
+  void run(const Query& query, const ProjectedContext<Scalar>& context, const typename Core::Inputs& inputs,
+           const AttentionOptions<Scalar>& options, detail::CallBuffers<Scalar>& buffers,
+           AttentionResult<Scalar>& result) const {
     const LayerDims& dims = this->dims_;
     const Index T = inputs.steps, Dk = dims.key_dim;
     const Scalar scale = this->score_scale();
     const auto& weights = this->weights_;
     const ScoreStrategy strategy =
-        resolve_strategy(options.score_strategy, query, inputs.key_steps, options.use_causal_mask);
+        resolve_strategy(options.score_strategy, query, inputs.key_steps, options.use_causal_mask,
+                         buffers.feature_batch);
 
     if (strategy == ScoreStrategy::sparse_regrouped) {
       // The regrouped form works on a batch entry's rows at once: M_bh is shared by all of them.
-      return this->attend(inputs, context, options, T,
+      this->attend(inputs, context, options, T,
                           [&](Index b, Index h, Index, const ConstMatrixRef<Scalar>& key_bh,
                               const BatchMask& mask, MatrixRef<Scalar> scores) {
         typename ScoreKernelT::SparseArguments args{
@@ -184,18 +224,20 @@ class SparseDenseMHA
             this->bias_segment(weights.query_bias, h * Dk, Dk), key_bh, scale, mask, scores};
         ScoreKernelT::can_implement(args);
         this->score_kernel_(args);
-      });
+      }, buffers, result);
+      return;
     }
 
-    const RowMatrix<Scalar> projected_query = project_query(query, inputs.threads);
-    return this->attend(inputs, context, options, detail::kQueryTile,
+    project_query(query, inputs.threads, inputs.pool, buffers.projected_query);
+    const RowMatrix<Scalar>& projected_query = buffers.projected_query;
+    this->attend(inputs, context, options, detail::kQueryTile,
                         [&](Index b, Index h, Index first_step, const ConstMatrixRef<Scalar>& key_bh,
                             const BatchMask& mask, MatrixRef<Scalar> scores) {
       typename ScoreKernelT::Arguments args{
           projected_query.block(b * T + first_step, h * Dk, scores.rows(), Dk), key_bh, scale, mask, scores};
       ScoreKernelT::can_implement(args);
       this->score_kernel_(args);
-    });
+    }, buffers, result);
   }
 
   QueryProjection query_projection_;

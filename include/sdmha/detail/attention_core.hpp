@@ -14,6 +14,7 @@
 #include "sdmha/mask.hpp"
 #include "sdmha/options.hpp"
 #include "sdmha/weights.hpp"
+#include "sdmha/workspace.hpp"
 
 namespace sdmha::detail {
 
@@ -56,6 +57,7 @@ class AttentionCore {
   struct Inputs {
     Index batch, steps, key_steps;
     int threads;
+    ThreadPool* pool = nullptr;  // persistent workers (a Workspace's), or threads per call
   };
 
   // Checks key (B, S, Ek) and value (B, S, Ev) against the weights and the query's batch.
@@ -124,20 +126,18 @@ class AttentionCore {
   AttentionCore(const MhaConfig& config, MhaWeights<Scalar> weights)
       : config_(config), weights_(std::move(weights)), dims_(weights_.validate(config_)) {}
 
-  // K and V of validated key and value.
-  ProjectedContext<Scalar> project_checked(const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
-                                           int threads) const {
-    ProjectedContext<Scalar> context;
+  // K and V of validated key and value, into `context` (resized; reallocated only when it grows).
+  void project_checked(const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value, int threads,
+                       ThreadPool* pool, ProjectedContext<Scalar>& context) const {
     context.batch = value.dimension(0);
     context.key_steps = value.dimension(1);
     const Index rows = context.batch * context.key_steps;
     context.keys.resize(rows, dims_.projected_key_width());
     context.values.resize(rows, dims_.projected_value_width());
     project_rows(context_projection_, key.as_matrix(), weights_.key_kernel, weights_.key_bias,
-                 context.keys, threads);
+                 context.keys, threads, pool);
     project_rows(context_projection_, value.as_matrix(), weights_.value_kernel, weights_.value_bias,
-                 context.values, threads);
-    return context;
+                 context.values, threads, pool);
   }
 
  public:
@@ -148,7 +148,9 @@ class AttentionCore {
     check_context(where, key.dimension(0), key, value);
     if (num_threads < 0)
       fail<ConfigError>(where, "num_threads = ", num_threads, "; expected >= 0 (0 means all hardware threads)");
-    return project_checked(key, value, resolve_thread_count(num_threads));
+    ProjectedContext<Scalar> context;
+    project_checked(key, value, resolve_thread_count(num_threads), nullptr, context);
+    return context;
   }
 
  protected:
@@ -167,7 +169,7 @@ class AttentionCore {
   template <typename Projection>
   void project_rows(const Projection& projection, const ConstMatrixRef<Scalar>& input,
                     const RowMatrix<Scalar>& kernel, const Vector<Scalar>& bias,
-                    MatrixRef<Scalar> output, int threads) const {
+                    MatrixRef<Scalar> output, int threads, ThreadPool* pool = nullptr) const {
     const Index rows = input.rows();
     parallel_for(row_block_count(rows), threads, [&](Index block, int) {
       const Index first = block * kProjectionRowBlock;
@@ -176,41 +178,50 @@ class AttentionCore {
                                           bias_or_empty(bias), output.middleRows(first, count)};
       Projection::can_implement(args);
       projection(args);
-    });
+    }, pool);
   }
 
   // The shared body of forward. `compute_scores(b, h, first_step, key_block, mask, scores)` fills
   // the masked scores of rows first_step … first_step + rows − 1 of one (batch, head) against
   // the key steps 0 … key_block.rows() − 1; everything before and after it is common.
   // Work items are (b, h, query tile) with tiles of `query_tile` steps; for a causal mask the
-  // key steps that no row of the tile may see are skipped, neither computed nor stored.
+  // key steps that no row of the tile may see are skipped, neither computed nor stored. Scratch
+  // comes from `buffers`, the output goes to `result` (both resized only when shapes change).
   template <typename ComputeScores>
-  AttentionResult<Scalar> attend(const Inputs& inputs, const ProjectedContext<Scalar>& context,
-                                 const AttentionOptions<Scalar>& options, Index query_tile,
-                                 ComputeScores&& compute_scores) const {
+  void attend(const Inputs& inputs, const ProjectedContext<Scalar>& context,
+              const AttentionOptions<Scalar>& options, Index query_tile, ComputeScores&& compute_scores,
+              CallBuffers<Scalar>& buffers, AttentionResult<Scalar>& result) const {
     const Index B = inputs.batch, T = inputs.steps, S = inputs.key_steps;
     const Index H = dims_.num_heads, Dk = dims_.key_dim, Dv = dims_.value_dim;
     const int threads = inputs.threads;
+    ThreadPool* const pool = inputs.pool;
     const RowMatrix<Scalar>& keys = context.keys;
     const RowMatrix<Scalar>& values = context.values;
 
-    AttentionResult<Scalar> result;
     const bool return_scores = options.return_attention_scores;
-    if (return_scores) result.attention_scores.resize(B, H, T, S);
+    if (return_scores)
+      result.attention_scores.resize(B, H, T, S);
+    else if (result.attention_scores.size() != 0)
+      result.attention_scores = Eigen::Tensor<Scalar, 4, Eigen::RowMajor>();
     const DropoutMask dropout = options.training ? DropoutMask(options.dropout_rate, options.dropout_seed)
                                                  : DropoutMask();
-    RowMatrix<Scalar> heads(B * T, H * Dv);
+    RowMatrix<Scalar>& heads = buffers.heads;
+    heads.resize(B * T, H * Dv);
     // Whether V_bh is finite, found once per (b, h) for all of its query tiles.
-    std::vector<char> value_is_finite(static_cast<std::size_t>(B * H));
+    std::vector<char>& value_is_finite = buffers.value_is_finite;
+    value_is_finite.assign(static_cast<std::size_t>(B * H), 0);
     if (S > 0)
       parallel_for(B * H, threads, [&](Index item, int) {
         value_is_finite[std::size_t(item)] = values.block((item / H) * S, (item % H) * Dv, S, Dv).allFinite();
-      });
+      }, pool);
     const Index tiles = query_tile > 0 ? (T + query_tile - 1) / query_tile : 0;
     // Per worker: the scores of the tile in flight, and the probabilities after dropout when the
     // scores before it must be returned.
-    std::vector<RowMatrix<Scalar>> scratch(static_cast<std::size_t>(worker_count(B * H * tiles, threads)));
-    std::vector<RowMatrix<Scalar>> dropped(dropout.active() && return_scores ? scratch.size() : 0);
+    const int workers = worker_count(B * H * tiles, threads);
+    auto& scratch = buffers.tile_scores;
+    auto& dropped = buffers.tile_dropped;
+    CallBuffers<Scalar>::ensure_workers(scratch, workers);
+    if (dropout.active() && return_scores) CallBuffers<Scalar>::ensure_workers(dropped, workers);
     parallel_for(B * H * tiles, threads, [&](Index item, int worker) {
       const Index b = item / (H * tiles), h = (item / tiles) % H, tile = item % tiles;
       const Index first_step = tile * query_tile, rows = std::min(query_tile, T - first_step);
@@ -232,7 +243,9 @@ class AttentionCore {
           ScoresMap(scores_data + key_end, rows, S - key_end, Eigen::OuterStride<>(S)).setZero();
       } else {
         RowMatrix<Scalar>& buffer = scratch[std::size_t(worker)];
-        if (buffer.size() < rows * key_end) buffer.resize(rows, key_end);
+        // Sized once for a whole tile against every key, so that the causal tiles (fewer keys)
+        // and the last tile (fewer rows) do not reallocate it.
+        if (buffer.size() < rows * key_end) buffer.resize(std::min(query_tile, T), S);
         scores_data = buffer.data();
         scores_stride = key_end;
       }
@@ -260,7 +273,8 @@ class AttentionCore {
       Index probabilities_stride = scores_stride;
       if (dropout.active() && return_scores) {
         RowMatrix<Scalar>& copy = dropped[std::size_t(worker)];
-        copy = scores;
+        if (copy.size() < rows * key_end) copy.resize(std::min(query_tile, T), S);
+        Eigen::Map<RowMatrix<Scalar>>(copy.data(), rows, key_end) = scores;
         probabilities_data = copy.data();
         probabilities_stride = key_end;
       }
@@ -271,13 +285,12 @@ class AttentionCore {
                                                    value_is_finite[std::size_t(b * H + h)] != 0};
       AttendValues::can_implement(values_args);
       attend_values_(values_args);
-    });
+    }, pool);
 
     result.output.resize(B, T, dims_.output_dim);
     project_rows(output_projection_, heads, weights_.output_kernel, weights_.output_bias,
                  Eigen::Map<RowMatrix<Scalar>>(result.output.data(), B * T, dims_.output_dim),
-                 threads);
-    return result;
+                 threads, pool);
   }
 
   MhaConfig config_;

@@ -1,11 +1,15 @@
-// sdmha/detail/parallel.hpp — a fork-join loop over independent work items.
+// sdmha/detail/parallel.hpp — a fork-join loop over independent work items, on threads started
+// for the call or on a persistent ThreadPool.
 //
 // Work items are fixed by the problem (row blocks, (batch, head) pairs), never by the thread
 // count, and each item writes its own output: results are bitwise the same for any thread count.
 // Eigen's own threading is not used (sdmha never enables OpenMP), so threads never multiply.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <cstdint>
 #include <exception>
 #include <mutex>
 #include <system_error>
@@ -27,43 +31,161 @@ inline int worker_count(Index count, int threads) {
   return static_cast<int>(std::max<Index>(1, std::min<Index>(std::max(threads, 1), count)));
 }
 
-// Calls body(item, worker) for item in [0, count) on worker_count(count, threads) threads (the
-// caller's included); `worker` in [0, worker_count) lets an item use that worker's scratch.
-// Items are handed out dynamically; the first exception thrown by any item is rethrown.
+// Hands out items [0, count) to whoever calls run_items, and keeps the first exception.
+class ItemQueue {
+ public:
+  explicit ItemQueue(Index count) : count_(count) {}
+  template <typename Body>
+  void run_items(Body& body, int worker) {
+    try {
+      for (Index item = next_.fetch_add(1); item < count_; item = next_.fetch_add(1)) body(item, worker);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(failure_mutex_);
+      if (!failure_) failure_ = std::current_exception();
+      next_.store(count_);
+    }
+  }
+  void rethrow_failure() {
+    if (failure_) std::rethrow_exception(failure_);
+  }
+
+ private:
+  Index count_;
+  std::atomic<Index> next_{0};
+  std::exception_ptr failure_;
+  std::mutex failure_mutex_;
+};
+
+// Worker threads that outlive the calls they serve, so that a repeated call neither starts
+// threads nor allocates. run() is not reentrant: one call at a time per pool (a Workspace owns
+// one and is used by one thread at a time). Threads are started on first need, up to the most
+// ever requested, and stopped by the destructor.
+class ThreadPool {
+ public:
+  ThreadPool() = default;
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+  ~ThreadPool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    for (auto& thread : threads_) thread.join();
+  }
+
+  // The threads started so far (the caller of run() is one more worker).
+  int started_threads() const { return static_cast<int>(threads_.size()); }
+
+  // Calls body(item, worker) for every item on `workers` workers: the caller and workers − 1
+  // pool threads (fewer when threads cannot be created; the result does not depend on it).
+  template <typename Body>
+  void run(Index count, int workers, Body& body) {
+    ItemQueue queue(count);
+    const int helpers = start_threads(workers - 1);
+    Job job{&queue, &body, &invoke<Body>, helpers};
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = job;
+      pending_ = helpers;
+      ++generation_;
+    }
+    if (helpers > 0) wake_.notify_all();
+    queue.run_items(body, 0);
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      done_.wait(lock, [&] { return pending_ == 0; });
+    }
+    queue.rethrow_failure();
+  }
+
+ private:
+  struct Job {
+    ItemQueue* queue = nullptr;
+    void* body = nullptr;
+    void (*call)(ItemQueue&, void*, int) = nullptr;
+    int helpers = 0;
+  };
+
+  template <typename Body>
+  static void invoke(ItemQueue& queue, void* body, int worker) {
+    queue.run_items(*static_cast<Body*>(body), worker);
+  }
+
+  // Starts threads until `wanted` exist (or creation fails); returns how many there are to use.
+  int start_threads(int wanted) {
+    while (static_cast<int>(threads_.size()) < wanted) {
+      const int index = static_cast<int>(threads_.size());
+      try {
+        // The thread starts from the current generation: the job it is started for comes next.
+        threads_.emplace_back([this, index, generation = generation_] { serve(index, generation); });
+      } catch (const std::system_error&) {
+        break;
+      }
+    }
+    return std::min(wanted, static_cast<int>(threads_.size()));
+  }
+
+  void serve(int index, std::uint64_t seen) {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return stopping_ || generation_ != seen; });
+        if (stopping_) return;
+        seen = generation_;
+        job = job_;
+      }
+      if (index >= job.helpers) continue;  // not needed for this call
+      job.call(*job.queue, job.body, index + 1);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        --pending_;
+      }
+      done_.notify_one();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> threads_;
+  Job job_;
+  std::uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stopping_ = false;
+};
+
+// Calls body(item, worker) for item in [0, count) on worker_count(count, threads) workers (the
+// caller's thread included), on `pool`'s threads when one is given, else on threads started for
+// this call; `worker` in [0, worker_count) lets an item use that worker's scratch. Items are
+// handed out dynamically; the first exception thrown by any item is rethrown.
 template <typename Body>
-void parallel_for(Index count, int threads, Body&& body) {
+void parallel_for(Index count, int threads, Body&& body, ThreadPool* pool = nullptr) {
   if (count <= 0) return;
   const int workers = worker_count(count, threads);
   if (workers == 1) {
     for (Index item = 0; item < count; ++item) body(item, 0);
     return;
   }
-  std::atomic<Index> next{0};
-  std::exception_ptr failure;
-  std::mutex failure_mutex;
-  auto work = [&](int worker) {
-    try {
-      for (Index item = next.fetch_add(1); item < count; item = next.fetch_add(1)) body(item, worker);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(failure_mutex);
-      if (!failure) failure = std::current_exception();
-      next.store(count);
-    }
-  };
-  std::vector<std::thread> pool;
-  pool.reserve(static_cast<std::size_t>(workers - 1));
+  if (pool != nullptr) {
+    pool->run(count, workers, body);
+    return;
+  }
+  ItemQueue queue(count);
+  std::vector<std::thread> spawned;
+  spawned.reserve(static_cast<std::size_t>(workers - 1));
   // A thread that cannot be created (resource limits) only means fewer workers: items are
   // independent of who runs them, so the result is the same.
   for (int worker = 1; worker < workers; ++worker) {
     try {
-      pool.emplace_back(work, worker);
+      spawned.emplace_back([&queue, &body, worker] { queue.run_items(body, worker); });
     } catch (const std::system_error&) {
       break;
     }
   }
-  work(0);
-  for (auto& thread : pool) thread.join();
-  if (failure) std::rethrow_exception(failure);
+  queue.run_items(body, 0);
+  for (auto& thread : spawned) thread.join();
+  queue.rethrow_failure();
 }
 
 // Row blocks of a fixed height, so that projections split the same way for any thread count.

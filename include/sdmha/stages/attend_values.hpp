@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "sdmha/config.hpp"
+#include "sdmha/detail/gemm.hpp"
 #include "sdmha/errors.hpp"
 
 namespace sdmha {
@@ -40,7 +41,8 @@ struct AttendValues {
   // product that skips zero probabilities when it is not.
   void operator()(const Arguments& args) const {
     if (args.value_is_finite.has_value() ? *args.value_is_finite : args.value.allFinite()) {
-      args.output.noalias() = args.probabilities * args.value;
+      detail::gemm<Scalar>(detail::as_operand<Scalar>(args.probabilities),
+                           detail::as_operand<Scalar>(args.value), args.output, Scalar(1), false);
       return;
     }
     args.output.setZero();

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "sdmha/config.hpp"
+#include "sdmha/detail/gemm.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/mask.hpp"
 #include "sdmha/sparse_query.hpp"
@@ -65,31 +66,38 @@ struct ScoreKernel {
 
   void operator()(const Arguments& args) const {
     // Keras scales the query, not the product; the scale folds into the GEMM's alpha.
-    args.scores.noalias() = (args.scale * args.query) * args.key.transpose();
+    detail::gemm<Scalar>(detail::as_operand<Scalar>(args.query), detail::transposed<Scalar>(args.key),
+                         args.scores, args.scale, false);
     apply_mask<Scalar>(args.mask, args.scores);
   }
 
   void operator()(const SparseArguments& args) const {
     const auto& query = args.query;
+    RegroupScratch& scratch = regroup_scratch();
     // U: the distinct features that these rows use, sorted; only those rows of M are needed.
-    std::vector<StorageIndex> features;
-    features.reserve(static_cast<std::size_t>(query.nonzeros()));
+    std::vector<StorageIndex>& features = scratch.features;
+    features.clear();
     for (Index row = 0; row < query.rows; ++row)
       for (Index k = query.row_begin(row); k < query.row_end(row); ++k)
         features.push_back(query.column_indices[k]);
     std::sort(features.begin(), features.end());
     features.erase(std::unique(features.begin(), features.end()), features.end());
     const Index used = static_cast<Index>(features.size());
+    const Index width = args.query_kernel.cols(), key_steps = args.key.rows();
 
     // M = (Wq_h[U] · scale) · Kᵀ, U × S: the query kernel's used rows against every key.
-    RowMatrix<Scalar> gathered(used, args.query_kernel.cols());
+    Eigen::Map<RowMatrix<Scalar>> gathered(grow(scratch.gathered, used * width), used, width);
     for (Index i = 0; i < used; ++i) gathered.row(i) = args.query_kernel.row(features[i]);
-    RowMatrix<Scalar> regrouped(used, args.key.rows());
-    regrouped.noalias() = (args.scale * gathered) * args.key.transpose();
+    Eigen::Map<RowMatrix<Scalar>> regrouped(grow(scratch.regrouped, used * key_steps), used, key_steps);
+    detail::gemm<Scalar>(detail::as_operand<Scalar>(gathered), detail::transposed<Scalar>(args.key),
+                         regrouped, args.scale, false);
 
-    if (args.query_bias.size() != 0) {
-      RowVector<Scalar> bias_scores = (args.scale * args.query_bias.transpose()) * args.key.transpose();
-      args.scores.rowwise() = bias_scores;
+    if (args.query_bias.size() != 0 && query.rows > 0) {
+      // c = (bq_h · scale) · Kᵀ into the first row, then copied to the others.
+      const detail::GemmOperand<Scalar> bias_row{args.query_bias.data(), 1, width, width, true};
+      detail::gemm<Scalar>(bias_row, detail::transposed<Scalar>(args.key), args.scores.topRows(1),
+                           args.scale, false);
+      for (Index row = 1; row < query.rows; ++row) args.scores.row(row) = args.scores.row(0);
     } else {
       args.scores.setZero();
     }
@@ -106,6 +114,21 @@ struct ScoreKernel {
   }
 
  private:
+  // The regrouped form's working memory, kept per thread and grown, never shrunk, so that the
+  // steady state allocates nothing (U varies from batch to batch; Eigen's resize would reallocate).
+  struct RegroupScratch {
+    std::vector<StorageIndex> features;
+    Vector<Scalar> gathered, regrouped;
+  };
+  static RegroupScratch& regroup_scratch() {
+    thread_local RegroupScratch scratch;
+    return scratch;
+  }
+  static Scalar* grow(Vector<Scalar>& buffer, Index size) {
+    if (buffer.size() < size) buffer.resize(size);
+    return buffer.data();
+  }
+
   static void check_scores(const char* where, const MatrixRef<Scalar>& scores, Index steps,
                            Index key_steps, const BatchMask& mask) {
     if (scores.rows() != steps || scores.cols() != key_steps)
