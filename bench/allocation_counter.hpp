@@ -34,6 +34,7 @@ namespace sdmha_bench {
 class AllocationCounter {
  public:
   static void allocated(std::size_t bytes) {
+    count_.fetch_add(1, std::memory_order_relaxed);
     const std::int64_t now =
         live_.fetch_add(std::int64_t(bytes), std::memory_order_relaxed) + std::int64_t(bytes);
     std::int64_t peak = peak_.load(std::memory_order_relaxed);
@@ -55,6 +56,8 @@ class AllocationCounter {
     return peak_.load(std::memory_order_relaxed) - baseline;
   }
   static std::int64_t live() { return live_.load(std::memory_order_relaxed); }
+  // Heap blocks taken since the start of the process.
+  static std::int64_t allocations() { return count_.load(std::memory_order_relaxed); }
 
   // Whether the heap is counted at all: only where malloc is wrapped, since Eigen allocates
   // through it (without the wrap nothing is counted and memory is reported as unavailable).
@@ -63,6 +66,7 @@ class AllocationCounter {
  private:
   static inline std::atomic<std::int64_t> live_{0};
   static inline std::atomic<std::int64_t> peak_{0};
+  static inline std::atomic<std::int64_t> count_{0};
 };
 
 // Runs `call` once and returns the peak heap bytes it had live at once beyond what was live

@@ -1,0 +1,109 @@
+// The steady state of forward allocates nothing (issue 5): with a Workspace and an
+// AttentionResult kept between calls, a repeated call with the same shapes performs no heap
+// allocation at all — no buffer, no thread, no Eigen GEMM packing block.
+//
+// Its own executable because it counts every heap block of the process: operator new is
+// replaced and malloc & co. are wrapped by the linker (bench/allocation_counter.hpp, shared with
+// the bench), which the rest of the suite should not run under.
+#include "allocation_counter.hpp"
+#include "test_support.hpp"
+
+namespace sdmha_test {
+namespace {
+
+using sdmha_bench::AllocationCounter;
+
+// Heap blocks taken during `call` (each allocation counts; frees do not cancel them).
+template <typename Call>
+std::int64_t allocations_during(Call&& call) {
+  const std::int64_t before = AllocationCounter::allocations();
+  call();
+  return AllocationCounter::allocations() - before;
+}
+
+TEST(SteadyState, CountingSeesTheHeap) {
+  ASSERT_TRUE(AllocationCounter::counts_malloc()) << "malloc is not wrapped: nothing would be counted";
+  EXPECT_GE(allocations_during([] { sdmha::RowMatrix<float> m(100, 100); m.setZero(); }), 1);
+  EXPECT_GE(allocations_during([] { std::vector<int> v(10); v[0] = 1; }), 1);
+  // And a plain forward does allocate (its workspace, result and threads): the counter would see it.
+  const auto c = make_case<float>(Shape{}, 1);
+  const sdmha::SparseDenseMHA<float> layer(c.config, c.weights);
+  const auto query = c.query();
+  EXPECT_GE(allocations_during([&] { layer.forward(query, c.key, c.value, c.options); }), 3);
+}
+
+// Many work items of every kind (B·H·tiles, row blocks) so that, after the warm-up calls, every
+// worker thread has run every kind of GEMM at its largest size and holds its packing blocks.
+Shape steady_shape(bool masks) {
+  Shape s;
+  // Widths large enough that Eigen's packing blocks for the projections pass its 128 KB stack
+  // limit (a plain Eigen product would allocate them on the heap on every call).
+  s.batch = 3; s.steps = 150; s.key_steps = 140; s.query_dim = 300; s.key_in_dim = 320;
+  s.value_in_dim = 288; s.heads = 4; s.key_dim = 32; s.value_dim = 24; s.output_dim = 200;
+  s.density = 0.03; s.random_mask = masks; s.causal = masks; s.key_padding = masks; s.empty_rows = masks;
+  return s;
+}
+
+template <typename Layer, typename Query, typename Scalar>
+void expect_no_allocation_after_warm_up(const Layer& layer, const Query& query, const Case<Scalar>& c,
+                                        const sdmha::AttentionOptions<Scalar>& options) {
+  sdmha::Workspace<Scalar> workspace;
+  sdmha::AttentionResult<Scalar> result;
+  for (int warm_up = 0; warm_up < 3; ++warm_up) layer.forward(query, c.key, c.value, options, workspace, result);
+  const auto first = result.output;
+  const std::int64_t allocations = allocations_during([&] {
+    for (int call = 0; call < 5; ++call) layer.forward(query, c.key, c.value, options, workspace, result);
+  });
+  EXPECT_EQ(allocations, 0);
+  // Still the same answer.
+  ASSERT_EQ(first.size(), result.output.size());
+  for (Index i = 0; i < first.size(); ++i) ASSERT_EQ(first.data()[i], result.output.data()[i]);
+}
+
+TEST(SteadyState, SparseForwardAllocatesNothingOnceWarm) {
+  for (bool masks : {false, true}) {
+    const auto c = make_case<float>(steady_shape(masks), 11);
+    const sdmha::SparseDenseMHA<float> layer(c.config, c.weights);
+    const auto query = c.query();
+    for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped,
+                          sdmha::ScoreStrategy::automatic})
+      for (int threads : {1, 2}) {
+        SCOPED_TRACE(testing::Message() << "masks=" << masks << " " << sdmha::to_string(strategy)
+                                        << " threads=" << threads);
+        auto options = c.options;
+        options.score_strategy = strategy;
+        options.num_threads = threads;
+        expect_no_allocation_after_warm_up(layer, query, c, options);
+        options.return_attention_scores = true;
+        options.training = true;
+        options.dropout_rate = 0.1;
+        expect_no_allocation_after_warm_up(layer, query, c, options);
+      }
+  }
+}
+
+TEST(SteadyState, SparseForwardOnAProjectedContextAllocatesNothingOnceWarm) {
+  const auto c = make_case<double>(steady_shape(true), 12);
+  const sdmha::SparseDenseMHA<double> layer(c.config, c.weights);
+  const auto query = c.query();
+  const auto context = layer.project_context(c.key, c.value);
+  auto options = c.options;
+  options.num_threads = 2;
+  sdmha::Workspace<double> workspace;
+  sdmha::AttentionResult<double> result;
+  for (int warm_up = 0; warm_up < 3; ++warm_up) layer.forward(query, context, options, workspace, result);
+  EXPECT_EQ(allocations_during([&] { layer.forward(query, context, options, workspace, result); }), 0);
+}
+
+TEST(SteadyState, DenseBaselineAllocatesNothingOnceWarm) {
+  const auto c = make_case<float>(steady_shape(false), 13);
+  const sdmha::DenseMHA<float> layer(c.config, c.weights);
+  const auto dense = c.query().to_dense();
+  const sdmha::TensorRef3<float> query(dense.data(), c.shape.batch, c.shape.steps, c.shape.query_dim);
+  auto options = c.options;
+  options.num_threads = 2;
+  expect_no_allocation_after_warm_up(layer, query, c, options);
+}
+
+}  // namespace
+}  // namespace sdmha_test
