@@ -125,7 +125,7 @@ class SparseDenseMHA
     const double S = double(key_steps), nnz = double(query.nonzeros());
     const double B = double(query.batch()), T = double(query.steps());
     const double project_first = kSparseFlopCost * 2 * nnz * H * Dk + (causal ? 0.5 : 1.0) * 2 * B * H * T * S * Dk;
-    const double regrouped = 2 * H * Dk * S * double(distinct_features_per_batch(query, scratch)) +
+    const double regrouped = 2 * H * Dk * S * double(distinct_features_per_batch(query, scratch).total) +
                              kSparseFlopCost * 2 * nnz * H * S;
     return regrouped < project_first ? ScoreStrategy::sparse_regrouped : ScoreStrategy::project_first;
   }
@@ -185,22 +185,29 @@ class SparseDenseMHA
 
  private:
 
-  // Σ_b U_b: for each batch entry, the number of distinct features its rows use. O(nnz + Eq).
-  static Index distinct_features_per_batch(const Query& query, std::vector<Index>& last_batch) {
+  // U_b, the number of distinct features that batch entry b's rows use: their sum Σ_b U_b and
+  // their maximum. O(nnz + Eq).
+  struct FeatureCounts {
+    Index total = 0, largest = 0;
+  };
+  static FeatureCounts distinct_features_per_batch(const Query& query, std::vector<Index>& last_batch) {
     last_batch.assign(static_cast<std::size_t>(query.features()), -1);
     const auto& csr = query.csr();
-    Index total = 0;
-    for (Index row = 0; row < csr.rows; ++row) {
-      const Index b = row / std::max<Index>(query.steps(), 1);
-      for (Index k = csr.row_begin(row); k < csr.row_end(row); ++k) {
-        Index& seen = last_batch[std::size_t(csr.column_indices[k])];
-        if (seen != b) {
-          seen = b;
-          ++total;
+    FeatureCounts counts;
+    for (Index b = 0; b < query.batch(); ++b) {
+      Index in_batch = 0;
+      for (Index row = b * query.steps(); row < (b + 1) * query.steps(); ++row)
+        for (Index k = csr.row_begin(row); k < csr.row_end(row); ++k) {
+          Index& seen = last_batch[std::size_t(csr.column_indices[k])];
+          if (seen != b) {
+            seen = b;
+            ++in_batch;
+          }
         }
-      }
+      counts.total += in_batch;
+      counts.largest = std::max(counts.largest, in_batch);
     }
-    return total;
+    return counts;
   }
 
   void run(const Query& query, const ProjectedContext<Scalar>& context, const typename Core::Inputs& inputs,
@@ -216,12 +223,14 @@ class SparseDenseMHA
 
     if (strategy == ScoreStrategy::sparse_regrouped) {
       // The regrouped form works on a batch entry's rows at once: M_bh is shared by all of them.
+      const Index feature_capacity = distinct_features_per_batch(query, buffers.feature_batch).largest;
       this->attend(inputs, context, options, T,
                           [&](Index b, Index h, Index, const ConstMatrixRef<Scalar>& key_bh,
                               const BatchMask& mask, MatrixRef<Scalar> scores) {
         typename ScoreKernelT::SparseArguments args{
             query.batch_rows(b), weights.query_kernel.middleCols(h * Dk, Dk),
-            this->bias_segment(weights.query_bias, h * Dk, Dk), key_bh, scale, mask, scores};
+            this->bias_segment(weights.query_bias, h * Dk, Dk), key_bh, scale, mask, scores,
+            feature_capacity};
         ScoreKernelT::can_implement(args);
         this->score_kernel_(args);
       }, buffers, result);

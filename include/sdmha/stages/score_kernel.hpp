@@ -40,6 +40,10 @@ struct ScoreKernel {
     Scalar scale;
     BatchMask mask;
     mutable MatrixRef<Scalar> scores;             // T × S
+    // An upper bound on the distinct features (U) of any call in this pass, when the caller
+    // knows one (the layer does): the stage then sizes its per-thread scratch for it once, and
+    // a repeated pass allocates nothing whichever thread gets which batch. 0: unknown.
+    Index feature_capacity = 0;
   };
 
   static void can_implement(const Arguments& args) {
@@ -74,21 +78,33 @@ struct ScoreKernel {
   void operator()(const SparseArguments& args) const {
     const auto& query = args.query;
     RegroupScratch& scratch = regroup_scratch();
+    const Index width = args.query_kernel.cols(), key_steps = args.key.rows();
+    const Index capacity = std::max(args.feature_capacity, Index(0));
+    // position[f]: f's row in M, or −1; sized to Eq once per thread and reset after each call.
+    std::vector<Index>& position = scratch.position;
+    if (position.size() < static_cast<std::size_t>(query.cols))
+      position.resize(static_cast<std::size_t>(query.cols), -1);
     // U: the distinct features that these rows use, sorted; only those rows of M are needed.
     std::vector<StorageIndex>& features = scratch.features;
+    if (features.capacity() < static_cast<std::size_t>(capacity)) features.reserve(static_cast<std::size_t>(capacity));
     features.clear();
     for (Index row = 0; row < query.rows; ++row)
-      for (Index k = query.row_begin(row); k < query.row_end(row); ++k)
-        features.push_back(query.column_indices[k]);
+      for (Index k = query.row_begin(row); k < query.row_end(row); ++k) {
+        Index& seen = position[std::size_t(query.column_indices[k])];
+        if (seen < 0) {
+          seen = 0;
+          features.push_back(query.column_indices[k]);
+        }
+      }
     std::sort(features.begin(), features.end());
-    features.erase(std::unique(features.begin(), features.end()), features.end());
     const Index used = static_cast<Index>(features.size());
-    const Index width = args.query_kernel.cols(), key_steps = args.key.rows();
+    for (Index i = 0; i < used; ++i) position[std::size_t(features[i])] = i;
+    const Index rows_held = std::max(used, capacity);
 
     // M = (Wq_h[U] · scale) · Kᵀ, U × S: the query kernel's used rows against every key.
-    Eigen::Map<RowMatrix<Scalar>> gathered(grow(scratch.gathered, used * width), used, width);
+    Eigen::Map<RowMatrix<Scalar>> gathered(grow(scratch.gathered, rows_held * width), used, width);
     for (Index i = 0; i < used; ++i) gathered.row(i) = args.query_kernel.row(features[i]);
-    Eigen::Map<RowMatrix<Scalar>> regrouped(grow(scratch.regrouped, used * key_steps), used, key_steps);
+    Eigen::Map<RowMatrix<Scalar>> regrouped(grow(scratch.regrouped, rows_held * key_steps), used, key_steps);
     detail::gemm<Scalar>(detail::as_operand<Scalar>(gathered), detail::transposed<Scalar>(args.key),
                          regrouped, args.scale, false);
 
@@ -103,13 +119,10 @@ struct ScoreKernel {
     }
     for (Index row = 0; row < query.rows; ++row) {
       auto out = args.scores.row(row);
-      for (Index k = query.row_begin(row); k < query.row_end(row); ++k) {
-        const Index position =
-            std::lower_bound(features.begin(), features.end(), query.column_indices[k]) -
-            features.begin();
-        out.noalias() += query.values[k] * regrouped.row(position);
-      }
+      for (Index k = query.row_begin(row); k < query.row_end(row); ++k)
+        out.noalias() += query.values[k] * regrouped.row(position[std::size_t(query.column_indices[k])]);
     }
+    for (const StorageIndex feature : features) position[std::size_t(feature)] = -1;
     apply_mask<Scalar>(args.mask, args.scores);
   }
 
@@ -117,6 +130,7 @@ struct ScoreKernel {
   // The regrouped form's working memory, kept per thread and grown, never shrunk, so that the
   // steady state allocates nothing (U varies from batch to batch; Eigen's resize would reallocate).
   struct RegroupScratch {
+    std::vector<Index> position;
     std::vector<StorageIndex> features;
     Vector<Scalar> gathered, regrouped;
   };
