@@ -84,7 +84,8 @@ class Problem {
                                                               workload.context_dim,
                                                               workload.context_dim, kWeightSeed)),
         dense_layer(workload.config(), sparse_layer.weights()),
-        flops(flop_counts(workload, query.nonzeros())) {
+        flops(flop_counts(workload, query.nonzeros())),
+        d_output(make_dense_input(workload.batch, workload.steps, workload.output_dim, kOutputGradientSeed)) {
     build_references();
   }
 
@@ -102,12 +103,20 @@ class Problem {
   const sdmha::SparseDenseMHA<float> sparse_layer;
   const sdmha::DenseMHA<float> dense_layer;
   const FlopCounts flops;
+  // ∂loss/∂output for the backward case.
+  const Tensor3 d_output;
+
+  // Each forward path keeps its workspace and result between calls, as a serving loop would (a
+  // case's checked call starts from fresh ones, so that its peak heap includes them).
+  sdmha::Workspace<float> sparse_workspace, regrouped_workspace, dense_workspace;
+  sdmha::AttentionResult<float> forward_result;
+  sdmha::MhaGradients<float> gradients;
 
   // The densified query and the dense path's intermediates, one thread.
   Matrix dense_query, projected_query, keys, values, scores, probabilities, heads, output;
   // What the cases write.
-  Matrix densified, projected_query_out, keys_out, values_out, scores_out, heads_out, output_out;
-  Tensor3 forward_out;
+  Matrix densified, projected_query_out, keys_out, values_out, scores_out, heads_out, output_out,
+      gemm_out;
 
  private:
   void build_references();
@@ -248,14 +257,36 @@ void attend_values(const Problem& p, int threads, const Matrix& probabilities, c
   const Attend stage;
   const Index T = p.shape.steps, S = p.shape.key_steps, D = p.shape.head_dim;
   const Index H = p.shape.heads;
+  // V_bh's finiteness once per (batch, head), as the layer finds it, not once per tile.
+  std::vector<char> finite(static_cast<std::size_t>(p.shape.batch * H));
+  sdmha::detail::parallel_for(p.shape.batch * H, threads, [&](Index item, int) {
+    finite[std::size_t(item)] = values.block((item / H) * S, (item % H) * D, S, D).allFinite();
+  });
   for_attention_tiles(
       p, threads, sdmha::detail::kQueryTile, [&](Index b, Index h, Index first, Index rows) {
         Attend::Arguments args{probabilities.middleRows((b * H + h) * T + first, rows),
                                values.block(b * S, h * D, S, D),
-                               heads.block(b * T + first, h * D, rows, D)};
+                               heads.block(b * T + first, h * D, rows, D), finite[std::size_t(b * H + h)] != 0};
         Attend::can_implement(args);
         stage(args);
       });
+}
+
+// Plain Eigen products of the score and attend stages' sizes, tile by tile over the same
+// memory: the yardstick for those stages' GFLOP/s (no scale, no mask, no finiteness check).
+void plain_score_gemms(const Problem& p, int threads, Matrix& scores) {
+  const Index T = p.shape.steps, S = p.shape.key_steps, D = p.shape.head_dim, H = p.shape.heads;
+  for_attention_tiles(p, threads, sdmha::detail::kQueryTile, [&](Index b, Index h, Index first, Index rows) {
+    scores.middleRows((b * H + h) * T + first, rows).noalias() =
+        p.projected_query.block(b * T + first, h * D, rows, D) * p.keys.block(b * S, h * D, S, D).transpose();
+  });
+}
+void plain_attend_gemms(const Problem& p, int threads, Matrix& heads) {
+  const Index T = p.shape.steps, S = p.shape.key_steps, D = p.shape.head_dim, H = p.shape.heads;
+  for_attention_tiles(p, threads, sdmha::detail::kQueryTile, [&](Index b, Index h, Index first, Index rows) {
+    heads.block(b * T + first, h * D, rows, D).noalias() =
+        p.probabilities.middleRows((b * H + h) * T + first, rows) * p.values.block(b * S, h * D, S, D);
+  });
 }
 
 void output_projection(const Problem& p, int threads, const Matrix& heads, Matrix& output) {
@@ -329,31 +360,53 @@ std::vector<Case> make_cases(Problem& p, int threads) {
     return result;
   };
   auto check_forward = [&p] {
-    return compare("forward output", as_matrix(p.forward_out), p.output);
+    return compare("forward output", as_matrix(p.forward_result.output), p.output);
+  };
+  auto fresh = [&p](sdmha::Workspace<float>& workspace) {
+    return [&p, &workspace] {
+      workspace = sdmha::Workspace<float>();
+      p.forward_result = sdmha::AttentionResult<float>();
+    };
   };
   const bool regrouped = regrouped_is_timed(p.shape, p.density);
   std::vector<Case> cases;
 
   // The whole layer. "dense" is what a user without sdmha runs: densify, then the dense layer.
-  cases.push_back({"forward", "sparse", f.sparse_total(), csr, 0, 0, nullptr,
+  cases.push_back({"forward", "sparse", f.sparse_total(), csr, 0, 0, fresh(p.sparse_workspace),
                    [&p, o = options(sdmha::ScoreStrategy::project_first)] {
-                     p.forward_out = p.sparse_layer.forward(p.query, p.key, p.value, o).output;
+                     p.sparse_layer.forward(p.query, p.key, p.value, o, p.sparse_workspace, p.forward_result);
                    },
                    check_forward});
   if (regrouped)
-    cases.push_back({"forward", "sparse_regrouped", f.sparse_total(), csr, 0, 0, nullptr,
+    cases.push_back({"forward", "sparse_regrouped", f.sparse_total(), csr, 0, 0, fresh(p.regrouped_workspace),
                      [&p, o = options(sdmha::ScoreStrategy::sparse_regrouped)] {
-                       p.forward_out = p.sparse_layer.forward(p.query, p.key, p.value, o).output;
+                       p.sparse_layer.forward(p.query, p.key, p.value, o, p.regrouped_workspace,
+                                              p.forward_result);
                      },
                      check_forward});
   cases.push_back(
-      {"forward", "dense", f.dense_total(), dense, 0, 0, nullptr,
+      {"forward", "dense", f.dense_total(), dense, 0, 0, fresh(p.dense_workspace),
        [&p, o = options(sdmha::ScoreStrategy::project_first)] {
          const Matrix densified = p.query.to_dense();
-         p.forward_out =
-             p.dense_layer.forward(p.dense_query_tensor(densified), p.key, p.value, o).output;
+         p.dense_layer.forward(p.dense_query_tensor(densified), p.key, p.value, o, p.dense_workspace,
+                               p.forward_result);
        },
        check_forward});
+  // The training pass (it recomputes the forward it needs). Checked by an identity of the
+  // gradients: ∂loss/∂bo = Σ over rows of ∂loss/∂Y, and everything finite.
+  cases.push_back({"backward", "sparse", 0, csr, 0, 0, nullptr,
+                   [&p, o = options(sdmha::ScoreStrategy::automatic)] {
+                     p.gradients = p.sparse_layer.backward(p.query, p.key, p.value, p.d_output, o);
+                   },
+                   [&p] {
+                     const auto& g = p.gradients;
+                     if (!g.query_kernel.allFinite() || !g.key_kernel.allFinite() ||
+                         !g.value_kernel.allFinite() || !g.output_kernel.allFinite() ||
+                         !g.query_values.allFinite())
+                       return std::string("backward: a gradient is not finite");
+                     const Matrix expected = as_matrix(p.d_output).colwise().sum();
+                     return compare("backward output bias gradient", g.output_bias.transpose(), expected);
+                   }});
 
   // Stage by stage.
   cases.push_back({"densify", "dense", 0, csr, 0, dense, nullptr,
@@ -406,6 +459,23 @@ std::vector<Case> make_cases(Problem& p, int threads) {
   cases.push_back({"output_projection", "shared", f.output_projection, 0, 0, 0, nullptr,
                    [&p, threads] { output_projection(p, threads, p.heads, p.output_out); },
                    [&p] { return compare("output", p.output_out, p.output); }});
+  // The yardstick of the dense stages: one plain Eigen GEMM of the key projection's size,
+  // (B·S × Ek)·(Ek × H·Dk) in a single call on one thread (whatever the row's thread count), as
+  // Eigen runs it by itself.
+  cases.push_back({"gemm", "eigen", f.key_value_projection / 2, 0, 0, 0, nullptr,
+                     [&p] { p.gemm_out.noalias() = as_matrix(p.key) * p.weights().key_kernel; },
+                     [&p] {
+                       const Matrix expected = p.keys.rowwise() - p.weights().key_bias.transpose();
+                       return compare("plain GEMM", p.gemm_out, expected);
+                     }});
+  cases.push_back({"gemm", "eigen_scores_size", f.scores, 0, 0, 0, nullptr,
+                   [&p, threads] { plain_score_gemms(p, threads, p.scores_out); },
+                   [&p] {
+                     return compare("plain score GEMMs", p.scores_out * p.score_scale(), p.scores);
+                   }});
+  cases.push_back({"gemm", "eigen_attend_size", f.attend_values, 0, 0, 0, nullptr,
+                   [&p, threads] { plain_attend_gemms(p, threads, p.heads_out); },
+                   [&p] { return compare("plain attend GEMMs", p.heads_out, p.heads); }});
   return cases;
 }
 
@@ -415,11 +485,13 @@ std::vector<std::string> case_names(const WorkloadShape& shape, double density) 
   std::vector<std::string> names = {"forward/sparse"};
   if (regrouped) names.push_back("forward/sparse_regrouped");
   for (const char* name :
-       {"forward/dense", "densify/dense", "query_projection/sparse", "query_projection/dense",
+       {"forward/dense", "backward/sparse", "densify/dense", "query_projection/sparse", "query_projection/dense",
         "query_projection/eigen_csr", "key_value_projection/shared", "scores/shared"})
     names.push_back(name);
   if (regrouped) names.push_back("scores/sparse_regrouped");
   for (const char* name : {"softmax/shared", "attend_values/shared", "output_projection/shared"})
+    names.push_back(name);
+  for (const char* name : {"gemm/eigen", "gemm/eigen_scores_size", "gemm/eigen_attend_size"})
     names.push_back(name);
   return names;
 }
@@ -623,6 +695,7 @@ struct CaseResult {
   std::vector<double> milliseconds;
   double median_ms = 0;
   std::int64_t peak_bytes = -1;
+  std::int64_t steady_allocations = -1;  // heap blocks taken by one more call after the timed ones
   std::string error;
 };
 
@@ -655,6 +728,10 @@ struct ConfigResult {
     return c == nullptr ? -1 : c->peak_bytes;
   }
   double speedup() const { return ms("forward/dense") / ms("forward/sparse"); }
+  std::int64_t steady_allocations(const std::string& name) const {
+    const CaseResult* c = find(name);
+    return c == nullptr ? -1 : c->steady_allocations;
+  }
 };
 
 double median(std::vector<double> values) {
@@ -697,6 +774,14 @@ ConfigResult measure(Problem& p, int threads, int repetitions) {
       if (result.cases[i].error.empty())
         result.cases[i].milliseconds.push_back(milliseconds_of(cases[i].run));
   for (CaseResult& r : result.cases) r.median_ms = median(r.milliseconds);
+  // The steady state: what one more call allocates once the timed calls have warmed it up.
+  if (AllocationCounter::counts_malloc())
+    for (std::size_t i = 0; i < cases.size(); ++i)
+      if (result.cases[i].error.empty()) {
+        const std::int64_t before = AllocationCounter::allocations();
+        cases[i].run();
+        result.cases[i].steady_allocations = AllocationCounter::allocations() - before;
+      }
   return result;
 }
 
@@ -731,13 +816,14 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
   out << "\n";
 
   char line[512];
-  const char* header = "%-5s %7s %3s %7s | %9s %9s | %8s %9s | %7s %6s | %8s %8s %6s | %8s %8s\n";
+  const char* header =
+      "%-5s %7s %3s %7s | %9s %9s | %8s %9s | %7s %6s | %8s %8s %6s | %8s %8s | %6s | %9s %7s\n";
   std::snprintf(line, sizeof line, header, "work", "density", "thr", "nnz/row", "sparse", "regroup",
                 "densify", "dense", "speedup", "ideal", "peak MB", "peak MB", "mem", "query MB",
-                "query MB");
+                "query MB", "allocs", "backward", "bwd/");
   out << line;
   std::snprintf(line, sizeof line, header, "", "", "", "", "ms", "ms", "ms", "ms", "", "", "sparse",
-                "dense", "ratio", "CSR", "dense");
+                "dense", "ratio", "CSR", "dense", "/call", "ms", "fwd");
   out << line;
   for (const ConfigResult& r : results) {
     const std::int64_t sparse_peak = r.peak_bytes("forward/sparse");
@@ -745,35 +831,45 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
     const std::string ratio = sparse_peak > 0 && dense_peak >= 0
                                   ? format("%.1fx", double(dense_peak) / double(sparse_peak))
                                   : "n/a";
+    const std::int64_t allocations = r.steady_allocations("forward/sparse");
+    const double backward_ms = r.ms("backward/sparse");
     std::snprintf(
         line, sizeof line,
-        "%-5s %7g %3d %7ld | %9s %9s | %8s %9s | %6.2fx %6.2f | %8s %8s %6s | %8.2f %8.2f\n",
+        "%-5s %7g %3d %7ld | %9s %9s | %8s %9s | %6.2fx %6.2f | %8s %8s %6s | %8.2f %8.2f | %6s | %9s %6.2fx\n",
         r.shape.name.c_str(), r.density, r.threads, long(r.nonzeros_per_row),
         milliseconds_text(r.ms("forward/sparse")).c_str(),
         milliseconds_text(r.ms("forward/sparse_regrouped")).c_str(),
         milliseconds_text(r.ms("densify/dense")).c_str(),
         milliseconds_text(r.ms("forward/dense")).c_str(), r.speedup(), r.flops.ideal_speedup(),
         megabytes(sparse_peak).c_str(), megabytes(dense_peak).c_str(), ratio.c_str(),
-        r.csr_bytes / 1e6, r.dense_bytes / 1e6);
+        r.csr_bytes / 1e6, r.dense_bytes / 1e6,
+        allocations < 0 ? "n/a" : std::to_string(allocations).c_str(),
+        milliseconds_text(backward_ms).c_str(), backward_ms / r.ms("forward/sparse"));
     out << line;
   }
-  out << "\nsparse = SparseDenseMHA::forward (project_first); regroup = the same with "
-         "sparse_regrouped\n"
+  out << "\nsparse = SparseDenseMHA::forward (project_first) with a Workspace and result kept between\n"
+         "calls; regroup = the same with sparse_regrouped\n"
          "scores (\"-\": not timed where it costs more FLOPs than the dense layer); dense =\n"
          "SparseQuery::to_dense + DenseMHA::forward, densify included (and shown alone); speedup "
          "=\n"
          "dense / sparse; ideal = dense FLOP / sparse FLOP (WORKLOADS.md), the speedup at equal\n"
          "efficiency; peak MB = most heap bytes one call has live at once, inputs excluded (the "
          "dense\n"
-         "call's include its densified query); query MB = the query's own bytes (CSR: values, "
-         "column\n"
-         "indices, row offsets).\n";
+         "call's include its densified query; the first call with a fresh Workspace); query MB = "
+         "the\n"
+         "query's own bytes (CSR: values, column indices, row offsets); allocs/call = heap blocks "
+         "one\n"
+         "more sparse forward call takes after the timed ones (the steady state); backward =\n"
+         "SparseDenseMHA::backward (automatic strategy; it recomputes the forward), bwd/fwd = "
+         "backward / sparse.\n";
 
   out << "\nstages alone, ms (GFLOP/s), split over threads as the layer splits them:\n";
-  const char* stage_header = "%-5s %7s %3s | %8s %14s %14s %14s | %14s %14s %14s | %7s %14s %14s\n";
+  const char* stage_header =
+      "%-5s %7s %3s | %8s %14s %14s %14s | %14s %14s %14s | %7s %14s %14s | %14s %14s %14s\n";
   std::snprintf(line, sizeof line, stage_header, "work", "density", "thr", "densify",
                 "q-proj sparse", "q-proj dense", "q-proj eigen", "k+v proj", "scores",
-                "scores regroup", "softmax", "attend values", "out proj");
+                "scores regroup", "softmax", "attend values", "out proj", "GEMM k-proj",
+                "GEMM scores", "GEMM attend");
   out << line;
   for (const ConfigResult& r : results) {
     auto cell = [&](const char* name) {
@@ -791,14 +887,20 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
                   cell("query_projection/eigen_csr").c_str(),
                   cell("key_value_projection/shared").c_str(), cell("scores/shared").c_str(),
                   cell("scores/sparse_regrouped").c_str(), cell("softmax/shared").c_str(),
-                  cell("attend_values/shared").c_str(), cell("output_projection/shared").c_str());
+                  cell("attend_values/shared").c_str(), cell("output_projection/shared").c_str(),
+                  cell("gemm/eigen").c_str(), cell("gemm/eigen_scores_size").c_str(),
+                  cell("gemm/eigen_attend_size").c_str());
     out << line;
   }
   out << "(scores regroup includes the query projection, which it replaces; softmax and densify do "
          "no\n"
          "counted FLOPs; k+v, scores, softmax, attend values and out proj are the same code for "
          "both\n"
-         "paths.)\n";
+         "paths. GEMM k-proj = one plain Eigen `C.noalias() = A * B` of the key projection's size "
+         "on one\n"
+         "thread; GEMM scores / attend = plain Eigen products of the score and attend stages' tile "
+         "sizes,\n"
+         "tile by tile: the yardsticks of the dense stages' GFLOP/s.)\n";
 }
 
 std::string json_string(const std::string& text) {
@@ -861,6 +963,8 @@ void write_json(const std::string& path, const std::vector<ConfigResult>& result
         << ", \"sparse_regrouped\": " << ms("forward/sparse_regrouped")
         << ", \"dense\": " << ms("forward/dense") << ", \"densify\": " << ms("densify/dense")
         << "},\n";
+    out << "     \"backward_ms\": " << ms("backward/sparse")
+        << ", \"steady_state_allocations_per_call\": " << r.steady_allocations("forward/sparse") << ",\n";
     // Stage times per path; the shared stages are timed once and listed on every path.
     out << "     \"stages_ms\": {\n"
         << "       \"sparse\": {\"query_projection\": " << ms("query_projection/sparse")
@@ -900,6 +1004,7 @@ void write_json(const std::string& path, const std::vector<ConfigResult>& result
           << json_number(c.median_ms > 0 ? c.flops / c.median_ms * 1e-6 : 0.0)
           << ", \"peak_bytes\": "
           << (c.peak_bytes < 0 ? std::string("null") : std::to_string(c.peak_bytes))
+          << ", \"steady_allocations\": " << c.steady_allocations
           << ", \"error\": " << json_string(c.error) << "}";
     }
     out << "]}" << (i + 1 < results.size() ? "," : "") << "\n";

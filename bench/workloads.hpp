@@ -28,6 +28,7 @@ constexpr std::uint64_t kWeightSeed = 1;
 constexpr std::uint64_t kQuerySeed = 2;
 constexpr std::uint64_t kKeySeed = 3;
 constexpr std::uint64_t kValueSeed = 4;
+constexpr std::uint64_t kOutputGradientSeed = 5;
 
 struct WorkloadShape {
   std::string name;
