@@ -219,7 +219,7 @@ TEST(BackwardGradientCheck, HighDropoutRateWithFixedSeed) {
 
 template <typename Scalar>
 class BackwardTest : public ::testing::Test {};
-TYPED_TEST_SUITE(BackwardTest, ScalarTypes);
+TYPED_TEST_SUITE(BackwardTest, ScalarTypes, );
 
 template <typename Scalar>
 ::testing::AssertionResult same_bits(Case<Scalar>& c, const sdmha::MhaGradients<Scalar>& a,
@@ -673,7 +673,7 @@ TEST(BackwardDropout, KeepsTheExpectationOverSeeds) {
 
 template <typename Scalar>
 class QueryGradientStagesTest : public ::testing::Test {};
-TYPED_TEST_SUITE(QueryGradientStagesTest, ScalarTypes);
+TYPED_TEST_SUITE(QueryGradientStagesTest, ScalarTypes, );
 
 TYPED_TEST(QueryGradientStagesTest, MatchDenseProducts) {
   using Scalar = TypeParam;

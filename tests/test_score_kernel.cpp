@@ -9,7 +9,7 @@ namespace {
 
 template <typename Scalar>
 class ScoreKernelTest : public ::testing::Test {};
-TYPED_TEST_SUITE(ScoreKernelTest, ScalarTypes);
+TYPED_TEST_SUITE(ScoreKernelTest, ScalarTypes, );
 
 template <typename Scalar>
 using Kernel = sdmha::ScoreKernel<Scalar>;
