@@ -9,7 +9,9 @@
 # 2-core machine from a cold compiler cache (tests/fuzz/README.md has the figures).
 #
 # SDMHA_HARDENING_STAGES picks stages for a local run, e.g. "tsan fuzz" (default: all three);
-# SDMHA_FUZZ_SECONDS sets the time per fuzz target.
+# SDMHA_FUZZ_SECONDS sets the time per fuzz target; SDMHA_FUZZ_SEED (default 1) is libFuzzer's
+# -seed, fixed so that a run can be repeated: the same seed, corpus and build give the same
+# mutations (up to the time limit and, in fuzz_forward, the thread scheduling).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +19,7 @@ tools/bootstrap-hardening.sh
 
 readonly JOBS=2
 readonly FUZZ_SECONDS=${SDMHA_FUZZ_SECONDS:-60}
+readonly FUZZ_SEED=${SDMHA_FUZZ_SEED:-1}
 readonly STAGES=" ${SDMHA_HARDENING_STAGES:-asan tsan fuzz} "
 wanted() { [[ $STAGES == *" $1 "* ]]; }
 launcher=()
@@ -71,7 +74,7 @@ fi
 
 # ---- 3. libFuzzer -------------------------------------------------------------------------------
 if wanted fuzz; then
-banner "3/3 libFuzzer, ${FUZZ_SECONDS} s per target (build-fuzz/, clang)"
+banner "3/3 libFuzzer, ${FUZZ_SECONDS} s per target, -seed=${FUZZ_SEED} (build-fuzz/, clang)"
 cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
   -DSDMHA_BUILD_FUZZERS=ON -DSDMHA_BUILD_TESTS=OFF -DSDMHA_BUILD_EXAMPLES=OFF \
   -DSDMHA_BUILD_TOOLS=OFF "${common[@]}"
@@ -90,7 +93,7 @@ for target in "${targets[@]}"; do
   if ASAN_OPTIONS=halt_on_error=1:abort_on_error=1:detect_leaks=1 \
      UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
      "build-fuzz/tests/fuzz/$target" "$work/corpus" "${dictionary[@]}" \
-       -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048 -timeout=30 -print_final_stats=1 \
+       -seed="$FUZZ_SEED" -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048 -timeout=30 -print_final_stats=1 \
        -artifact_prefix="$work/artifacts/" >"$work/log.txt" 2>&1; then
     grep -v -e '^#' -e 'NEW_FUNC' "$work/log.txt" | tail -n 8
   else

@@ -9,7 +9,7 @@ namespace {
 
 template <typename Scalar>
 class ScoreKernelTest : public ::testing::Test {};
-TYPED_TEST_SUITE(ScoreKernelTest, ScalarTypes);
+TYPED_TEST_SUITE(ScoreKernelTest, ScalarTypes, );
 
 template <typename Scalar>
 using Kernel = sdmha::ScoreKernel<Scalar>;
@@ -54,10 +54,19 @@ struct ScoreProblem {
     return mask;
   }
 
+  // The (b, h) block of a projected matrix. An empty block is taken at (0, 0): Eigen's block()
+  // adds the offset to data(), which is null in an empty matrix (T = 0 or S = 0), and an offset
+  // on a null pointer is undefined behaviour (UBSan: "applying non-zero offset to null pointer").
+  static auto head_block(const sdmha::RowMatrix<Scalar>& matrix, Index row, Index column, Index rows,
+                         Index columns) {
+    const bool empty = rows == 0 || columns == 0;
+    return matrix.block(empty ? 0 : row, empty ? 0 : column, rows, columns);
+  }
+
   sdmha::RowMatrix<Scalar> project_first(Index b, Index h) const {
     sdmha::RowMatrix<Scalar> scores(T(), S());
-    typename Kernel<Scalar>::Arguments args{projected_query.block(b * T(), h * Dk(), T(), Dk()),
-                                            projected_key.block(b * S(), h * Dk(), S(), Dk()), scale(),
+    typename Kernel<Scalar>::Arguments args{head_block(projected_query, b * T(), h * Dk(), T(), Dk()),
+                                            head_block(projected_key, b * S(), h * Dk(), S(), Dk()), scale(),
                                             mask(b), scores};
     Kernel<Scalar>::can_implement(args);
     Kernel<Scalar>{}(args);
@@ -72,7 +81,7 @@ struct ScoreProblem {
         weights.query_kernel.middleCols(h * Dk(), Dk()),
         weights.query_bias.size() != 0 ? sdmha::ConstVectorRef<Scalar>(weights.query_bias.segment(h * Dk(), Dk()))
                                        : sdmha::ConstVectorRef<Scalar>(no_bias),
-        projected_key.block(b * S(), h * Dk(), S(), Dk()),
+        head_block(projected_key, b * S(), h * Dk(), S(), Dk()),
         scale(),
         mask(b),
         scores};

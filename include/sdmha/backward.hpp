@@ -86,9 +86,12 @@ void transposed_product_tiles(const ConstMatrixRef<Scalar>& input,
 // The gradient of a dense projection's kernel, dW = inputᵀ·dY. A row of the input that no query
 // attends (a blocked key step) has dY's row exactly 0 and may hold NaN or Inf; a GEMM would turn
 // 0·NaN into NaN, so when the input is not finite only the rows with a gradient take part.
+// Without rows (B = 0, T = 0 or S = 0) dW is 0, and no tile is taken: the input's data is null
+// then, and a column block at a non-zero offset would be arithmetic on a null pointer.
 template <typename Scalar>
 RowMatrix<Scalar> kernel_gradient(const ConstMatrixRef<Scalar>& input,
                                   const ConstMatrixRef<Scalar>& d_output, int threads) {
+  if (input.rows() == 0) return RowMatrix<Scalar>::Zero(input.cols(), d_output.cols());
   RowMatrix<Scalar> d_weight(input.cols(), d_output.cols());
   if (input.allFinite()) {
     transposed_product_tiles<Scalar>(input, d_output, d_weight, threads);
@@ -107,9 +110,12 @@ RowMatrix<Scalar> kernel_gradient(const ConstMatrixRef<Scalar>& input,
   return d_weight;
 }
 
+// dbias = 1ᵀ·dY; 0 without rows, where Eigen's column sums would take blocks at non-zero offsets
+// of dY's null data.
 template <typename Scalar, typename Matrix>
 Vector<Scalar> bias_gradient(bool use_bias, const Matrix& d_output) {
   if (!use_bias) return Vector<Scalar>();
+  if (d_output.rows() == 0) return Vector<Scalar>::Zero(d_output.cols());
   return d_output.colwise().sum().transpose();
 }
 
@@ -225,7 +231,14 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
   const MaskedSoftmax<Scalar> softmax;
   const AttendValues<Scalar> attend_values;
 
-  parallel_for(B * H, threads, [&](Index item, int worker) {
+  // Without key steps every query row is fully blocked: A = 0 and dQ = 0, dK and dV are empty,
+  // and there is no (b, h) item: its blocks of the empty K and V would be offsets on null data.
+  if (S == 0) {
+    heads.setZero();
+    d_queries.setZero();
+  }
+  const Index attention_items = S > 0 ? B * H : 0;
+  parallel_for(attention_items, threads, [&](Index item, int worker) {
     const Index b = item / H, h = item % H;
     using ScratchMap = Eigen::Map<RowMatrix<Scalar>>;
     auto scratch = [&](std::vector<RowMatrix<Scalar>>& buffers, Index rows, Index columns) {
@@ -314,7 +327,9 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
 
   // Query projection: dWq = Xᵀ·dQ in fixed column panels, dX sampled at X's pattern in row blocks.
   gradients.query_kernel.resize(dims.query_dim, H * Dk);
-  const Index panels = (H * Dk + kWeightTile - 1) / kWeightTile;
+  // Without query rows (B·T = 0) dWq is 0; the panels would be offsets on d_queries' null data.
+  if (csr.rows == 0) gradients.query_kernel.setZero();
+  const Index panels = csr.rows > 0 ? (H * Dk + kWeightTile - 1) / kWeightTile : 0;
   parallel_for(panels, threads, [&](Index panel, int) {
     const Index first = panel * kWeightTile, count = std::min(kWeightTile, H * Dk - first);
     typename QueryKernelGradient<Scalar, StorageIndex>::Arguments args{
