@@ -120,12 +120,24 @@ TYPED_TEST(Concurrency, OneLayerFromEightThreadsGivesTheSingleThreadedResultsBit
   for (int thread = 0; thread < kThreads; ++thread) {
     threads.emplace_back([&, thread] {
       const auto& w = work[std::size_t(thread)];
+      // Threads 0, 1, 4, 5 keep a Workspace of their own (threads 1 and 5 with a pool worker),
+      // the others call the plain forward.
+      const bool keep_workspace = thread % 4 < 2;
+      sdmha::Workspace<Scalar> workspace;
+      sdmha::AttentionResult<Scalar> kept;
       gate.wait();
       try {
         for (int call = 0; call < kCallsPerThread; ++call) {
-          const auto result = w.use_context
-                                  ? layer.forward(w.query, w.context, w.options)
-                                  : layer.forward(w.query, w.problem.key, w.problem.value, w.options);
+          if (keep_workspace) {
+            if (w.use_context)
+              layer.forward(w.query, w.context, w.options, workspace, kept);
+            else
+              layer.forward(w.query, w.problem.key, w.problem.value, w.options, workspace, kept);
+          }
+          const auto& result = keep_workspace ? kept
+                               : w.use_context
+                                   ? layer.forward(w.query, w.context, w.options)
+                                   : layer.forward(w.query, w.problem.key, w.problem.value, w.options);
           const bool same =
               result.output.size() == w.expected.output.size() &&
               bitwise_equal(result.output.data(), w.expected.output.data(), result.output.size()) &&
