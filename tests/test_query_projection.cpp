@@ -349,9 +349,9 @@ std::vector<Index> panel_tail_widths() {
   return widths;
 }
 
-// Both kernels, every tail width, with and without bias, on strided W and strided Y (the padding
-// of Y must stay untouched), rows empty, short and full; against the double reference, and
-// bitwise against each other (sorted rows).
+// Both kernels (by rows also with streaming stores), every tail width, with and without bias, on
+// strided W and strided Y (the padding of Y must stay untouched), rows empty, short and full;
+// against the double reference, and bitwise against each other (sorted rows).
 TYPED_TEST(QueryProjectionCsrKernelsTest, EveryPanelTailOnStridedOperandsMatchesTheDoubleReference) {
   using Scalar = TypeParam;
   constexpr Scalar sentinel = Scalar(-777);
@@ -365,9 +365,14 @@ TYPED_TEST(QueryProjectionCsrKernelsTest, EveryPanelTailOnStridedOperandsMatches
     const auto bias_values = random_values<Scalar>(width, 903);
     for (const Scalar* bias : {static_cast<const Scalar*>(nullptr), bias_values.data()}) {
       const auto expected = x.reference(weight.data(), weight_stride, bias, width);
-      std::vector<Scalar> by_rows(std::size_t(x.rows * output_stride), sentinel), by_features = by_rows;
+      std::vector<Scalar> by_rows(std::size_t(x.rows * output_stride), sentinel), by_features = by_rows,
+          streamed = by_rows;
       sdmha::detail::csr_dense_product(x.view(), weight.data(), weight_stride, bias, by_rows.data(), output_stride,
                                        width);
+      // Streaming stores where a packet is aligned (with AVX or AVX-512), plain ones elsewhere.
+      sdmha::detail::csr_dense_product(x.view(), weight.data(), weight_stride, bias, streamed.data(), output_stride,
+                                       width, /*stream=*/true);
+      EXPECT_EQ(0, std::memcmp(by_rows.data(), streamed.data(), sizeof(Scalar) * by_rows.size()));
       sdmha::detail::csr_dense_product_by_feature(x.view(), weight.data(), weight_stride, bias, by_features.data(),
                                                   output_stride, width, scratch);
       for (const auto* result : {&by_rows, &by_features}) {
@@ -455,6 +460,43 @@ TYPED_TEST(QueryProjectionCsrKernelsTest, StageByFeaturesWithCallerScratchOnStri
   const sdmha::RowMatrix<Scalar> small_kernel = sdmha::RowMatrix<Scalar>::Ones(features, 8);
   const sdmha::Vector<Scalar> no_bias;
   EXPECT_FALSE(Projection::by_feature(typename Projection::Arguments{x.view(), small_kernel, no_bias, small_output}));
+}
+
+// The stage on a kernel within L2 and an output beyond kStreamOutputBytes streams its stores
+// (where the build has them); into the whole output and into a block of a larger one, whose
+// rows are then not all aligned, it matches the double reference and leaves the rest alone.
+TYPED_TEST(QueryProjectionCsrKernelsTest, StageWithStreamingStoresMatchesTheDoubleReference) {
+  using Scalar = TypeParam;
+  using Projection = sdmha::SparseQueryProjection<Scalar>;
+  constexpr Scalar sentinel = Scalar(-777);
+  const Index features = 96, width = 2 * sdmha::detail::kPanelPackets * 8 + 8 + 3;  // 267
+  const Index rows = Index(sdmha::detail::kStreamOutputBytes) / (width * Index(sizeof(Scalar))) + 9;
+  const HandCsr<Scalar> x(rows, features, {5, 0, 1, 40, features}, 931);
+  sdmha::RowMatrix<Scalar> kernel(features, width);
+  {
+    const auto values = random_values<Scalar>(kernel.size(), 932);
+    std::copy(values.begin(), values.end(), kernel.data());
+  }
+  const sdmha::Vector<Scalar> bias = sdmha::Vector<Scalar>::LinSpaced(width, Scalar(-1), Scalar(1));
+  const auto expected = x.reference(kernel.data(), width, bias.data(), width);
+  const Projection stage;
+  sdmha::RowMatrix<Scalar> output(rows, width);
+  typename Projection::Arguments whole{x.view(), kernel, bias, output};
+  EXPECT_TRUE(Projection::stream_output(whole));
+  EXPECT_FALSE(Projection::by_feature(whole));
+  stage(whole);
+  EXPECT_TRUE(all_near(output.data(), expected, relative_tolerance<Scalar>()));
+  sdmha::RowMatrix<Scalar> big = sdmha::RowMatrix<Scalar>::Constant(rows + 2, width + 5, sentinel);
+  typename Projection::Arguments block{x.view(), kernel, bias, big.block(1, 3, rows, width)};
+  EXPECT_TRUE(Projection::stream_output(block));
+  stage(block);
+  const sdmha::RowMatrix<Scalar> inner = big.block(1, 3, rows, width);
+  EXPECT_TRUE(all_near(inner.data(), expected, relative_tolerance<Scalar>()));
+  for (Index r = 0; r < big.rows(); ++r)
+    for (Index k = 0; k < big.cols(); ++k)
+      if (r < 1 || r >= 1 + rows || k < 3 || k >= 3 + width) {
+        ASSERT_EQ(big(r, k), sentinel) << r << ", " << k;
+      }
 }
 
 }  // namespace

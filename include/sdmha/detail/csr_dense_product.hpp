@@ -10,25 +10,31 @@
 // output row for every stored value: one store per packet and stored value against one per
 // packet and row here. Rows go in the outer loop and a row's panels follow one another, so each
 // output row is written once, whole and in order, and the row's indices and values are in L1
-// for its second panel. (With panels in the outer loop, as before, every row's output is written
-// panel by panel over the whole block; on `seed`, whose 1 MB W fits in L2, rows outer measured
-// 1.1–1.3× faster. What remains is reading 4·N bytes of W from L2 per stored value.)
+// for its second panel. (Panels in the outer loop, as before, measured 1.1–1.3× slower on
+// `seed`, whose 1 MB W fits in L2.) What bounds it then is reading 4·N bytes of W from L2 per
+// stored value and writing the output: on `seed` the 8 MB output is ~25 % of the time when each
+// line is first read for ownership, so for large outputs the caller can ask for streaming stores
+// (`stream`), which write whole lines without reading them (measured 1.2–1.35× faster on `seed`;
+// not used when W is beyond L2, where W's misses dominate and they did not help).
 //
 // By features (csr_dense_product_by_feature). When W is far beyond L2 and the rows given share
 // features, X's rows are regrouped by feature (a CSC copy in caller-provided scratch) and, for
-// each used feature and each panel of columns, the panel of the feature's W row is loaded into
-// registers once and added into every row that holds the feature: Y(r, panel) += x · W(f, panel),
-// the output block staying in L2. W then streams from memory once per call, in order, instead of
-// one random row per stored value. Each output entry still accumulates its row's values in
-// ascending feature order with one FMA each, so for rows with sorted columns the result is
-// bitwise that of the by-row kernel.
+// each used feature, the panels of its W row are loaded into registers one after the other and
+// added into every row that holds the feature: Y(r, panel) += x · W(f, panel), the output block
+// staying in L2. W then streams from memory once per call, row after row, instead of one random
+// row per stored value. (Panels in the outer loop, as before, read W once per panel, each pass
+// touching every page; features outer measured 1.2× faster on `bow` at 1 %.) Each output entry
+// still accumulates its row's values in ascending feature order with one FMA each, so for rows
+// with sorted columns the result is bitwise that of the by-row kernel.
 //
 // SIMD comes from Eigen's packet primitives, so the kernels follow whatever -m flags Eigen
 // vectorises for (SSE2 to AVX-512), with a scalar tail for the columns that do not fill a packet
-// (all columns when Eigen does not vectorise).
+// (all columns when Eigen does not vectorise). Only the streaming stores are intrinsics (AVX and
+// AVX-512), with pstoreu as the fallback.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -50,12 +56,62 @@ struct PacketOf {
 // and the loads, and give each of the 16 independent FMA chains work to hide its latency.
 constexpr int kPanelPackets = 16;
 
+// Streaming (non-temporal) stores of a whole packet to a packet-aligned address: the line is
+// written without first being read for ownership and without displacing cached data. Eigen has
+// no such primitive, so these are intrinsics, for the packet types of AVX-512 and AVX; every
+// other packet type (and an unaligned address) falls back to pstoreu. Streaming stores are
+// weakly ordered: the caller fences them with stream_fence() before returning.
+template <typename Scalar, typename Packet>
+EIGEN_ALWAYS_INLINE bool stream_packet(Scalar*, const Packet&) {
+  return false;
+}
+#if defined(EIGEN_VECTORIZE_AVX512)
+EIGEN_ALWAYS_INLINE bool stream_packet(float* address, const __m512& value) {
+  _mm512_stream_ps(address, value);
+  return true;
+}
+EIGEN_ALWAYS_INLINE bool stream_packet(double* address, const __m512d& value) {
+  _mm512_stream_pd(address, value);
+  return true;
+}
+#endif
+#if defined(EIGEN_VECTORIZE_AVX)
+EIGEN_ALWAYS_INLINE bool stream_packet(float* address, const __m256& value) {
+  _mm256_stream_ps(address, value);
+  return true;
+}
+EIGEN_ALWAYS_INLINE bool stream_packet(double* address, const __m256d& value) {
+  _mm256_stream_pd(address, value);
+  return true;
+}
+#endif
+
+template <typename Scalar, typename Packet>
+EIGEN_ALWAYS_INLINE void store_packet(Scalar* address, const Packet& value, bool stream) {
+  if (stream && (reinterpret_cast<std::uintptr_t>(address) % sizeof(Packet)) == 0 && stream_packet(address, value))
+    return;
+  Eigen::internal::pstoreu(address, value);
+}
+
+inline void stream_fence() {
+#if defined(EIGEN_VECTORIZE_AVX)
+  _mm_sfence();
+#endif
+}
+
+// Below this many bytes of output a call's result is left to the cache (the caller may read it
+// right away); above it, when W fits in L2, by-row streams its stores: on `seed` (8 MB of output
+// in 256-row blocks of 512 KB) reading each output line for ownership before writing it cost
+// ~25 % of the kernel's time, and streaming stores measured 1.2–1.35× faster overall.
+constexpr double kStreamOutputBytes = 256.0 * 1024;
+
 // One row, one panel of `Packets` packets from column `first_column`: the stored values
 // [begin, end) with their feature columns.
 template <int Packets, typename Scalar, typename StorageIndex>
 EIGEN_ALWAYS_INLINE void csr_dense_row_panel(const StorageIndex* columns, const Scalar* values, Index begin,
                                              Index end, const Scalar* weight, Index weight_stride,
-                                             const Scalar* bias, Scalar* output_row, Index first_column) {
+                                             const Scalar* bias, Scalar* output_row, Index first_column,
+                                             bool stream) {
   using namespace Eigen::internal;
   using Packet = typename PacketOf<Scalar>::Packet;
   constexpr int packet_size = PacketOf<Scalar>::size;
@@ -70,14 +126,15 @@ EIGEN_ALWAYS_INLINE void csr_dense_row_panel(const StorageIndex* columns, const 
       accumulator[p] = pmadd(value, ploadu<Packet>(weight_row + p * packet_size), accumulator[p]);
   }
   Scalar* out = output_row + first_column;
-  for (int p = 0; p < Packets; ++p) pstoreu(out + p * packet_size, accumulator[p]);
+  for (int p = 0; p < Packets; ++p) store_packet(out + p * packet_size, accumulator[p], stream);
 }
 
 // Y (x.rows × columns, row stride output_stride) = X·W + b, W (x.cols × columns, row stride
 // weight_stride), b of `columns` entries or nullptr. X must be validated.
 template <typename Scalar, typename StorageIndex>
 void csr_dense_product(const CsrView<Scalar, StorageIndex>& x, const Scalar* weight, Index weight_stride,
-                       const Scalar* bias, Scalar* output, Index output_stride, Index columns) {
+                       const Scalar* bias, Scalar* output, Index output_stride, Index columns,
+                       bool stream = false) {
   const StorageIndex* column_indices = x.column_indices;
   const Scalar* values = x.values;
   for (Index row = 0; row < x.rows; ++row) {
@@ -88,11 +145,13 @@ void csr_dense_product(const CsrView<Scalar, StorageIndex>& x, const Scalar* wei
       constexpr Index packet_size = PacketOf<Scalar>::size;
       for (; column + kPanelPackets * packet_size <= columns; column += kPanelPackets * packet_size)
         csr_dense_row_panel<kPanelPackets>(column_indices, values, begin, end, weight, weight_stride, bias,
-                                           output_row, column);
+                                           output_row, column, stream);
       for (; column + 4 * packet_size <= columns; column += 4 * packet_size)
-        csr_dense_row_panel<4>(column_indices, values, begin, end, weight, weight_stride, bias, output_row, column);
+        csr_dense_row_panel<4>(column_indices, values, begin, end, weight, weight_stride, bias, output_row, column,
+                               stream);
       for (; column + packet_size <= columns; column += packet_size)
-        csr_dense_row_panel<1>(column_indices, values, begin, end, weight, weight_stride, bias, output_row, column);
+        csr_dense_row_panel<1>(column_indices, values, begin, end, weight, weight_stride, bias, output_row, column,
+                               stream);
     }
     // The scalar tail: the columns that do not fill a packet (all of them without SIMD), stored
     // value by stored value so that W's rows are read in order.
@@ -105,6 +164,7 @@ void csr_dense_product(const CsrView<Scalar, StorageIndex>& x, const Scalar* wei
       }
     }
   }
+  if (stream) stream_fence();
 }
 
 // The by-feature kernel's working memory: the rows' stored values regrouped by feature. Pass the

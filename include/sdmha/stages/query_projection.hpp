@@ -48,11 +48,21 @@ struct SparseQueryProjection {
   // than by rows at 1 % (2.6 rows per feature), as fast at 0.4 % (1.0) and ~1.6× slower at 0.1 %
   // (0.26). Both add each row's values in ascending feature order with one FMA each, so sorted
   // rows give the same bits whichever is taken.
+  static constexpr double kCacheBytes = 2.0 * 1024 * 1024;  // the L2 of one core
+
   static bool by_feature(const Arguments& args) {
     const double kernel_bytes = double(args.kernel.rows()) * double(args.kernel.cols()) * sizeof(Scalar);
-    constexpr double kCacheBytes = 2.0 * 1024 * 1024;  // the L2 of one core
     return kernel_bytes > kCacheBytes && args.query.nonzeros() >= 2 * args.query.cols &&
            detail::by_feature_fits(args.query);
+  }
+
+  // Whether the by-row kernel writes Q with streaming stores: when Wq fits in L2 (so that
+  // reading Wq does not bound the kernel) and this call's output is too large to be wanted in
+  // cache (detail::kStreamOutputBytes gives the measurement).
+  static bool stream_output(const Arguments& args) {
+    const double kernel_bytes = double(args.kernel.rows()) * double(args.kernel.cols()) * sizeof(Scalar);
+    const double output_bytes = double(args.output.rows()) * double(args.output.cols()) * sizeof(Scalar);
+    return kernel_bytes <= kCacheBytes && output_bytes >= detail::kStreamOutputBytes;
   }
 
   void operator()(const Arguments& args) const {
@@ -65,7 +75,8 @@ struct SparseQueryProjection {
                                            scratch);
     } else {
       detail::csr_dense_product(args.query, args.kernel.data(), args.kernel.outerStride(), bias,
-                                args.output.data(), args.output.outerStride(), args.kernel.cols());
+                                args.output.data(), args.output.outerStride(), args.kernel.cols(),
+                                stream_output(args));
     }
   }
 };
