@@ -14,8 +14,9 @@
 // `seed`, whose 1 MB W fits in L2.) What bounds it then is reading 4·N bytes of W from L2 per
 // stored value and writing the output: on `seed` the 8 MB output is ~25 % of the time when each
 // line is first read for ownership, so for large outputs the caller can ask for streaming stores
-// (`stream`), which write whole lines without reading them (measured 1.2–1.35× faster on `seed`;
-// not used when W is beyond L2, where W's misses dominate and they did not help).
+// (`stream`), which write whole lines without reading them (on `seed`, 1.5× faster for the
+// projection alone and 1.2× for the projection followed by a pass that reads Q back; not used
+// when W is beyond L2, where W's misses dominate and they made no measurable difference).
 //
 // By features (csr_dense_product_by_feature). When W is far beyond L2 and the rows given share
 // features, X's rows are regrouped by feature (a CSC copy in caller-provided scratch) and, for
@@ -100,9 +101,10 @@ inline void stream_fence() {
 }
 
 // Below this many bytes of output a call's result is left to the cache (the caller may read it
-// right away); above it, when W fits in L2, by-row streams its stores: on `seed` (8 MB of output
-// in 256-row blocks of 512 KB) reading each output line for ownership before writing it cost
-// ~25 % of the kernel's time, and streaming stores measured 1.2–1.35× faster overall.
+// right away); above it, when W fits in L2, the stage asks by-row for streaming stores. On `seed`
+// (8 MB of output in 256-row blocks of 512 KB) reading each output line for ownership before
+// writing it was ~25 % of the kernel's time; streaming stores measured 1.5× faster for the
+// projection alone and 1.2× faster for the projection plus a pass reading Q back from memory.
 constexpr double kStreamOutputBytes = 256.0 * 1024;
 
 // One row, one panel of `Packets` packets from column `first_column`: the stored values
