@@ -1,6 +1,7 @@
 // Tests of sdmha/stages/query_projection.hpp: SparseQueryProjection against the reference's
 // projection of the dense twin, with and without bias, on compressed and uncompressed rows,
-// caller CSR with unsorted duplicate columns, sub-views of rows, and its can_implement checks.
+// caller CSR with unsorted duplicate columns, sub-views of rows, and its can_implement checks;
+// then both kernels behind it on every panel tail, strided operands, full rows and caller scratch.
 #include "test_support.hpp"
 
 namespace sdmha_test {
@@ -267,6 +268,235 @@ TYPED_TEST(QueryProjectionKernelsTest, StageOnAWideKernelMatchesTheNaiveProduct)
         sum += double(csr.values[k]) * double(kernel(csr.column_indices[k], j));
       EXPECT_NEAR(double(output(r, j)), sum, relative_tolerance<Scalar>() * (1 + std::abs(sum)));
     }
+}
+
+}  // namespace
+}  // namespace sdmha_test
+
+// ---- the kernels on hand-made CSR: every panel tail, empty and full rows, strides, scratch ----
+// (QueryProjection in the suite name so that --gtest_filter='*QueryProjection*' selects them.)
+
+namespace sdmha_test {
+namespace {
+
+template <typename Scalar>
+class QueryProjectionCsrKernelsTest : public ::testing::Test {};
+TYPED_TEST_SUITE(QueryProjectionCsrKernelsTest, ScalarTypes);
+
+// A CSR of `rows` × `features` with sorted distinct columns; row r holds row_sizes[r % size]
+// values (clamped to `features`), so rows can be empty or full.
+template <typename Scalar>
+struct HandCsr {
+  std::vector<int> offsets{0}, columns;
+  std::vector<Scalar> values;
+  Index rows = 0, features = 0;
+
+  HandCsr(Index row_count, Index feature_count, const std::vector<Index>& row_sizes, std::uint64_t seed)
+      : rows(row_count), features(feature_count) {
+    std::mt19937_64 generator(seed);
+    std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+    std::vector<int> all(static_cast<std::size_t>(features));
+    std::iota(all.begin(), all.end(), 0);
+    for (Index r = 0; r < rows; ++r) {
+      const Index size = std::min(features, row_sizes[std::size_t(r) % row_sizes.size()]);
+      std::shuffle(all.begin(), all.end(), generator);
+      std::vector<int> chosen(all.begin(), all.begin() + size);
+      std::sort(chosen.begin(), chosen.end());
+      for (int c : chosen) {
+        columns.push_back(c);
+        values.push_back(Scalar(uniform(generator)));
+      }
+      offsets.push_back(int(columns.size()));
+    }
+  }
+  sdmha::CsrView<Scalar> view() const {
+    return sdmha::CsrView<Scalar>{rows, features, offsets.data(), nullptr, columns.data(), values.data()};
+  }
+  // The product in double, from the stored values (same values the kernels see).
+  std::vector<double> reference(const Scalar* weight, Index weight_stride, const Scalar* bias, Index width) const {
+    std::vector<double> result(std::size_t(rows * width));
+    for (Index r = 0; r < rows; ++r)
+      for (Index j = 0; j < width; ++j) {
+        double sum = bias != nullptr ? double(bias[j]) : 0.0;
+        for (int k = offsets[std::size_t(r)]; k < offsets[std::size_t(r) + 1]; ++k)
+          sum += double(values[std::size_t(k)]) * double(weight[Index(columns[std::size_t(k)]) * weight_stride + j]);
+        result[std::size_t(r * width + j)] = sum;
+      }
+    return result;
+  }
+};
+
+template <typename Scalar>
+std::vector<Scalar> random_values(Index count, std::uint64_t seed) {
+  std::mt19937_64 generator(seed);
+  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+  std::vector<Scalar> result(static_cast<std::size_t>(count));
+  for (auto& value : result) value = Scalar(uniform(generator));
+  return result;
+}
+
+// Widths around every panel boundary of the kernels: 16-packet, 4-packet and 1-packet panels
+// and the scalar tail, for this build's packet size.
+template <typename Scalar>
+std::vector<Index> panel_tail_widths() {
+  const Index p = sdmha::detail::PacketOf<Scalar>::vectorized ? sdmha::detail::PacketOf<Scalar>::size : 1;
+  const Index panel = sdmha::detail::kPanelPackets * p;
+  std::vector<Index> widths{1, 2, p - 1, p, p + 1, 4 * p - 1, 4 * p, 4 * p + 1, 5 * p + 1, panel - 1, panel,
+                            panel + 1, panel + 4 * p + p + 1, 2 * panel, 2 * panel + 3};
+  std::sort(widths.begin(), widths.end());
+  widths.erase(std::unique(widths.begin(), widths.end()), widths.end());
+  widths.erase(std::remove_if(widths.begin(), widths.end(), [](Index w) { return w < 1; }), widths.end());
+  return widths;
+}
+
+// Both kernels (by rows also with streaming stores), every tail width, with and without bias, on
+// strided W and strided Y (the padding of Y must stay untouched), rows empty, short and full;
+// against the double reference, and bitwise against each other (sorted rows).
+TYPED_TEST(QueryProjectionCsrKernelsTest, EveryPanelTailOnStridedOperandsMatchesTheDoubleReference) {
+  using Scalar = TypeParam;
+  constexpr Scalar sentinel = Scalar(-777);
+  const Index features = 37;
+  const HandCsr<Scalar> x(23, features, {0, 1, 2, 7, features, 3, 0, 20}, 901);
+  sdmha::detail::CsrProductScratch<Scalar> scratch;  // reused over all widths
+  for (const Index width : panel_tail_widths<Scalar>()) {
+    SCOPED_TRACE(::testing::Message() << width << " columns");
+    const Index weight_stride = width + 3, output_stride = width + 5;
+    const auto weight = random_values<Scalar>(features * weight_stride, 902 + std::uint64_t(width));
+    const auto bias_values = random_values<Scalar>(width, 903);
+    for (const Scalar* bias : {static_cast<const Scalar*>(nullptr), bias_values.data()}) {
+      const auto expected = x.reference(weight.data(), weight_stride, bias, width);
+      std::vector<Scalar> by_rows(std::size_t(x.rows * output_stride), sentinel), by_features = by_rows,
+          streamed = by_rows;
+      sdmha::detail::csr_dense_product(x.view(), weight.data(), weight_stride, bias, by_rows.data(), output_stride,
+                                       width);
+      // Streaming stores where a packet is aligned (with AVX or AVX-512), plain ones elsewhere.
+      sdmha::detail::csr_dense_product(x.view(), weight.data(), weight_stride, bias, streamed.data(), output_stride,
+                                       width, /*stream=*/true);
+      EXPECT_EQ(0, std::memcmp(by_rows.data(), streamed.data(), sizeof(Scalar) * by_rows.size()));
+      sdmha::detail::csr_dense_product_by_feature(x.view(), weight.data(), weight_stride, bias, by_features.data(),
+                                                  output_stride, width, scratch);
+      for (const auto* result : {&by_rows, &by_features}) {
+        std::vector<Scalar> packed(std::size_t(x.rows * width));
+        for (Index r = 0; r < x.rows; ++r)
+          for (Index j = 0; j < output_stride; ++j) {
+            const Scalar value = (*result)[std::size_t(r * output_stride + j)];
+            if (j < width) {
+              packed[std::size_t(r * width + j)] = value;
+            } else {
+              ASSERT_EQ(value, sentinel) << "padding of row " << r << " written";
+            }
+          }
+        EXPECT_TRUE(all_near(packed.data(), expected, relative_tolerance<Scalar>()))
+            << (result == &by_rows ? "by rows" : "by features") << (bias ? ", bias" : ", no bias");
+      }
+      EXPECT_EQ(0, std::memcmp(by_rows.data(), by_features.data(), sizeof(Scalar) * by_rows.size()));
+    }
+  }
+}
+
+// Rows with many stored values (every feature of a wide query), where long FMA chains and many
+// W rows per output row are exercised.
+TYPED_TEST(QueryProjectionCsrKernelsTest, RowsWithManyStoredValuesMatchTheDoubleReference) {
+  using Scalar = TypeParam;
+  const Index features = 700, width = 2 * sdmha::detail::kPanelPackets * sdmha::detail::PacketOf<Scalar>::size + 7;
+  const HandCsr<Scalar> x(9, features, {features, 500, 0, 1}, 911);
+  const auto weight = random_values<Scalar>(features * width, 912);
+  const auto bias = random_values<Scalar>(width, 913);
+  const auto expected = x.reference(weight.data(), width, bias.data(), width);
+  sdmha::RowMatrix<Scalar> by_rows(x.rows, width), by_features(x.rows, width);
+  sdmha::detail::csr_dense_product(x.view(), weight.data(), width, bias.data(), by_rows.data(), width, width);
+  sdmha::detail::csr_dense_product_by_feature(x.view(), weight.data(), width, bias.data(), by_features.data(),
+                                              width, width);
+  EXPECT_TRUE(all_near(by_rows.data(), expected, relative_tolerance<Scalar>()));
+  EXPECT_TRUE(all_near(by_features.data(), expected, relative_tolerance<Scalar>()));
+  EXPECT_EQ(0, std::memcmp(by_rows.data(), by_features.data(), sizeof(Scalar) * std::size_t(by_rows.size())));
+}
+
+// The stage on a kernel beyond L2 that its rows reuse takes the by-feature path; with a caller
+// scratch reused over row ranges of different sizes (it grows and shrinks), writing into a
+// block of a larger output from a block of a larger kernel, it matches the double reference and
+// leaves the rest of the output alone.
+TYPED_TEST(QueryProjectionCsrKernelsTest, StageByFeaturesWithCallerScratchOnStridedOutputAndKernel) {
+  using Scalar = TypeParam;
+  using Projection = sdmha::SparseQueryProjection<Scalar>;
+  constexpr Scalar sentinel = Scalar(-777);
+  const Index features = 3000;
+  const Index width = 3 * 1024 * 1024 / (features * Index(sizeof(Scalar))) + 5;  // W > 2 MB
+  const HandCsr<Scalar> x(160, features, {60, 0, 45, 90, 1, 70}, 921);
+  ASSERT_GE(Index(x.columns.size()), 2 * features);
+  sdmha::RowMatrix<Scalar> big_kernel(features + 2, width + 6);
+  {
+    const auto values = random_values<Scalar>(big_kernel.size(), 922);
+    std::copy(values.begin(), values.end(), big_kernel.data());
+  }
+  const auto kernel = big_kernel.block(1, 4, features, width);
+  const sdmha::RowMatrix<Scalar> kernel_copy = kernel;
+  const auto bias_values = random_values<Scalar>(width, 923);
+  const sdmha::Vector<Scalar> bias = Eigen::Map<const sdmha::Vector<Scalar>>(bias_values.data(), width);
+  const auto expected = x.reference(kernel_copy.data(), width, bias.data(), width);
+  sdmha::detail::CsrProductScratch<Scalar> scratch;
+  const Projection stage;
+  for (const auto& [first, count] : std::vector<std::pair<Index, Index>>{{0, 160}, {7, 40}, {3, 150}, {159, 1}}) {
+    SCOPED_TRACE(::testing::Message() << "rows [" << first << ", " << first + count << ")");
+    sdmha::RowMatrix<Scalar> big = sdmha::RowMatrix<Scalar>::Constant(count + 2, width + 3, sentinel);
+    typename Projection::Arguments args{x.view().middle_rows(first, count), kernel, bias,
+                                        big.block(1, 1, count, width)};
+    args.scratch = &scratch;
+    Projection::can_implement(args);
+    if (count >= 150) {
+      EXPECT_TRUE(Projection::by_feature(args));
+    }
+    stage(args);
+    const sdmha::RowMatrix<Scalar> block = big.block(1, 1, count, width);
+    EXPECT_TRUE(all_near(block.data(), twin_rows(expected, first, count, width), relative_tolerance<Scalar>()));
+    for (Index r = 0; r < big.rows(); ++r)
+      for (Index k = 0; k < big.cols(); ++k)
+        if (r < 1 || r >= 1 + count || k < 1 || k >= 1 + width) {
+          ASSERT_EQ(big(r, k), sentinel) << r << ", " << k;
+        }
+  }
+  // A small kernel stays on the by-row path.
+  sdmha::RowMatrix<Scalar> small_output(x.rows, 8);
+  const sdmha::RowMatrix<Scalar> small_kernel = sdmha::RowMatrix<Scalar>::Ones(features, 8);
+  const sdmha::Vector<Scalar> no_bias;
+  EXPECT_FALSE(Projection::by_feature(typename Projection::Arguments{x.view(), small_kernel, no_bias, small_output}));
+}
+
+// The stage on a kernel within L2 and an output beyond kStreamOutputBytes streams its stores
+// (where the build has them); into the whole output and into a block of a larger one, whose
+// rows are then not all aligned, it matches the double reference and leaves the rest alone.
+TYPED_TEST(QueryProjectionCsrKernelsTest, StageWithStreamingStoresMatchesTheDoubleReference) {
+  using Scalar = TypeParam;
+  using Projection = sdmha::SparseQueryProjection<Scalar>;
+  constexpr Scalar sentinel = Scalar(-777);
+  const Index features = 96, width = 2 * sdmha::detail::kPanelPackets * 8 + 8 + 3;  // 267
+  const Index rows = Index(sdmha::detail::kStreamOutputBytes) / (width * Index(sizeof(Scalar))) + 9;
+  const HandCsr<Scalar> x(rows, features, {5, 0, 1, 40, features}, 931);
+  sdmha::RowMatrix<Scalar> kernel(features, width);
+  {
+    const auto values = random_values<Scalar>(kernel.size(), 932);
+    std::copy(values.begin(), values.end(), kernel.data());
+  }
+  const sdmha::Vector<Scalar> bias = sdmha::Vector<Scalar>::LinSpaced(width, Scalar(-1), Scalar(1));
+  const auto expected = x.reference(kernel.data(), width, bias.data(), width);
+  const Projection stage;
+  sdmha::RowMatrix<Scalar> output(rows, width);
+  typename Projection::Arguments whole{x.view(), kernel, bias, output};
+  EXPECT_TRUE(Projection::stream_output(whole));
+  EXPECT_FALSE(Projection::by_feature(whole));
+  stage(whole);
+  EXPECT_TRUE(all_near(output.data(), expected, relative_tolerance<Scalar>()));
+  sdmha::RowMatrix<Scalar> big = sdmha::RowMatrix<Scalar>::Constant(rows + 2, width + 5, sentinel);
+  typename Projection::Arguments block{x.view(), kernel, bias, big.block(1, 3, rows, width)};
+  EXPECT_TRUE(Projection::stream_output(block));
+  stage(block);
+  const sdmha::RowMatrix<Scalar> inner = big.block(1, 3, rows, width);
+  EXPECT_TRUE(all_near(inner.data(), expected, relative_tolerance<Scalar>()));
+  for (Index r = 0; r < big.rows(); ++r)
+    for (Index k = 0; k < big.cols(); ++k)
+      if (r < 1 || r >= 1 + rows || k < 3 || k >= 3 + width) {
+        ASSERT_EQ(big(r, k), sentinel) << r << ", " << k;
+      }
 }
 
 }  // namespace

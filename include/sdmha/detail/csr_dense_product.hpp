@@ -1,16 +1,42 @@
 // sdmha/detail/csr_dense_product.hpp — Y = X·W + b for X in CSR and W dense row-major: the
-// register-blocked kernel behind SparseQueryProjection.
+// register-blocked kernels behind SparseQueryProjection.
 //
-// Y's columns are cut into panels of `kPanelPackets` SIMD packets. For one row and one panel, the
-// panel's accumulators stay in vector registers across all of the row's stored values (each
-// stored value costs one broadcast and kPanelPackets loads + FMAs from W's row) and are stored
-// once. Eigen's own sparse × dense product instead reads and writes the output row for every
-// stored value. Panels go in the outer loop so that a panel of W (Eq × panel columns) is reused
-// by all rows of a row block while it is in cache. SIMD comes from Eigen's packet primitives,
-// so the kernel follows whatever -m flags Eigen vectorises for (SSE2 to AVX-512), with a scalar
-// tail for the columns that do not fill a packet.
+//   Y(r, :) = b + Σ_{k in row r} x_k · W(col_k, :)
+//
+// By rows (csr_dense_product). Y's columns are cut into panels of `kPanelPackets` SIMD packets.
+// For one row and one panel, the panel's accumulators stay in vector registers across all of the
+// row's stored values (each stored value costs one broadcast and one load + FMA per packet of
+// W's row) and are stored once. Eigen's own sparse × dense product instead reads and writes the
+// output row for every stored value: one store per packet and stored value against one per
+// packet and row here. Rows go in the outer loop and a row's panels follow one another, so each
+// output row is written once, whole and in order, and the row's indices and values are in L1
+// for its second panel. (Panels in the outer loop, as before, measured 1.1–1.3× slower on
+// `seed`, whose 1 MB W fits in L2.) What bounds it then is reading 4·N bytes of W from L2 per
+// stored value and writing the output: on `seed` the 8 MB output is ~25 % of the time when each
+// line is first read for ownership, so for large outputs the caller can ask for streaming stores
+// (`stream`), which write whole lines without reading them (on `seed`, 1.5× faster for the
+// projection alone and 1.2× for the projection followed by a pass that reads Q back; not used
+// when W is beyond L2, where W's misses dominate and they made no measurable difference).
+//
+// By features (csr_dense_product_by_feature). When W is far beyond L2 and the rows given share
+// features, X's rows are regrouped by feature (a CSC copy in caller-provided scratch) and, for
+// each used feature, the panels of its W row are loaded into registers one after the other and
+// added into every row that holds the feature: Y(r, panel) += x · W(f, panel), the output block
+// staying in L2. W then streams from memory once per call, row after row, instead of one random
+// row per stored value. (Panels in the outer loop, as before, read W once per panel, each pass
+// touching every page; features outer measured 1.2× faster on `bow` at 1 %.) Each output entry
+// still accumulates its row's values in ascending feature order with one FMA each, so for rows
+// with sorted columns the result is bitwise that of the by-row kernel.
+//
+// SIMD comes from Eigen's packet primitives, so the kernels follow whatever -m flags Eigen
+// vectorises for (SSE2 to AVX-512), with a scalar tail for the columns that do not fill a packet
+// (all columns when Eigen does not vectorise). Only the streaming stores are intrinsics (AVX and
+// AVX-512), with pstoreu as the fallback.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+#include <limits>
 #include <vector>
 
 #include <Eigen/Core>
@@ -27,142 +53,248 @@ struct PacketOf {
   static constexpr bool vectorized = Eigen::internal::packet_traits<Scalar>::Vectorizable && size > 1;
 };
 
-// One panel of `Packets` packets starting at column `first_column`, for every row of `x`.
+// 16 packets of accumulators (256 floats with AVX-512) leave registers for the broadcast value
+// and the loads, and give each of the 16 independent FMA chains work to hide its latency.
+constexpr int kPanelPackets = 16;
+
+// Streaming (non-temporal) stores of a whole packet to a packet-aligned address: the line is
+// written without first being read for ownership and without displacing cached data. Eigen has
+// no such primitive, so these are intrinsics, for the packet types of AVX-512 and AVX; every
+// other packet type (and an unaligned address) falls back to pstoreu. Streaming stores are
+// weakly ordered: the caller fences them with stream_fence() before returning.
+template <typename Scalar, typename Packet>
+EIGEN_ALWAYS_INLINE bool stream_packet(Scalar*, const Packet&) {
+  return false;
+}
+#if defined(EIGEN_VECTORIZE_AVX512)
+EIGEN_ALWAYS_INLINE bool stream_packet(float* address, const __m512& value) {
+  _mm512_stream_ps(address, value);
+  return true;
+}
+EIGEN_ALWAYS_INLINE bool stream_packet(double* address, const __m512d& value) {
+  _mm512_stream_pd(address, value);
+  return true;
+}
+#endif
+#if defined(EIGEN_VECTORIZE_AVX)
+EIGEN_ALWAYS_INLINE bool stream_packet(float* address, const __m256& value) {
+  _mm256_stream_ps(address, value);
+  return true;
+}
+EIGEN_ALWAYS_INLINE bool stream_packet(double* address, const __m256d& value) {
+  _mm256_stream_pd(address, value);
+  return true;
+}
+#endif
+
+template <typename Scalar, typename Packet>
+EIGEN_ALWAYS_INLINE void store_packet(Scalar* address, const Packet& value, bool stream) {
+  if (stream && (reinterpret_cast<std::uintptr_t>(address) % sizeof(Packet)) == 0 && stream_packet(address, value))
+    return;
+  Eigen::internal::pstoreu(address, value);
+}
+
+inline void stream_fence() {
+#if defined(EIGEN_VECTORIZE_AVX)
+  _mm_sfence();
+#endif
+}
+
+// Below this many bytes of output a call's result is left to the cache (the caller may read it
+// right away); above it, when W fits in L2, the stage asks by-row for streaming stores. On `seed`
+// (8 MB of output in 256-row blocks of 512 KB) reading each output line for ownership before
+// writing it was ~25 % of the kernel's time; streaming stores measured 1.5× faster for the
+// projection alone and 1.2× faster for the projection plus a pass reading Q back from memory.
+constexpr double kStreamOutputBytes = 256.0 * 1024;
+
+// One row, one panel of `Packets` packets from column `first_column`: the stored values
+// [begin, end) with their feature columns.
 template <int Packets, typename Scalar, typename StorageIndex>
-void csr_dense_panel(const CsrView<Scalar, StorageIndex>& x, const Scalar* weight, Index weight_stride,
-                     const Scalar* bias, Scalar* output, Index output_stride, Index first_column) {
+EIGEN_ALWAYS_INLINE void csr_dense_row_panel(const StorageIndex* columns, const Scalar* values, Index begin,
+                                             Index end, const Scalar* weight, Index weight_stride,
+                                             const Scalar* bias, Scalar* output_row, Index first_column,
+                                             bool stream) {
   using namespace Eigen::internal;
   using Packet = typename PacketOf<Scalar>::Packet;
   constexpr int packet_size = PacketOf<Scalar>::size;
-  const StorageIndex* columns = x.column_indices;
-  const Scalar* values = x.values;
-  for (Index row = 0; row < x.rows; ++row) {
-    Packet accumulator[Packets];
+  Packet accumulator[Packets];
+  for (int p = 0; p < Packets; ++p)
+    accumulator[p] = bias != nullptr ? ploadu<Packet>(bias + first_column + p * packet_size)
+                                     : pset1<Packet>(Scalar(0));
+  for (Index k = begin; k < end; ++k) {
+    const Scalar* weight_row = weight + Index(columns[k]) * weight_stride + first_column;
+    const Packet value = pset1<Packet>(values[k]);
     for (int p = 0; p < Packets; ++p)
-      accumulator[p] = bias != nullptr ? ploadu<Packet>(bias + first_column + p * packet_size)
-                                       : pset1<Packet>(Scalar(0));
-    const Index end = x.row_end(row);
-    for (Index k = x.row_begin(row); k < end; ++k) {
-      const Scalar* weight_row = weight + Index(columns[k]) * weight_stride + first_column;
-      const Packet value = pset1<Packet>(values[k]);
-      for (int p = 0; p < Packets; ++p)
-        accumulator[p] = pmadd(value, ploadu<Packet>(weight_row + p * packet_size), accumulator[p]);
-    }
-    Scalar* output_row = output + row * output_stride + first_column;
-    for (int p = 0; p < Packets; ++p) pstoreu(output_row + p * packet_size, accumulator[p]);
+      accumulator[p] = pmadd(value, ploadu<Packet>(weight_row + p * packet_size), accumulator[p]);
   }
-}
-
-// Columns [first_column, first_column + count) with plain scalar arithmetic.
-template <typename Scalar, typename StorageIndex>
-void csr_dense_columns_scalar(const CsrView<Scalar, StorageIndex>& x, const Scalar* weight,
-                              Index weight_stride, const Scalar* bias, Scalar* output,
-                              Index output_stride, Index first_column, Index count) {
-  for (Index row = 0; row < x.rows; ++row) {
-    Scalar* output_row = output + row * output_stride + first_column;
-    for (Index j = 0; j < count; ++j) output_row[j] = bias != nullptr ? bias[first_column + j] : Scalar(0);
-    for (Index k = x.row_begin(row); k < x.row_end(row); ++k) {
-      const Scalar* weight_row = weight + Index(x.column_indices[k]) * weight_stride + first_column;
-      const Scalar value = x.values[k];
-      for (Index j = 0; j < count; ++j) output_row[j] += value * weight_row[j];
-    }
-  }
+  Scalar* out = output_row + first_column;
+  for (int p = 0; p < Packets; ++p) store_packet(out + p * packet_size, accumulator[p], stream);
 }
 
 // Y (x.rows × columns, row stride output_stride) = X·W + b, W (x.cols × columns, row stride
 // weight_stride), b of `columns` entries or nullptr. X must be validated.
 template <typename Scalar, typename StorageIndex>
 void csr_dense_product(const CsrView<Scalar, StorageIndex>& x, const Scalar* weight, Index weight_stride,
-                       const Scalar* bias, Scalar* output, Index output_stride, Index columns) {
-  // 16 packets of accumulators (256 floats with AVX-512) leave registers for the broadcast
-  // value and the loads, and give each FMA chain enough independent work to hide its latency.
-  constexpr int kPanelPackets = 16;
-  Index column = 0;
-  if constexpr (PacketOf<Scalar>::vectorized) {
-    constexpr Index packet_size = PacketOf<Scalar>::size;
-    for (; column + kPanelPackets * packet_size <= columns; column += kPanelPackets * packet_size)
-      csr_dense_panel<kPanelPackets>(x, weight, weight_stride, bias, output, output_stride, column);
-    for (; column + 4 * packet_size <= columns; column += 4 * packet_size)
-      csr_dense_panel<4>(x, weight, weight_stride, bias, output, output_stride, column);
-    for (; column + packet_size <= columns; column += packet_size)
-      csr_dense_panel<1>(x, weight, weight_stride, bias, output, output_stride, column);
+                       const Scalar* bias, Scalar* output, Index output_stride, Index columns,
+                       bool stream = false) {
+  const StorageIndex* column_indices = x.column_indices;
+  const Scalar* values = x.values;
+  for (Index row = 0; row < x.rows; ++row) {
+    const Index begin = x.row_begin(row), end = x.row_end(row);
+    Scalar* output_row = output + row * output_stride;
+    Index column = 0;
+    if constexpr (PacketOf<Scalar>::vectorized) {
+      constexpr Index packet_size = PacketOf<Scalar>::size;
+      for (; column + kPanelPackets * packet_size <= columns; column += kPanelPackets * packet_size)
+        csr_dense_row_panel<kPanelPackets>(column_indices, values, begin, end, weight, weight_stride, bias,
+                                           output_row, column, stream);
+      for (; column + 4 * packet_size <= columns; column += 4 * packet_size)
+        csr_dense_row_panel<4>(column_indices, values, begin, end, weight, weight_stride, bias, output_row, column,
+                               stream);
+      for (; column + packet_size <= columns; column += packet_size)
+        csr_dense_row_panel<1>(column_indices, values, begin, end, weight, weight_stride, bias, output_row, column,
+                               stream);
+    }
+    // The scalar tail: the columns that do not fill a packet (all of them without SIMD), stored
+    // value by stored value so that W's rows are read in order.
+    if (column < columns) {
+      for (Index j = column; j < columns; ++j) output_row[j] = bias != nullptr ? bias[j] : Scalar(0);
+      for (Index k = begin; k < end; ++k) {
+        const Scalar* weight_row = weight + Index(column_indices[k]) * weight_stride;
+        const Scalar value = values[k];
+        for (Index j = column; j < columns; ++j) output_row[j] += value * weight_row[j];
+      }
+    }
   }
-  if (column < columns)
-    csr_dense_columns_scalar(x, weight, weight_stride, bias, output, output_stride, column, columns - column);
+  if (stream) stream_fence();
 }
 
-// Y = X·W + b by features, for a W too large for cache that many rows share: X's rows are
-// regrouped by feature (CSC), and for each feature the panel of W's row is loaded into registers
-// once and added into every row that holds the feature, whose output panel stays in L1/L2.
-// W then streams from memory once per panel instead of once per stored value. Each output entry
-// still accumulates its row's values in ascending feature order with one FMA each, so for rows
-// with sorted columns the result is bitwise that of csr_dense_product.
-template <int Packets, typename Scalar>
-void scatter_feature_panel(const std::vector<Index>& feature_offsets, const std::vector<Index>& used_features,
-                           const std::vector<Index>& entry_rows, const std::vector<Scalar>& entry_values,
-                           const Scalar* weight, Index weight_stride, Scalar* output,
-                           Index output_stride, Index first_column) {
+// The by-feature kernel's working memory: the rows' stored values regrouped by feature. Pass the
+// same object to repeated calls (one object per thread): once it has grown to the largest shape,
+// a call allocates nothing. 32-bit-or-narrower StorageIndex keeps it small (it stays in L2).
+template <typename Scalar, typename StorageIndex = int>
+struct CsrProductScratch {
+  // A stored value of X: its row and value side by side, so that regrouping writes one place.
+  struct Entry {
+    StorageIndex row;
+    Scalar value;
+  };
+  std::vector<StorageIndex> feature_offsets;  // cols + 1: feature f's entries are [offsets[f], offsets[f + 1])
+  std::vector<StorageIndex> used_features;    // the first used_count: the features with entries, ascending
+  Index used_count = 0;
+  std::vector<Entry> entries;                 // by feature, then in CSR order
+};
+
+// Whether the by-feature kernel can take `x`: its rows must be numbered in StorageIndex (the
+// entries are, since the CSR offsets are StorageIndex).
+template <typename Scalar, typename StorageIndex>
+bool by_feature_fits(const CsrView<Scalar, StorageIndex>& x) {
+  return x.rows <= Index(std::numeric_limits<StorageIndex>::max()) &&
+         x.cols < Index(std::numeric_limits<StorageIndex>::max());
+}
+
+// Fills scratch with X's CSC: a counting sort by feature that keeps CSR order within a feature.
+template <typename Scalar, typename StorageIndex>
+void build_feature_groups(const CsrView<Scalar, StorageIndex>& x, CsrProductScratch<Scalar, StorageIndex>& scratch) {
+  auto& offsets = scratch.feature_offsets;
+  const std::size_t features = static_cast<std::size_t>(x.cols);
+  offsets.assign(features + 1, StorageIndex(0));  // assign/resize keep the capacity
+  for (Index row = 0; row < x.rows; ++row) {
+    const Index end = x.row_end(row);
+    for (Index k = x.row_begin(row); k < end; ++k) ++offsets[std::size_t(x.column_indices[k]) + 1];
+  }
+  // Prefix sums, and the used features without a branch (about 90 % of them are used on `bow`
+  // at 1 %, too many for the branch to be predictable).
+  scratch.used_features.resize(features);
+  StorageIndex* used = scratch.used_features.data();
+  std::size_t used_count = 0;
+  for (std::size_t feature = 0; feature < features; ++feature) {
+    used[used_count] = StorageIndex(feature);
+    used_count += offsets[feature + 1] != 0 ? 1 : 0;
+    offsets[feature + 1] += offsets[feature];
+  }
+  scratch.used_count = Index(used_count);
+  scratch.entries.resize(static_cast<std::size_t>(offsets[features]));
+  // offsets[f] serves as feature f's cursor; afterwards it holds feature f's end, which is
+  // feature f + 1's begin, so shifting by one place restores the begins.
+  auto* entries = scratch.entries.data();
+  for (Index row = 0; row < x.rows; ++row) {
+    const Index end = x.row_end(row);
+    for (Index k = x.row_begin(row); k < end; ++k) {
+      const std::size_t position = static_cast<std::size_t>(offsets[std::size_t(x.column_indices[k])]++);
+      entries[position].row = StorageIndex(row);
+      entries[position].value = x.values[k];
+    }
+  }
+  for (std::size_t feature = features; feature > 0; --feature) offsets[feature] = offsets[feature - 1];
+  offsets[0] = 0;
+}
+
+// One feature's entries [begin, end), one panel of `Packets` packets from column `first_column`:
+// the panel of the feature's W row is loaded into registers once for all of its entries.
+template <int Packets, typename Entry, typename Scalar>
+EIGEN_ALWAYS_INLINE void scatter_feature_panel(const Entry* entries, Index begin, Index end, const Scalar* weight_row,
+                                               Scalar* output, Index output_stride, Index first_column) {
   using namespace Eigen::internal;
   using Packet = typename PacketOf<Scalar>::Packet;
   constexpr int packet_size = PacketOf<Scalar>::size;
-  for (const Index feature : used_features) {
-    const Scalar* weight_row = weight + feature * weight_stride + first_column;
-    Packet panel[Packets];
-    for (int p = 0; p < Packets; ++p) panel[p] = ploadu<Packet>(weight_row + p * packet_size);
-    for (Index k = feature_offsets[feature]; k < feature_offsets[feature + 1]; ++k) {
-      Scalar* out = output + entry_rows[k] * output_stride + first_column;
-      const Packet value = pset1<Packet>(entry_values[k]);
-      for (int p = 0; p < Packets; ++p)
-        pstoreu(out + p * packet_size, pmadd(value, panel[p], ploadu<Packet>(out + p * packet_size)));
-    }
+  Packet panel[Packets];
+  for (int p = 0; p < Packets; ++p) panel[p] = ploadu<Packet>(weight_row + first_column + p * packet_size);
+  for (Index k = begin; k < end; ++k) {
+    Scalar* out = output + Index(entries[k].row) * output_stride + first_column;
+    const Packet value = pset1<Packet>(entries[k].value);
+    for (int p = 0; p < Packets; ++p)
+      pstoreu(out + p * packet_size, pmadd(value, panel[p], ploadu<Packet>(out + p * packet_size)));
   }
 }
 
+// Y = X·W + b by features (see the top of the file), with the caller's scratch. Requires
+// by_feature_fits(x). Features go in the outer loop and a feature's panels follow one another,
+// so that W is read once, row after row, in order.
 template <typename Scalar, typename StorageIndex>
 void csr_dense_product_by_feature(const CsrView<Scalar, StorageIndex>& x, const Scalar* weight,
                                   Index weight_stride, const Scalar* bias, Scalar* output,
-                                  Index output_stride, Index columns) {
-  // CSC of x by counting sort: feature_offsets[f] … feature_offsets[f + 1] hold (row, value).
-  std::vector<Index> feature_offsets(static_cast<std::size_t>(x.cols) + 1, 0);
-  for (Index row = 0; row < x.rows; ++row)
-    for (Index k = x.row_begin(row); k < x.row_end(row); ++k) ++feature_offsets[std::size_t(x.column_indices[k]) + 1];
-  std::vector<Index> used_features;
-  for (Index feature = 0; feature < x.cols; ++feature) {
-    if (feature_offsets[feature + 1] != 0) used_features.push_back(feature);
-    feature_offsets[feature + 1] += feature_offsets[feature];
-  }
-  std::vector<Index> entry_rows(static_cast<std::size_t>(feature_offsets[x.cols]));
-  std::vector<Scalar> entry_values(entry_rows.size());
-  {
-    std::vector<Index> cursor(feature_offsets.begin(), feature_offsets.end() - 1);
-    for (Index row = 0; row < x.rows; ++row)
-      for (Index k = x.row_begin(row); k < x.row_end(row); ++k) {
-        const Index position = cursor[std::size_t(x.column_indices[k])]++;
-        entry_rows[position] = row;
-        entry_values[position] = x.values[k];
-      }
-  }
+                                  Index output_stride, Index columns,
+                                  CsrProductScratch<Scalar, StorageIndex>& scratch) {
+  SDMHA_ASSERT(by_feature_fits(x));
+  build_feature_groups(x, scratch);
   for (Index row = 0; row < x.rows; ++row) {
     Scalar* output_row = output + row * output_stride;
     for (Index j = 0; j < columns; ++j) output_row[j] = bias != nullptr ? bias[j] : Scalar(0);
   }
-  constexpr int kPanelPackets = 16;
-  Index column = 0;
-  if constexpr (PacketOf<Scalar>::vectorized) {
-    constexpr Index packet_size = PacketOf<Scalar>::size;
-    for (; column + kPanelPackets * packet_size <= columns; column += kPanelPackets * packet_size)
-      scatter_feature_panel<kPanelPackets>(feature_offsets, used_features, entry_rows, entry_values,
-                                           weight, weight_stride, output, output_stride, column);
-    for (; column + packet_size <= columns; column += packet_size)
-      scatter_feature_panel<1>(feature_offsets, used_features, entry_rows, entry_values, weight,
-                               weight_stride, output, output_stride, column);
-  }
-  for (const Index feature : used_features)
-    for (Index k = feature_offsets[feature]; k < feature_offsets[feature + 1]; ++k) {
-      Scalar* out = output + entry_rows[k] * output_stride;
-      const Scalar* weight_row = weight + feature * weight_stride;
-      for (Index j = column; j < columns; ++j) out[j] += entry_values[k] * weight_row[j];
+  const StorageIndex* offsets = scratch.feature_offsets.data();
+  const auto* entries = scratch.entries.data();
+  for (Index i = 0; i < scratch.used_count; ++i) {
+    const Index feature = scratch.used_features[std::size_t(i)];
+    const Index begin = offsets[feature], end = offsets[feature + 1];
+    const Scalar* weight_row = weight + feature * weight_stride;
+    Index column = 0;
+    if constexpr (PacketOf<Scalar>::vectorized) {
+      constexpr Index packet_size = PacketOf<Scalar>::size;
+      for (; column + kPanelPackets * packet_size <= columns; column += kPanelPackets * packet_size)
+        scatter_feature_panel<kPanelPackets>(entries, begin, end, weight_row, output, output_stride, column);
+      for (; column + 4 * packet_size <= columns; column += 4 * packet_size)
+        scatter_feature_panel<4>(entries, begin, end, weight_row, output, output_stride, column);
+      for (; column + packet_size <= columns; column += packet_size)
+        scatter_feature_panel<1>(entries, begin, end, weight_row, output, output_stride, column);
     }
+    if (column < columns) {
+      for (Index k = begin; k < end; ++k) {
+        Scalar* out = output + Index(entries[k].row) * output_stride;
+        const Scalar value = entries[k].value;
+        for (Index j = column; j < columns; ++j) out[j] += value * weight_row[j];
+      }
+    }
+  }
+}
+
+// The same with a scratch of its own (allocates on every call).
+template <typename Scalar, typename StorageIndex>
+void csr_dense_product_by_feature(const CsrView<Scalar, StorageIndex>& x, const Scalar* weight,
+                                  Index weight_stride, const Scalar* bias, Scalar* output,
+                                  Index output_stride, Index columns) {
+  CsrProductScratch<Scalar, StorageIndex> scratch;
+  csr_dense_product_by_feature(x, weight, weight_stride, bias, output, output_stride, columns, scratch);
 }
 
 }  // namespace sdmha::detail
