@@ -26,6 +26,25 @@
 
 namespace sdmha {
 
+namespace detail {
+
+// Scratch-size hints that the default stages' Arguments declare (see their headers); a custom
+// stage whose Arguments lack them still composes, and just does not get the hint.
+template <typename Arguments>
+auto hint_nonzero_capacity(Arguments& args, Index value, int) -> decltype(void(args.nonzero_capacity = value)) {
+  args.nonzero_capacity = value;
+}
+template <typename Arguments>
+void hint_nonzero_capacity(Arguments&, Index, long) {}
+template <typename Arguments>
+auto hint_feature_capacity(Arguments& args, Index value, int) -> decltype(void(args.feature_capacity = value)) {
+  args.feature_capacity = value;
+}
+template <typename Arguments>
+void hint_feature_capacity(Arguments&, Index, long) {}
+
+}  // namespace detail
+
 template <typename Scalar,
           typename QueryProjectionT = SparseQueryProjection<Scalar>,
           typename ScoreKernelT = ScoreKernel<Scalar>,
@@ -166,12 +185,18 @@ class SparseDenseMHA
     const auto& weights = this->weights_;
     constexpr Index block_rows = detail::kQueryProjectionRowBlock;
     const Index blocks = (query.rows() + block_rows - 1) / block_rows;
+    Index largest_block = 0;  // stored values of the fullest block: the kernel's scratch bound
+    for (Index block = 0; block < blocks; ++block)
+      largest_block = std::max(largest_block, csr.middle_rows(block * block_rows,
+                                                              std::min(block_rows, query.rows() - block * block_rows))
+                                                  .nonzeros());
     detail::parallel_for(blocks, threads, [&](Index block, int) {
       const Index first = block * block_rows;
       const Index count = std::min(block_rows, query.rows() - first);
       typename QueryProjection::Arguments args{csr.middle_rows(first, count), weights.query_kernel,
                                                this->bias_or_empty(weights.query_bias),
                                                projected_query.middleRows(first, count)};
+      detail::hint_nonzero_capacity(args, largest_block, 0);
       QueryProjection::can_implement(args);
       query_projection_(args);
     }, pool);
@@ -229,8 +254,8 @@ class SparseDenseMHA
                               const BatchMask& mask, MatrixRef<Scalar> scores) {
         typename ScoreKernelT::SparseArguments args{
             query.batch_rows(b), weights.query_kernel.middleCols(h * Dk, Dk),
-            this->bias_segment(weights.query_bias, h * Dk, Dk), key_bh, scale, mask, scores,
-            feature_capacity};
+            this->bias_segment(weights.query_bias, h * Dk, Dk), key_bh, scale, mask, scores};
+        detail::hint_feature_capacity(args, feature_capacity, 0);
         ScoreKernelT::can_implement(args);
         this->score_kernel_(args);
       }, buffers, result);

@@ -25,6 +25,10 @@ struct SparseQueryProjection {
     // Optional working memory for the by-feature kernel, reused across calls so that they do not
     // allocate; one per thread. When null, a thread-local one is used.
     detail::CsrProductScratch<Scalar, StorageIndex>* scratch = nullptr;
+    // An upper bound on the stored values of any call this scratch serves in one pass (the
+    // layer passes its largest row block's): the scratch is sized for it at once, so that a
+    // repeated pass allocates nothing whichever thread gets which block. 0: unknown.
+    Index nonzero_capacity = 0;
   };
 
   static void can_implement(const Arguments& args) {
@@ -70,6 +74,8 @@ struct SparseQueryProjection {
     if (by_feature(args)) {
       thread_local detail::CsrProductScratch<Scalar, StorageIndex> local_scratch;
       auto& scratch = args.scratch != nullptr ? *args.scratch : local_scratch;
+      if (scratch.entries.capacity() < static_cast<std::size_t>(args.nonzero_capacity))
+        scratch.entries.reserve(static_cast<std::size_t>(args.nonzero_capacity));
       detail::csr_dense_product_by_feature(args.query, args.kernel.data(), args.kernel.outerStride(), bias,
                                            args.output.data(), args.output.outerStride(), args.kernel.cols(),
                                            scratch);
