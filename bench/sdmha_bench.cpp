@@ -111,6 +111,7 @@ class Problem {
   sdmha::Workspace<float> sparse_workspace, regrouped_workspace, dense_workspace;
   sdmha::AttentionResult<float> forward_result;
   sdmha::MhaGradients<float> gradients;
+  sdmha::ProjectedContext<float> saved_context;  // K and V as a training forward keeps them
 
   // The densified query and the dense path's intermediates, one thread.
   Matrix dense_query, projected_query, keys, values, scores, probabilities, heads, output;
@@ -394,19 +395,28 @@ std::vector<Case> make_cases(Problem& p, int threads) {
        check_forward});
   // The training pass (it recomputes the forward it needs). Checked by an identity of the
   // gradients: ∂loss/∂bo = Σ over rows of ∂loss/∂Y, and everything finite.
+  auto check_backward = [&p] {
+    const auto& g = p.gradients;
+    if (!g.query_kernel.allFinite() || !g.key_kernel.allFinite() || !g.value_kernel.allFinite() ||
+        !g.output_kernel.allFinite() || !g.query_values.allFinite())
+      return std::string("backward: a gradient is not finite");
+    const Matrix expected = as_matrix(p.d_output).colwise().sum();
+    return compare("backward output bias gradient", g.output_bias.transpose(), expected);
+  };
   cases.push_back({"backward", "sparse", 0, csr, 0, 0, nullptr,
                    [&p, o = options(sdmha::ScoreStrategy::automatic)] {
                      p.gradients = p.sparse_layer.backward(p.query, p.key, p.value, p.d_output, o);
                    },
-                   [&p] {
-                     const auto& g = p.gradients;
-                     if (!g.query_kernel.allFinite() || !g.key_kernel.allFinite() ||
-                         !g.value_kernel.allFinite() || !g.output_kernel.allFinite() ||
-                         !g.query_values.allFinite())
-                       return std::string("backward: a gradient is not finite");
-                     const Matrix expected = as_matrix(p.d_output).colwise().sum();
-                     return compare("backward output bias gradient", g.output_bias.transpose(), expected);
-                   }});
+                   check_backward});
+  // The same reusing the K and V that the training step's forward projected (its
+  // ProjectedContext), as a training loop does: the backward then skips their recomputation.
+  cases.push_back({"backward", "sparse_saved_context", 0, csr, 0, 0,
+                   [&p, threads] { p.saved_context = p.sparse_layer.project_context(p.key, p.value, threads); },
+                   [&p, o = options(sdmha::ScoreStrategy::automatic)] {
+                     p.gradients =
+                         p.sparse_layer.backward(p.query, p.key, p.value, p.saved_context, p.d_output, o);
+                   },
+                   check_backward});
 
   // Stage by stage.
   cases.push_back({"densify", "dense", 0, csr, 0, dense, nullptr,
@@ -485,7 +495,7 @@ std::vector<std::string> case_names(const WorkloadShape& shape, double density) 
   std::vector<std::string> names = {"forward/sparse"};
   if (regrouped) names.push_back("forward/sparse_regrouped");
   for (const char* name :
-       {"forward/dense", "backward/sparse", "densify/dense", "query_projection/sparse", "query_projection/dense",
+       {"forward/dense", "backward/sparse", "backward/sparse_saved_context", "densify/dense", "query_projection/sparse", "query_projection/dense",
         "query_projection/eigen_csr", "key_value_projection/shared", "scores/shared"})
     names.push_back(name);
   if (regrouped) names.push_back("scores/sparse_regrouped");
@@ -817,13 +827,13 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
 
   char line[512];
   const char* header =
-      "%-5s %7s %3s %7s | %9s %9s | %8s %9s | %7s %6s | %8s %8s %6s | %8s %8s | %6s | %9s %7s\n";
+      "%-5s %7s %3s %7s | %9s %9s | %8s %9s | %7s %6s | %8s %8s %6s | %8s %8s | %6s | %9s %7s %9s %7s\n";
   std::snprintf(line, sizeof line, header, "work", "density", "thr", "nnz/row", "sparse", "regroup",
                 "densify", "dense", "speedup", "ideal", "peak MB", "peak MB", "mem", "query MB",
-                "query MB", "allocs", "backward", "bwd/");
+                "query MB", "allocs", "backward", "bwd/", "bwd ctx", "ctx/");
   out << line;
   std::snprintf(line, sizeof line, header, "", "", "", "", "ms", "ms", "ms", "ms", "", "", "sparse",
-                "dense", "ratio", "CSR", "dense", "/call", "ms", "fwd");
+                "dense", "ratio", "CSR", "dense", "/call", "ms", "fwd", "ms", "fwd");
   out << line;
   for (const ConfigResult& r : results) {
     const std::int64_t sparse_peak = r.peak_bytes("forward/sparse");
@@ -833,9 +843,11 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
                                   : "n/a";
     const std::int64_t allocations = r.steady_allocations("forward/sparse");
     const double backward_ms = r.ms("backward/sparse");
+    const double context_backward_ms = r.ms("backward/sparse_saved_context");
     std::snprintf(
         line, sizeof line,
-        "%-5s %7g %3d %7ld | %9s %9s | %8s %9s | %6.2fx %6.2f | %8s %8s %6s | %8.2f %8.2f | %6s | %9s %6.2fx\n",
+        "%-5s %7g %3d %7ld | %9s %9s | %8s %9s | %6.2fx %6.2f | %8s %8s %6s | %8.2f %8.2f | %6s | %9s %6.2fx %9s "
+        "%6.2fx\n",
         r.shape.name.c_str(), r.density, r.threads, long(r.nonzeros_per_row),
         milliseconds_text(r.ms("forward/sparse")).c_str(),
         milliseconds_text(r.ms("forward/sparse_regrouped")).c_str(),
@@ -844,7 +856,8 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
         megabytes(sparse_peak).c_str(), megabytes(dense_peak).c_str(), ratio.c_str(),
         r.csr_bytes / 1e6, r.dense_bytes / 1e6,
         allocations < 0 ? "n/a" : std::to_string(allocations).c_str(),
-        milliseconds_text(backward_ms).c_str(), backward_ms / r.ms("forward/sparse"));
+        milliseconds_text(backward_ms).c_str(), backward_ms / r.ms("forward/sparse"),
+        milliseconds_text(context_backward_ms).c_str(), context_backward_ms / r.ms("forward/sparse"));
     out << line;
   }
   out << "\nsparse = SparseDenseMHA::forward (project_first) with a Workspace and result kept between\n"
@@ -860,8 +873,11 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
          "query's own bytes (CSR: values, column indices, row offsets); allocs/call = heap blocks "
          "one\n"
          "more sparse forward call takes after the timed ones (the steady state); backward =\n"
-         "SparseDenseMHA::backward (automatic strategy; it recomputes the forward), bwd/fwd = "
-         "backward / sparse.\n";
+         "SparseDenseMHA::backward (automatic strategy; it recomputes the forward, K and V "
+         "included),\n"
+         "bwd ctx = the same given the ProjectedContext that the training step's forward made "
+         "(only Q, P\n"
+         "and A are recomputed); bwd/fwd and ctx/fwd = those / sparse.\n";
 
   out << "\nstages alone, ms (GFLOP/s), split over threads as the layer splits them:\n";
   const char* stage_header =
@@ -964,6 +980,7 @@ void write_json(const std::string& path, const std::vector<ConfigResult>& result
         << ", \"dense\": " << ms("forward/dense") << ", \"densify\": " << ms("densify/dense")
         << "},\n";
     out << "     \"backward_ms\": " << ms("backward/sparse")
+        << ", \"backward_saved_context_ms\": " << ms("backward/sparse_saved_context")
         << ", \"steady_state_allocations_per_call\": " << r.steady_allocations("forward/sparse") << ",\n";
     // Stage times per path; the shared stages are timed once and listed on every path.
     out << "     \"stages_ms\": {\n"
