@@ -8,7 +8,7 @@ namespace {
 
 template <typename Scalar>
 class AttendValuesTest : public ::testing::Test {};
-TYPED_TEST_SUITE(AttendValuesTest, ScalarTypes);
+TYPED_TEST_SUITE(AttendValuesTest, ScalarTypes, );
 
 template <typename Scalar>
 using Attend = sdmha::AttendValues<Scalar>;

@@ -15,7 +15,7 @@ namespace {
 
 template <typename Scalar>
 class Concurrency : public ::testing::Test {};
-TYPED_TEST_SUITE(Concurrency, ScalarTypes);
+TYPED_TEST_SUITE(Concurrency, ScalarTypes, );
 
 constexpr int kThreads = 8;
 constexpr int kCallsPerThread = 100;

@@ -10,7 +10,7 @@ namespace {
 
 template <typename Scalar>
 class DenseMhaTest : public ::testing::Test {};
-TYPED_TEST_SUITE(DenseMhaTest, ScalarTypes);
+TYPED_TEST_SUITE(DenseMhaTest, ScalarTypes, );
 
 
 template <typename Scalar>

@@ -8,7 +8,7 @@ namespace {
 
 template <typename Scalar>
 class DenseProjectionTest : public ::testing::Test {};
-TYPED_TEST_SUITE(DenseProjectionTest, ScalarTypes);
+TYPED_TEST_SUITE(DenseProjectionTest, ScalarTypes, );
 
 template <typename Scalar>
 using Projection = sdmha::DenseProjection<Scalar>;

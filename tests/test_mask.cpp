@@ -10,7 +10,7 @@ namespace {
 
 template <typename Scalar>
 class MaskTest : public ::testing::Test {};
-TYPED_TEST_SUITE(MaskTest, ScalarTypes);
+TYPED_TEST_SUITE(MaskTest, ScalarTypes, );
 
 struct MaskVariant {
   const char* name;

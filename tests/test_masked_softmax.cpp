@@ -8,7 +8,7 @@ namespace {
 
 template <typename Scalar>
 class MaskedSoftmaxTest : public ::testing::Test {};
-TYPED_TEST_SUITE(MaskedSoftmaxTest, ScalarTypes);
+TYPED_TEST_SUITE(MaskedSoftmaxTest, ScalarTypes, );
 
 template <typename Scalar>
 using Softmax = sdmha::MaskedSoftmax<Scalar>;

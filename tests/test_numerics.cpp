@@ -17,7 +17,7 @@ namespace {
 
 template <typename Scalar>
 class Numerics : public ::testing::Test {};
-TYPED_TEST_SUITE(Numerics, ScalarTypes);
+TYPED_TEST_SUITE(Numerics, ScalarTypes, );
 
 constexpr sdmha::ScoreStrategy kStrategies[] = {sdmha::ScoreStrategy::project_first,
                                                 sdmha::ScoreStrategy::sparse_regrouped};

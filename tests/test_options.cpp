@@ -8,7 +8,7 @@ namespace {
 
 template <typename Scalar>
 class OptionsTest : public ::testing::Test {};
-TYPED_TEST_SUITE(OptionsTest, ScalarTypes);
+TYPED_TEST_SUITE(OptionsTest, ScalarTypes, );
 
 template <typename Scalar>
 Tensor3<Scalar> counting_tensor(Index batch, Index steps, Index width) {

@@ -8,7 +8,7 @@ namespace {
 
 template <typename Scalar>
 class OutputProjectionTest : public ::testing::Test {};
-TYPED_TEST_SUITE(OutputProjectionTest, ScalarTypes);
+TYPED_TEST_SUITE(OutputProjectionTest, ScalarTypes, );
 
 template <typename Scalar>
 using Projection = sdmha::OutputProjection<Scalar>;

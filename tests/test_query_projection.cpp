@@ -9,7 +9,7 @@ namespace {
 
 template <typename Scalar>
 class QueryProjectionTest : public ::testing::Test {};
-TYPED_TEST_SUITE(QueryProjectionTest, ScalarTypes);
+TYPED_TEST_SUITE(QueryProjectionTest, ScalarTypes, );
 
 template <typename Scalar>
 using Projection = sdmha::SparseQueryProjection<Scalar>;
@@ -201,7 +201,7 @@ namespace {
 
 template <typename Scalar>
 class QueryProjectionKernelsTest : public ::testing::Test {};
-TYPED_TEST_SUITE(QueryProjectionKernelsTest, ScalarTypes);
+TYPED_TEST_SUITE(QueryProjectionKernelsTest, ScalarTypes, );
 
 // Both kernels against a naive product, over widths that exercise full panels, 4- and 1-packet
 // panels and the scalar tail, with and without bias; on sorted rows they agree bitwise.
@@ -281,7 +281,7 @@ namespace {
 
 template <typename Scalar>
 class QueryProjectionCsrKernelsTest : public ::testing::Test {};
-TYPED_TEST_SUITE(QueryProjectionCsrKernelsTest, ScalarTypes);
+TYPED_TEST_SUITE(QueryProjectionCsrKernelsTest, ScalarTypes, );
 
 // A CSR of `rows` × `features` with sorted distinct columns; row r holds row_sizes[r % size]
 // values (clamped to `features`), so rows can be empty or full.

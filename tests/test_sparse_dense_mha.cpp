@@ -7,7 +7,7 @@ namespace {
 
 template <typename Scalar>
 class SparseDenseMhaTest : public ::testing::Test {};
-TYPED_TEST_SUITE(SparseDenseMhaTest, ScalarTypes);
+TYPED_TEST_SUITE(SparseDenseMhaTest, ScalarTypes, );
 
 
 template <typename Scalar>

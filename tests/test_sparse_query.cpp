@@ -8,7 +8,7 @@ namespace {
 
 template <typename Scalar>
 class SparseQueryTest : public ::testing::Test {};
-TYPED_TEST_SUITE(SparseQueryTest, ScalarTypes);
+TYPED_TEST_SUITE(SparseQueryTest, ScalarTypes, );
 
 template <typename Scalar>
 using Query = sdmha::SparseQuery<Scalar>;

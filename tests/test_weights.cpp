@@ -8,7 +8,7 @@ namespace {
 
 template <typename Scalar>
 class WeightsTest : public ::testing::Test {};
-TYPED_TEST_SUITE(WeightsTest, ScalarTypes);
+TYPED_TEST_SUITE(WeightsTest, ScalarTypes, );
 
 sdmha::MhaConfig make_config(Index heads, Index key_dim, Index value_dim, Index output_dim,
                              bool use_bias = true) {

@@ -11,7 +11,7 @@ namespace {
 
 template <typename Scalar>
 class WorkspaceTest : public ::testing::Test {};
-TYPED_TEST_SUITE(WorkspaceTest, ScalarTypes);
+TYPED_TEST_SUITE(WorkspaceTest, ScalarTypes, );
 
 template <typename Scalar>
 bool bitwise_equal(const Scalar* a, const Scalar* b, Index count) {
