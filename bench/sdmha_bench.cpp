@@ -3,7 +3,7 @@
 //
 //   sdmha_bench [--quick] [--benchmark_filter=...]       a Google Benchmark binary: every
 //                                                       workload × density × threads × case
-//   sdmha_bench --summary [--quick] [--json FILE] [--repetitions N]
+//   sdmha_bench --summary [--quick] [--json FILE] [--repetitions N] [--workload NAME]...
 //                                                       the comparison table (medians of N
 //                                                       interleaved runs), optionally all numbers
 //                                                       as JSON for bench/plot.py
@@ -1081,6 +1081,7 @@ int main(int argc, char** argv) {
   bool summary = false, quick = false;
   std::string json_path;
   int repetitions = 0;
+  std::vector<std::string> workload_names;  // --workload: only these (all when empty)
   std::vector<char*> passed_on = {argv[0]};  // what Google Benchmark gets
   for (int i = 1; i < argc; ++i) {
     const std::string argument = argv[i];
@@ -1096,16 +1097,35 @@ int main(int argc, char** argv) {
       repetitions = std::atoi(argv[++i]);
     } else if (argument.rfind("--repetitions=", 0) == 0) {
       repetitions = std::atoi(argument.c_str() + 14);
+    } else if (argument == "--workload" && i + 1 < argc) {
+      workload_names.push_back(argv[++i]);
+    } else if (argument.rfind("--workload=", 0) == 0) {
+      workload_names.push_back(argument.substr(11));
     } else {
       passed_on.push_back(argv[i]);
     }
   }
-  const std::vector<WorkloadShape> shapes = quick ? quick_workloads() : canonical_workloads();
+  std::vector<WorkloadShape> shapes = quick ? quick_workloads() : canonical_workloads();
+  if (!workload_names.empty()) {
+    for (const std::string& name : workload_names)
+      if (std::none_of(shapes.begin(), shapes.end(), [&](const WorkloadShape& w) { return w.name == name; })) {
+        std::cerr << "sdmha_bench: unknown workload " << name << " (expected one of";
+        for (const WorkloadShape& w : shapes) std::cerr << " " << w.name;
+        std::cerr << ")\n";
+        return 2;
+      }
+    shapes.erase(std::remove_if(shapes.begin(), shapes.end(),
+                                [&](const WorkloadShape& w) {
+                                  return std::find(workload_names.begin(), workload_names.end(),
+                                                   w.name) == workload_names.end();
+                                }),
+                 shapes.end());
+  }
 
   if (summary) {
     if (passed_on.size() > 1) {
       std::cerr << "sdmha_bench --summary: unknown argument " << passed_on[1]
-                << " (expected --quick, --json FILE, --repetitions N)\n";
+                << " (expected --quick, --json FILE, --repetitions N, --workload NAME)\n";
       return 2;
     }
     if (repetitions <= 0) repetitions = quick ? 3 : 5;
@@ -1116,9 +1136,9 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  if (!json_path.empty() || repetitions != 0) {
+  if (!json_path.empty() || repetitions != 0 || !workload_names.empty()) {
     std::cerr
-        << "sdmha_bench: --json and --repetitions go with --summary; Google Benchmark's own are "
+        << "sdmha_bench: --json, --repetitions and --workload go with --summary; Google Benchmark's own are "
            "--benchmark_out=FILE and --benchmark_repetitions=N\n";
     return 2;
   }

@@ -3,9 +3,11 @@
 // key padding; both score strategies), and float against double on every golden case's shape.
 #include "test_support.hpp"
 
+#include <sdmha/detail/finite.hpp>
 #include <sdmha/io/layer_files.hpp>
 
 #include <cstdio>
+#include <limits>
 #include <string>
 
 #ifndef SDMHA_TEST_DATA_DIR
@@ -247,6 +249,35 @@ Shape golden_shape(const std::string& name) {
   s.random_mask = inputs.attention_mask.size() != 0;
   s.density = double(inputs.query.nonzeros()) / double(std::max<Index>(1, inputs.query.rows() * dims.query_dim));
   return s;
+}
+
+// detail::all_finite, which decides whether the layer may use a plain GEMM (0·NaN = NaN), must
+// see every NaN and ±Inf: at any row and column, inside a block with a stride, next to entries
+// that are finite but extreme (largest, smallest subnormal, −0).
+TYPED_TEST(Numerics, AllFiniteFindsEveryNonFiniteEntryAndNoFiniteOne) {
+  using Scalar = TypeParam;
+  using Limits = std::numeric_limits<Scalar>;
+  sdmha::RowMatrix<Scalar> matrix = sdmha::RowMatrix<Scalar>::Constant(7, 37, Scalar(1));
+  matrix(0, 0) = Limits::max();
+  matrix(1, 1) = -Limits::max();
+  matrix(2, 2) = Limits::denorm_min();
+  matrix(3, 3) = Scalar(-0.0);
+  EXPECT_TRUE(sdmha::detail::all_finite<Scalar>(matrix));
+  EXPECT_TRUE(sdmha::detail::all_finite<Scalar>(matrix.block(0, 0, 0, 37)));
+  for (Scalar bad : {Limits::quiet_NaN(), Limits::infinity(), -Limits::infinity()})
+    for (Index row = 0; row < matrix.rows(); ++row)
+      for (Index column = 0; column < matrix.cols(); ++column) {
+        sdmha::RowMatrix<Scalar> copy = matrix;
+        copy(row, column) = bad;
+        ASSERT_FALSE(sdmha::detail::all_finite<Scalar>(copy)) << row << ", " << column;
+        // A block that holds the entry sees it; one beside it, with the same stride, does not.
+        const Index first = column >= 16 ? 16 : 0;
+        ASSERT_FALSE(sdmha::detail::all_finite<Scalar>(copy.block(0, first, 7, first == 16 ? 21 : 16)))
+            << row << ", " << column;
+        const Index other = first == 16 ? 0 : 16;
+        ASSERT_TRUE(sdmha::detail::all_finite<Scalar>(copy.block(0, other, 7, 16)))
+            << row << ", " << column;
+      }
 }
 
 TEST(NumericsPrecision, FloatAgreesWithDoubleOnEveryGoldenShape) {

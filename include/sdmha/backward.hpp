@@ -23,6 +23,8 @@
 
 #include "sdmha/config.hpp"
 #include "sdmha/detail/dropout.hpp"
+#include "sdmha/detail/finite.hpp"
+#include "sdmha/detail/gemm.hpp"
 #include "sdmha/detail/parallel.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/gradients.hpp"
@@ -46,6 +48,20 @@ namespace detail::gradient {
 // GEMM over the same rows for any thread count.
 constexpr Index kWeightTile = 256;
 
+// Scores held per worker and tile: three tile × S matrices (P, P' and dS) of this many entries
+// each stay in L2 together.
+constexpr Index kBackwardTileEntries = Index(1) << 15;
+
+// Query rows per tile. The regrouped kernel shares M_bh across all of a batch entry's rows, so it
+// takes them all; a causal mask keeps the forward's tile, whose key range it shortens; otherwise
+// as many rows as kBackwardTileEntries allows, since every tile runs six small GEMMs and larger
+// ones waste less on packing (on `seed`, S = 128: all T = 128 rows in one tile).
+inline Index backward_query_tile(bool regrouped, bool causal, Index steps, Index key_steps) {
+  if (regrouped) return steps;
+  if (causal || key_steps == 0) return kQueryTile;
+  return std::max(kQueryTile, std::min(steps, kBackwardTileEntries / key_steps));
+}
+
 template <typename Scalar>
 struct Inputs {
   Index batch, steps, key_steps;
@@ -56,21 +72,21 @@ struct Inputs {
 // d_input (rows × E) = d_output · kernelᵀ, in fixed row blocks.
 template <typename Scalar>
 void input_gradient(const RowMatrix<Scalar>& d_output, const RowMatrix<Scalar>& kernel,
-                    Eigen::Map<RowMatrix<Scalar>> d_input, int threads) {
+                    Eigen::Map<RowMatrix<Scalar>> d_input, int threads, ThreadPool& pool) {
   const Index rows = d_output.rows();
   parallel_for(row_block_count(rows), threads, [&](Index block, int) {
     const Index first = block * kProjectionRowBlock;
     const Index count = std::min(kProjectionRowBlock, rows - first);
-    d_input.middleRows(first, count).noalias() =
-        d_output.middleRows(first, count) * kernel.transpose();
-  });
+    gemm<Scalar>(as_operand<Scalar>(d_output.middleRows(first, count)), transposed<Scalar>(kernel),
+                 d_input.middleRows(first, count), Scalar(1), false);
+  }, &pool);
 }
 
 // d_weight (E × N) = inputᵀ · d_output over all rows, one GEMM per fixed tile of d_weight.
 template <typename Scalar>
 void transposed_product_tiles(const ConstMatrixRef<Scalar>& input,
                               const ConstMatrixRef<Scalar>& d_output, RowMatrix<Scalar>& d_weight,
-                              int threads) {
+                              int threads, ThreadPool& pool) {
   const Index row_tiles = (d_weight.rows() + kWeightTile - 1) / kWeightTile;
   const Index column_tiles = (d_weight.cols() + kWeightTile - 1) / kWeightTile;
   parallel_for(row_tiles * column_tiles, threads, [&](Index item, int) {
@@ -78,9 +94,10 @@ void transposed_product_tiles(const ConstMatrixRef<Scalar>& input,
     const Index first_column = (item % column_tiles) * kWeightTile;
     const Index rows = std::min(kWeightTile, d_weight.rows() - first_row);
     const Index columns = std::min(kWeightTile, d_weight.cols() - first_column);
-    d_weight.block(first_row, first_column, rows, columns).noalias() =
-        input.middleCols(first_row, rows).transpose() * d_output.middleCols(first_column, columns);
-  });
+    gemm<Scalar>(transposed<Scalar>(input.middleCols(first_row, rows)),
+                 as_operand<Scalar>(d_output.middleCols(first_column, columns)),
+                 d_weight.block(first_row, first_column, rows, columns), Scalar(1), false);
+  }, &pool);
 }
 
 // The gradient of a dense projection's kernel, dW = inputᵀ·dY. A row of the input that no query
@@ -90,11 +107,12 @@ void transposed_product_tiles(const ConstMatrixRef<Scalar>& input,
 // then, and a column block at a non-zero offset would be arithmetic on a null pointer.
 template <typename Scalar>
 RowMatrix<Scalar> kernel_gradient(const ConstMatrixRef<Scalar>& input,
-                                  const ConstMatrixRef<Scalar>& d_output, int threads) {
+                                  const ConstMatrixRef<Scalar>& d_output, int threads,
+                                  ThreadPool& pool) {
   if (input.rows() == 0) return RowMatrix<Scalar>::Zero(input.cols(), d_output.cols());
   RowMatrix<Scalar> d_weight(input.cols(), d_output.cols());
-  if (input.allFinite()) {
-    transposed_product_tiles<Scalar>(input, d_output, d_weight, threads);
+  if (all_finite<Scalar>(input)) {
+    transposed_product_tiles<Scalar>(input, d_output, d_weight, threads, pool);
     return d_weight;
   }
   std::vector<Index> rows;
@@ -106,7 +124,7 @@ RowMatrix<Scalar> kernel_gradient(const ConstMatrixRef<Scalar>& input,
     gathered_input.row(Index(i)) = input.row(rows[i]);
     gathered_output.row(Index(i)) = d_output.row(rows[i]);
   }
-  transposed_product_tiles<Scalar>(gathered_input, gathered_output, d_weight, threads);
+  transposed_product_tiles<Scalar>(gathered_input, gathered_output, d_weight, threads, pool);
   return d_weight;
 }
 
@@ -120,12 +138,14 @@ Vector<Scalar> bias_gradient(bool use_bias, const Matrix& d_output) {
 }
 
 // out = alpha · weights · rows, where a zero weight never meets its row: a row of K that every
-// query is blocked from may be NaN, and its weights (dS's column) are exactly 0.
-template <typename Scalar, typename Weights, typename Rows, typename Out>
-void product_skipping_zero_weights(Scalar alpha, const Weights& weights, const Rows& rows,
-                                   Out&& out) {
-  if (rows.allFinite()) {
-    out.noalias() = (alpha * weights) * rows;
+// query is blocked from may be NaN, and its weights (dS's column) are exactly 0. `rows_are_finite`
+// is known once per (b, h); then the product is one GEMM.
+template <typename Scalar>
+void product_skipping_zero_weights(Scalar alpha, const ConstMatrixRef<Scalar>& weights,
+                                   const ConstMatrixRef<Scalar>& rows, bool rows_are_finite,
+                                   MatrixRef<Scalar> out) {
+  if (rows_are_finite) {
+    gemm<Scalar>(as_operand<Scalar>(weights), as_operand<Scalar>(rows), out, alpha, false);
     return;
   }
   out.setZero();
@@ -196,8 +216,13 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
   const Scalar scale = Scalar(1.0 / std::sqrt(double(Dk)));
   const auto& csr = query.csr();
 
+  // One set of workers for every parallel step below: their thread-local GEMM packing buffers
+  // stay warm from one step to the next.
+  ThreadPool pool;
+
   // The forward's query projection, recomputed whatever the score strategy: dK needs Q.
-  const RowMatrix<Scalar> queries = layer.project_query(query, threads);
+  RowMatrix<Scalar> queries;
+  layer.project_query(query, threads, &pool, queries);
 
   // dA = dY·Woᵀ does not depend on the attention, so it is ready before the (b, h) loop.
   const auto d_output_matrix = d_output.as_matrix();
@@ -205,9 +230,10 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
   parallel_for(row_block_count(B * T), threads, [&](Index block, int) {
     const Index first = block * kProjectionRowBlock;
     const Index count = std::min(kProjectionRowBlock, B * T - first);
-    d_heads.middleRows(first, count).noalias() =
-        d_output_matrix.middleRows(first, count) * weights.output_kernel.transpose();
-  });
+    gemm<Scalar>(as_operand<Scalar>(d_output_matrix.middleRows(first, count)),
+                 transposed<Scalar>(weights.output_kernel), d_heads.middleRows(first, count), Scalar(1),
+                 false);
+  }, &pool);
 
   // One work item per (b, h): it owns the (b, h) blocks of A, dQ, dK and dV, and sums dK_bh and
   // dV_bh over its query tiles in tile order, so no sum depends on the thread count.
@@ -217,8 +243,7 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
   const bool regrouped =
       layer.resolve_strategy(options.score_strategy, query, S, options.use_causal_mask) ==
       ScoreStrategy::sparse_regrouped;
-  // The forward's tiles: the regrouped kernel shares M_bh across all of a batch entry's rows.
-  const Index query_tile = regrouped ? T : kQueryTile;
+  const Index query_tile = backward_query_tile(regrouped, options.use_causal_mask, T, S);
   const Index tiles = query_tile > 0 ? (T + query_tile - 1) / query_tile : 0;
   const DropoutMask dropout =
       options.training ? DropoutMask(options.dropout_rate, options.dropout_seed) : DropoutMask();
@@ -246,6 +271,11 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
       if (buffer.size() < rows * columns) buffer.resize(std::min(query_tile, T), S);
       return ScratchMap(buffer.data(), rows, columns);
     };
+    // Whether K_bh and V_bh are finite, once for all tiles: then every product below is a GEMM.
+    const bool keys_are_finite = all_finite<Scalar>(keys.block(b * S, h * Dk, S, Dk));
+    const bool values_are_finite = all_finite<Scalar>(values.block(b * S, h * Dv, S, Dv));
+    const bool d_scores_are_finite =
+        values_are_finite && all_finite<Scalar>(d_heads.block(b * T, h * Dv, T, Dv));
     for (Index tile = 0; tile < tiles; ++tile) {
       const Index first_step = tile * query_tile, rows = std::min(query_tile, T - first_step);
       const Index key_end = options.use_causal_mask ? std::min(S, first_step + rows) : S;
@@ -294,35 +324,43 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
         dropout.apply(dropped, b, h, first_step, 0);
       }
       typename AttendValues<Scalar>::Arguments values_args{
-          dropped, value_bh, heads.block(b * T + first_step, h * Dv, rows, Dv)};
+          dropped, value_bh, heads.block(b * T + first_step, h * Dv, rows, Dv), values_are_finite};
       attend_values.can_implement(values_args);
       attend_values(values_args);
 
       // dP' = dA·Vᵀ, then dP = dP' ⊙ dropout's scale mask (dropped entries set to 0, not scaled).
       ScratchMap d_scores = scratch(d_scores_scratch, rows, key_end);
-      d_scores.noalias() = d_heads_tile * value_bh.transpose();
+      gemm<Scalar>(as_operand<Scalar>(d_heads_tile), transposed<Scalar>(value_bh), d_scores, Scalar(1),
+                   false);
       dropout.apply(d_scores, b, h, first_step, 0);
-      // dS = P ⊙ (dP − Σ_s P·dP). Entries with P = 0 (blocked, or a fully blocked row) are set,
-      // not multiplied, to 0: dP there may be NaN from a blocked value row.
+      // dS = P ⊙ (dP − Σ_s P·dP). Entries with P = 0 (blocked, or a fully blocked row) must come
+      // out 0. When V_bh and dA_bh are finite so is dP, and P·(…) is 0 there by itself (a packet
+      // loop); otherwise dP may be NaN where P = 0, and those entries are set, not multiplied.
       for (Index t = 0; t < rows; ++t) {
         auto p = probabilities.row(t).array();
         auto d = d_scores.row(t).array();
-        const Scalar weighted = (p != Scalar(0)).select(p * d, Scalar(0)).sum();
-        d = (p != Scalar(0)).select(p * (d - weighted), Scalar(0));
+        if (d_scores_are_finite) {
+          const Scalar weighted = (p * d).sum();
+          d = p * (d - weighted);
+        } else {
+          const Scalar weighted = (p != Scalar(0)).select(p * d, Scalar(0)).sum();
+          d = (p != Scalar(0)).select(p * (d - weighted), Scalar(0));
+        }
       }
-      product_skipping_zero_weights(scale, d_scores, key_bh,
-                                    d_queries.block(b * T + first_step, h * Dk, rows, Dk));
-      d_keys.block(b * S, h * Dk, key_end, Dk).noalias() +=
-          (scale * d_scores.transpose()) * query_tile_bh;
-      d_values.block(b * S, h * Dv, key_end, Dv).noalias() += dropped.transpose() * d_heads_tile;
+      product_skipping_zero_weights<Scalar>(scale, d_scores, key_bh, keys_are_finite,
+                                            d_queries.block(b * T + first_step, h * Dk, rows, Dk));
+      gemm<Scalar>(transposed<Scalar>(d_scores), as_operand<Scalar>(query_tile_bh),
+                   d_keys.block(b * S, h * Dk, key_end, Dk), scale, true);
+      gemm<Scalar>(transposed<Scalar>(dropped), as_operand<Scalar>(d_heads_tile),
+                   d_values.block(b * S, h * Dv, key_end, Dv), Scalar(1), true);
     }
-  });
+  }, &pool);
 
   MhaGradients<Scalar> gradients;
   const bool use_bias = config.use_bias;
 
   // Output projection.
-  gradients.output_kernel = kernel_gradient<Scalar>(heads, d_output_matrix, threads);
+  gradients.output_kernel = kernel_gradient<Scalar>(heads, d_output_matrix, threads, pool);
   gradients.output_bias = bias_gradient<Scalar>(use_bias, d_output_matrix);
 
   // Query projection: dWq = Xᵀ·dQ in fixed column panels, dX sampled at X's pattern in row blocks.
@@ -336,7 +374,7 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
         csr, d_queries.middleCols(first, count), gradients.query_kernel.middleCols(first, count)};
     QueryKernelGradient<Scalar, StorageIndex>::can_implement(args);
     QueryKernelGradient<Scalar, StorageIndex>()(args);
-  });
+  }, &pool);
   gradients.query_bias = bias_gradient<Scalar>(use_bias, d_queries);
   const Index blocks = row_block_count(csr.rows);
   std::vector<Index> block_start(std::size_t(blocks) + 1, 0);
@@ -356,7 +394,7 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
         d_stored.segment(start, block_start[std::size_t(block) + 1] - start)};
     QueryValuesGradient<Scalar, StorageIndex>::can_implement(args);
     QueryValuesGradient<Scalar, StorageIndex>()(args);
-  });
+  }, &pool);
   const auto& coo_to_stored = query.coo_to_stored();
   if (coo_to_stored.empty()) {
     gradients.query_values = std::move(d_stored);
@@ -367,18 +405,18 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
   }
 
   // Key and value projections.
-  gradients.key_kernel = kernel_gradient<Scalar>(inputs.key, d_keys, threads);
+  gradients.key_kernel = kernel_gradient<Scalar>(inputs.key, d_keys, threads, pool);
   gradients.key_bias = bias_gradient<Scalar>(use_bias, d_keys);
   gradients.key.resize(B, S, dims.key_in_dim);
   input_gradient(d_keys, weights.key_kernel,
                  Eigen::Map<RowMatrix<Scalar>>(gradients.key.data(), B * S, dims.key_in_dim),
-                 threads);
-  gradients.value_kernel = kernel_gradient<Scalar>(inputs.value, d_values, threads);
+                 threads, pool);
+  gradients.value_kernel = kernel_gradient<Scalar>(inputs.value, d_values, threads, pool);
   gradients.value_bias = bias_gradient<Scalar>(use_bias, d_values);
   gradients.value.resize(B, S, dims.value_in_dim);
   input_gradient(d_values, weights.value_kernel,
                  Eigen::Map<RowMatrix<Scalar>>(gradients.value.data(), B * S, dims.value_in_dim),
-                 threads);
+                 threads, pool);
   return gradients;
 }
 

@@ -132,21 +132,9 @@ class SparseDenseMHA
   // dense operand per stored value instead of reusing registers and cache as a GEMM does.
   ScoreStrategy resolve_strategy(ScoreStrategy requested, const Query& query, Index key_steps,
                                  bool causal) const {
-    std::vector<Index> scratch;
-    return resolve_strategy(requested, query, key_steps, causal, scratch);
-  }
-  // The same with the scratch vector (Eq entries) supplied.
-  ScoreStrategy resolve_strategy(ScoreStrategy requested, const Query& query, Index key_steps,
-                                 bool causal, std::vector<Index>& scratch) const {
     if (requested != ScoreStrategy::automatic) return requested;
-    constexpr double kSparseFlopCost = 4.0;
-    const double H = double(this->dims_.num_heads), Dk = double(this->dims_.key_dim);
-    const double S = double(key_steps), nnz = double(query.nonzeros());
-    const double B = double(query.batch()), T = double(query.steps());
-    const double project_first = kSparseFlopCost * 2 * nnz * H * Dk + (causal ? 0.5 : 1.0) * 2 * B * H * T * S * Dk;
-    const double regrouped = 2 * H * Dk * S * double(distinct_features_per_batch(query, scratch).total) +
-                             kSparseFlopCost * 2 * nnz * H * S;
-    return regrouped < project_first ? ScoreStrategy::sparse_regrouped : ScoreStrategy::project_first;
+    std::vector<Index> scratch;
+    return choose_strategy(requested, query, key_steps, causal, scratch).strategy;
   }
 
   // Gradients of a loss through forward(query, key, value, options), given d_output =
@@ -215,6 +203,27 @@ class SparseDenseMHA
   struct FeatureCounts {
     Index total = 0, largest = 0;
   };
+
+  // What resolve_strategy chose, with the feature counts behind it when the choice needed them
+  // (automatic or regrouped), so that the regrouped kernel's scratch hint does not count again.
+  struct StrategyChoice {
+    ScoreStrategy strategy;
+    FeatureCounts features;
+  };
+  StrategyChoice choose_strategy(ScoreStrategy requested, const Query& query, Index key_steps,
+                                 bool causal, std::vector<Index>& scratch) const {
+    if (requested == ScoreStrategy::project_first) return {requested, {}};
+    const FeatureCounts features = distinct_features_per_batch(query, scratch);
+    if (requested == ScoreStrategy::sparse_regrouped) return {requested, features};
+    constexpr double kSparseFlopCost = 4.0;
+    const double H = double(this->dims_.num_heads), Dk = double(this->dims_.key_dim);
+    const double S = double(key_steps), nnz = double(query.nonzeros());
+    const double B = double(query.batch()), T = double(query.steps());
+    const double project_first = kSparseFlopCost * 2 * nnz * H * Dk + (causal ? 0.5 : 1.0) * 2 * B * H * T * S * Dk;
+    const double regrouped = 2 * H * Dk * S * double(features.total) + kSparseFlopCost * 2 * nnz * H * S;
+    return {regrouped < project_first ? ScoreStrategy::sparse_regrouped : ScoreStrategy::project_first,
+            features};
+  }
   static FeatureCounts distinct_features_per_batch(const Query& query, std::vector<Index>& last_batch) {
     last_batch.assign(static_cast<std::size_t>(query.features()), -1);
     const auto& csr = query.csr();
@@ -242,13 +251,12 @@ class SparseDenseMHA
     const Index T = inputs.steps, Dk = dims.key_dim;
     const Scalar scale = this->score_scale();
     const auto& weights = this->weights_;
-    const ScoreStrategy strategy =
-        resolve_strategy(options.score_strategy, query, inputs.key_steps, options.use_causal_mask,
-                         buffers.feature_batch);
+    const StrategyChoice choice = choose_strategy(options.score_strategy, query, inputs.key_steps,
+                                                  options.use_causal_mask, buffers.feature_batch);
 
-    if (strategy == ScoreStrategy::sparse_regrouped) {
+    if (choice.strategy == ScoreStrategy::sparse_regrouped) {
       // The regrouped form works on a batch entry's rows at once: M_bh is shared by all of them.
-      const Index feature_capacity = distinct_features_per_batch(query, buffers.feature_batch).largest;
+      const Index feature_capacity = choice.features.largest;
       this->attend(inputs, context, options, T,
                           [&](Index b, Index h, Index, const ConstMatrixRef<Scalar>& key_bh,
                               const BatchMask& mask, MatrixRef<Scalar> scores) {

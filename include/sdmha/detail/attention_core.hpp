@@ -9,6 +9,7 @@
 
 #include "sdmha/config.hpp"
 #include "sdmha/detail/dropout.hpp"
+#include "sdmha/detail/finite.hpp"
 #include "sdmha/detail/parallel.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/mask.hpp"
@@ -212,7 +213,8 @@ class AttentionCore {
     value_is_finite.assign(static_cast<std::size_t>(B * H), 0);
     if (S > 0)
       parallel_for(B * H, threads, [&](Index item, int) {
-        value_is_finite[std::size_t(item)] = values.block((item / H) * S, (item % H) * Dv, S, Dv).allFinite();
+        value_is_finite[std::size_t(item)] =
+            all_finite<Scalar>(values.block((item / H) * S, (item % H) * Dv, S, Dv));
       }, pool);
     const Index tiles = query_tile > 0 ? (T + query_tile - 1) / query_tile : 0;
     // Per worker: the scores of the tile in flight, and the probabilities after dropout when the

@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "sdmha/config.hpp"
+#include "sdmha/detail/finite.hpp"
 #include "sdmha/detail/gemm.hpp"
 #include "sdmha/errors.hpp"
 
@@ -40,7 +41,8 @@ struct AttendValues {
   // query reach that query's output. Such rows are rare, so: one GEMM when V_h is finite, and a
   // product that skips zero probabilities when it is not.
   void operator()(const Arguments& args) const {
-    if (args.value_is_finite.has_value() ? *args.value_is_finite : args.value.allFinite()) {
+    if (args.value_is_finite.has_value() ? *args.value_is_finite
+                                         : detail::all_finite<Scalar>(args.value)) {
       detail::gemm<Scalar>(detail::as_operand<Scalar>(args.probabilities),
                            detail::as_operand<Scalar>(args.value), args.output, Scalar(1), false);
       return;
