@@ -12,8 +12,11 @@
 //
 // Nothing is saved from the forward: the backward recomputes Q, K and V (or takes K and V from
 // the ProjectedContext the forward ran against) and, tile by tile, the probabilities, with the
-// forward's stages, tiles and dropout mask. The (b, h) loop keeps one tile of scores per worker,
-// never the whole (B, H, T, S) tensor.
+// forward's stages and dropout mask (a function of the coordinates, so of no tiling). The (b, h)
+// loop keeps one tile of scores per worker, never the whole (B, H, T, S) tensor; its tiles are
+// the forward's under a causal mask or the regrouped kernel, and otherwise as many query rows as
+// keep three tile × S matrices in L2 (backward_query_tile). Every product is a detail::gemm, on
+// one ThreadPool for the whole call.
 #pragma once
 
 #include <algorithm>
