@@ -110,6 +110,8 @@ class Problem {
   // case's checked call starts from fresh ones, so that its peak heap includes them).
   sdmha::Workspace<float> sparse_workspace, regrouped_workspace, dense_workspace;
   sdmha::AttentionResult<float> forward_result;
+  // The backward cases keep theirs the same way, as a training loop would.
+  sdmha::Workspace<float> backward_workspace;
   sdmha::MhaGradients<float> gradients;
   sdmha::ProjectedContext<float> saved_context;  // K and V as a training forward keeps them
 
@@ -403,18 +405,26 @@ std::vector<Case> make_cases(Problem& p, int threads) {
     const Matrix expected = as_matrix(p.d_output).colwise().sum();
     return compare("backward output bias gradient", g.output_bias.transpose(), expected);
   };
-  cases.push_back({"backward", "sparse", 0, csr, 0, 0, nullptr,
+  auto fresh_backward = [&p] {
+    p.backward_workspace = sdmha::Workspace<float>();
+    p.gradients = sdmha::MhaGradients<float>();
+  };
+  cases.push_back({"backward", "sparse", 0, csr, 0, 0, fresh_backward,
                    [&p, o = options(sdmha::ScoreStrategy::automatic)] {
-                     p.gradients = p.sparse_layer.backward(p.query, p.key, p.value, p.d_output, o);
+                     p.sparse_layer.backward(p.query, p.key, p.value, p.d_output, o, p.backward_workspace,
+                                             p.gradients);
                    },
                    check_backward});
   // The same reusing the K and V that the training step's forward projected (its
   // ProjectedContext), as a training loop does: the backward then skips their recomputation.
   cases.push_back({"backward", "sparse_saved_context", 0, csr, 0, 0,
-                   [&p, threads] { p.saved_context = p.sparse_layer.project_context(p.key, p.value, threads); },
+                   [&p, threads, fresh_backward] {
+                     p.saved_context = p.sparse_layer.project_context(p.key, p.value, threads);
+                     fresh_backward();
+                   },
                    [&p, o = options(sdmha::ScoreStrategy::automatic)] {
-                     p.gradients =
-                         p.sparse_layer.backward(p.query, p.key, p.value, p.saved_context, p.d_output, o);
+                     p.sparse_layer.backward(p.query, p.key, p.value, p.saved_context, p.d_output, o,
+                                             p.backward_workspace, p.gradients);
                    },
                    check_backward});
 
@@ -873,11 +883,10 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
          "query's own bytes (CSR: values, column indices, row offsets); allocs/call = heap blocks "
          "one\n"
          "more sparse forward call takes after the timed ones (the steady state); backward =\n"
-         "SparseDenseMHA::backward (automatic strategy; it recomputes the forward, K and V "
-         "included),\n"
-         "bwd ctx = the same given the ProjectedContext that the training step's forward made "
-         "(only Q, P\n"
-         "and A are recomputed); bwd/fwd and ctx/fwd = those / sparse.\n";
+         "SparseDenseMHA::backward with a Workspace and MhaGradients kept (automatic strategy;\n"
+         "it recomputes the forward, K and V included); bwd ctx = the same given the\n"
+         "ProjectedContext that the training step's forward made (only Q, P and A are\n"
+         "recomputed); bwd/fwd and ctx/fwd = those / sparse.\n";
 
   out << "\nstages alone, ms (GFLOP/s), split over threads as the layer splits them:\n";
   const char* stage_header =

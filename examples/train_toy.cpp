@@ -1,4 +1,4 @@
-// train_toy.cpp — training the layer from scratch: sdmha::mha_backward and a few lines of Adam.
+// train_toy.cpp — training the layer from scratch: SparseDenseMHA::backward and a few lines of Adam.
 //
 // The task is retrieval. Each example holds 8 slots; a slot's key is an object described by two
 // attributes, a colour and a shape (two-hot over 8 + 8 features, the pairs distinct within an
@@ -148,16 +148,23 @@ int main() {
   constexpr int kSteps = 400;
   constexpr Index kBatch = 32;
   double running_loss = 0.0;
+  // Kept across steps: after the first one, forward and backward take no working memory from the
+  // heap and start no threads.
+  sdmha::Workspace<float> workspace;
+  sdmha::AttentionResult<float> forward_result;
+  sdmha::MhaGradients<float> gradients;
   for (int step = 1; step <= kSteps; ++step) {
     const Batch batch = make_batch(kBatch, generator);
     // The layer holds its weights; a small one is cheap to rebuild from the updated weights.
     const sdmha::SparseDenseMHA<float> layer(config, weights);
-    const auto logits = layer.forward(batch.query, batch.key, batch.value, options).output;
+    // K and V are projected once, for the forward and the backward both.
+    const auto context = layer.project_context(batch.key, batch.value, options.num_threads);
+    layer.forward(batch.query, context, options, workspace, forward_result);
     Tensor3 d_logits;
     Index correct = 0;
-    running_loss += cross_entropy(logits, batch.answers, correct, &d_logits);
-    const auto gradients =
-        sdmha::mha_backward(layer, batch.query, batch.key, batch.value, d_logits, options);
+    running_loss += cross_entropy(forward_result.output, batch.answers, correct, &d_logits);
+    layer.backward(batch.query, batch.key, batch.value, context, d_logits, options, workspace,
+                   gradients);
     ++adam.step;
     adam.update(0, weights.query_kernel, gradients.query_kernel);
     adam.update(1, weights.query_bias, gradients.query_bias);

@@ -441,6 +441,76 @@ TYPED_TEST(BackwardTest, ReusingTheProjectedContextGivesTheSameGradients) {
       sdmha::ShapeError, "context has batch 2, key_steps 6, keys 12 x 8");
 }
 
+// One Workspace and one MhaGradients kept across calls of different shapes (growing, then
+// shrinking), both forms, masks and dropout: every call gives the bits of a fresh backward.
+TYPED_TEST(BackwardTest, AKeptWorkspaceAndGradientsGiveTheBitsOfAFreshCall) {
+  Shape small;
+  small.steps = 7;
+  small.key_steps = 5;
+  small.random_mask = true;
+  Shape large;
+  large.batch = 3;
+  large.steps = 80;
+  large.key_steps = 70;
+  large.query_dim = 40;
+  large.heads = 3;
+  large.key_dim = 9;
+  large.value_dim = 5;
+  large.causal = true;
+  large.key_padding = true;
+  large.duplicates = true;
+  large.empty_rows = true;
+  sdmha::Workspace<TypeParam> workspace;
+  sdmha::MhaGradients<TypeParam> kept;
+  int call = 0;
+  for (const Shape& shape : {small, large, small, large}) {
+    auto c = make_case<TypeParam>(shape, 70 + call);
+    const auto d_output = random_d_output(c, 80 + call);
+    const Layer<TypeParam> layer(c.config, c.weights);
+    const auto query = c.query();
+    const auto context = layer.project_context(c.key, c.value);
+    auto options = c.options;
+    options.num_threads = 2;
+    options.training = call % 2 == 1;
+    options.dropout_rate = 0.25;
+    options.dropout_seed = 5;
+    SCOPED_TRACE("call " + std::to_string(call));
+    layer.backward(query, c.key, c.value, d_output, options, workspace, kept);
+    EXPECT_TRUE(same_bits(c, layer.backward(query, c.key, c.value, d_output, options), kept));
+    layer.backward(query, c.key, c.value, context, d_output, options, workspace, kept);
+    EXPECT_TRUE(same_bits(c, layer.backward(query, c.key, c.value, context, d_output, options), kept));
+    ++call;
+  }
+  EXPECT_GT(workspace.bytes(), 0u);
+  EXPECT_EQ(workspace.threads(), 1);
+}
+
+TYPED_TEST(BackwardTest, AWorkspaceInUseOrBadInputLeavesTheGradientsUntouched) {
+  Shape s;
+  auto c = make_case<TypeParam>(s, 90);
+  const auto d_output = random_d_output(c, 91);
+  const Layer<TypeParam> layer(c.config, c.weights);
+  const auto query = c.query();
+  sdmha::Workspace<TypeParam> workspace;
+  sdmha::MhaGradients<TypeParam> gradients;
+  {
+    const typename sdmha::Workspace<TypeParam>::Lease held(workspace, "another call");
+    SDMHA_EXPECT_THROW_WITH(
+        layer.backward(query, c.key, c.value, d_output, c.options, workspace, gradients),
+        sdmha::ConfigError, "mha_backward: workspace is in use by another call");
+  }
+  Tensor3<TypeParam> short_d_output(c.problem.batch, c.problem.steps, 1);
+  short_d_output.setZero();
+  SDMHA_EXPECT_THROW_WITH(
+      layer.backward(query, c.key, c.value, short_d_output, c.options, workspace, gradients),
+      sdmha::ShapeError, "d_output is (");
+  EXPECT_EQ(gradients.query_kernel.size(), 0);
+  EXPECT_EQ(gradients.key.size(), 0);
+  EXPECT_EQ(workspace.bytes(), 0u);
+  layer.backward(query, c.key, c.value, d_output, c.options, workspace, gradients);  // free again
+  EXPECT_TRUE(same_bits(c, layer.backward(query, c.key, c.value, d_output, c.options), gradients));
+}
+
 TYPED_TEST(BackwardTest, DropoutRateZeroEqualsNoDropout) {
   Shape s;
   s.random_mask = true;

@@ -43,6 +43,7 @@
 #include "sdmha/stages/query_values_gradient.hpp"
 #include "sdmha/stages/score_kernel.hpp"
 #include "sdmha/weights.hpp"
+#include "sdmha/workspace.hpp"
 
 namespace sdmha {
 namespace detail::gradient {
@@ -109,35 +110,44 @@ void transposed_product_tiles(const ConstMatrixRef<Scalar>& input,
 // Without rows (B = 0, T = 0 or S = 0) dW is 0, and no tile is taken: the input's data is null
 // then, and a column block at a non-zero offset would be arithmetic on a null pointer.
 template <typename Scalar>
-RowMatrix<Scalar> kernel_gradient(const ConstMatrixRef<Scalar>& input,
-                                  const ConstMatrixRef<Scalar>& d_output, int threads,
-                                  ThreadPool& pool) {
-  if (input.rows() == 0) return RowMatrix<Scalar>::Zero(input.cols(), d_output.cols());
-  RowMatrix<Scalar> d_weight(input.cols(), d_output.cols());
+void kernel_gradient(const ConstMatrixRef<Scalar>& input, const ConstMatrixRef<Scalar>& d_output,
+                     int threads, ThreadPool& pool, BackwardBuffers<Scalar>& scratch,
+                     RowMatrix<Scalar>& d_weight) {
+  d_weight.resize(input.cols(), d_output.cols());
+  if (input.rows() == 0) {
+    d_weight.setZero();
+    return;
+  }
   if (all_finite<Scalar>(input)) {
     transposed_product_tiles<Scalar>(input, d_output, d_weight, threads, pool);
-    return d_weight;
+    return;
   }
-  std::vector<Index> rows;
+  std::vector<Index>& rows = scratch.gathered_rows;
+  rows.clear();
   for (Index row = 0; row < input.rows(); ++row)
     if ((d_output.row(row).array() != Scalar(0)).any()) rows.push_back(row);
-  RowMatrix<Scalar> gathered_input(Index(rows.size()), input.cols());
-  RowMatrix<Scalar> gathered_output(Index(rows.size()), d_output.cols());
+  scratch.gathered_input.resize(Index(rows.size()), input.cols());
+  scratch.gathered_output.resize(Index(rows.size()), d_output.cols());
   for (std::size_t i = 0; i < rows.size(); ++i) {
-    gathered_input.row(Index(i)) = input.row(rows[i]);
-    gathered_output.row(Index(i)) = d_output.row(rows[i]);
+    scratch.gathered_input.row(Index(i)) = input.row(rows[i]);
+    scratch.gathered_output.row(Index(i)) = d_output.row(rows[i]);
   }
-  transposed_product_tiles<Scalar>(gathered_input, gathered_output, d_weight, threads, pool);
-  return d_weight;
+  transposed_product_tiles<Scalar>(scratch.gathered_input, scratch.gathered_output, d_weight,
+                                   threads, pool);
 }
 
 // dbias = 1ᵀ·dY; 0 without rows, where Eigen's column sums would take blocks at non-zero offsets
 // of dY's null data.
 template <typename Scalar, typename Matrix>
-Vector<Scalar> bias_gradient(bool use_bias, const Matrix& d_output) {
-  if (!use_bias) return Vector<Scalar>();
-  if (d_output.rows() == 0) return Vector<Scalar>::Zero(d_output.cols());
-  return d_output.colwise().sum().transpose();
+void bias_gradient(bool use_bias, const Matrix& d_output, Vector<Scalar>& d_bias) {
+  if (!use_bias) {
+    d_bias.resize(0);
+  } else if (d_output.rows() == 0) {
+    d_bias.setZero(d_output.cols());
+  } else {
+    d_bias.resize(d_output.cols());
+    d_bias.noalias() = d_output.colwise().sum().transpose();
+  }
 }
 
 // out = alpha · weights · rows, where a zero weight never meets its row: a row of K that every
@@ -203,12 +213,13 @@ Inputs<Scalar> check_backward(const char* where, const Layer& layer,
   return inputs;
 }
 
-// The backward on validated inputs, K = `keys` and V = `values` being the key and value projected.
+// The backward on validated inputs into `gradients`, K = `keys` and V = `values` being the key
+// and value projected, working in `buffers` (a Workspace's) and on its pool.
 template <typename Layer, typename Scalar = typename Layer::ScalarType>
-MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& query,
-                              const Inputs<Scalar>& inputs, const RowMatrix<Scalar>& keys,
-                              const RowMatrix<Scalar>& values, const TensorRef3<Scalar>& d_output,
-                              const AttentionOptions<Scalar>& options) {
+void backward(const Layer& layer, const typename Layer::Query& query, const Inputs<Scalar>& inputs,
+              const RowMatrix<Scalar>& keys, const RowMatrix<Scalar>& values,
+              const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options,
+              CallBuffers<Scalar>& buffers, MhaGradients<Scalar>& gradients) {
   using StorageIndex = typename Layer::StorageIndex;
   const MhaConfig& config = layer.config();
   const MhaWeights<Scalar>& weights = layer.weights();
@@ -219,17 +230,19 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
   const Scalar scale = Scalar(1.0 / std::sqrt(double(Dk)));
   const auto& csr = query.csr();
 
-  // One set of workers for every parallel step below: their thread-local GEMM packing buffers
-  // stay warm from one step to the next.
-  ThreadPool pool;
+  // The workspace's workers run every parallel step below: their thread-local GEMM packing
+  // buffers stay warm from one step, and one call, to the next.
+  ThreadPool& pool = buffers.pool;
+  BackwardBuffers<Scalar>& scratch = buffers.backward;
 
   // The forward's query projection, recomputed whatever the score strategy: dK needs Q.
-  RowMatrix<Scalar> queries;
+  RowMatrix<Scalar>& queries = scratch.queries;
   layer.project_query(query, threads, &pool, queries);
 
   // dA = dY·Woᵀ does not depend on the attention, so it is ready before the (b, h) loop.
   const auto d_output_matrix = d_output.as_matrix();
-  RowMatrix<Scalar> d_heads(B * T, H * Dv);
+  RowMatrix<Scalar>& d_heads = scratch.d_heads;
+  d_heads.resize(B * T, H * Dv);
   parallel_for(row_block_count(B * T), threads, [&](Index block, int) {
     const Index first = block * kProjectionRowBlock;
     const Index count = std::min(kProjectionRowBlock, B * T - first);
@@ -240,21 +253,30 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
 
   // One work item per (b, h): it owns the (b, h) blocks of A, dQ, dK and dV, and sums dK_bh and
   // dV_bh over its query tiles in tile order, so no sum depends on the thread count.
-  RowMatrix<Scalar> heads(B * T, H * Dv), d_queries(B * T, H * Dk);
-  RowMatrix<Scalar> d_keys = RowMatrix<Scalar>::Zero(B * S, H * Dk);
-  RowMatrix<Scalar> d_values = RowMatrix<Scalar>::Zero(B * S, H * Dv);
-  const bool regrouped =
-      layer.resolve_strategy(options.score_strategy, query, S, options.use_causal_mask) ==
-      ScoreStrategy::sparse_regrouped;
+  RowMatrix<Scalar>& heads = scratch.heads;
+  RowMatrix<Scalar>& d_queries = scratch.d_queries;
+  RowMatrix<Scalar>& d_keys = scratch.d_keys;
+  RowMatrix<Scalar>& d_values = scratch.d_values;
+  heads.resize(B * T, H * Dv);
+  d_queries.resize(B * T, H * Dk);
+  d_keys.setZero(B * S, H * Dk);
+  d_values.setZero(B * S, H * Dv);
+  const bool regrouped = layer.resolve_strategy(options.score_strategy, query, S,
+                                                options.use_causal_mask, buffers.feature_batch) ==
+                         ScoreStrategy::sparse_regrouped;
   const Index query_tile = backward_query_tile(regrouped, options.use_causal_mask, T, S);
   const Index tiles = query_tile > 0 ? (T + query_tile - 1) / query_tile : 0;
   const DropoutMask dropout =
       options.training ? DropoutMask(options.dropout_rate, options.dropout_seed) : DropoutMask();
   const Vector<Scalar> no_bias;
-  const auto workers = static_cast<std::size_t>(worker_count(B * H, threads));
+  const int workers = worker_count(B * H, threads);
   // Per worker: P, P' (when dropout is on) and dP → dS of the tile in flight.
-  std::vector<RowMatrix<Scalar>> probabilities_scratch(workers), dropped_scratch(workers),
-      d_scores_scratch(workers);
+  auto& probabilities_scratch = scratch.tile_probabilities;
+  auto& dropped_scratch = scratch.tile_dropped;
+  auto& d_scores_scratch = scratch.tile_d_scores;
+  CallBuffers<Scalar>::ensure_workers(probabilities_scratch, workers);
+  CallBuffers<Scalar>::ensure_workers(dropped_scratch, workers);
+  CallBuffers<Scalar>::ensure_workers(d_scores_scratch, workers);
   const ScoreKernel<Scalar, StorageIndex> score_kernel;
   const MaskedSoftmax<Scalar> softmax;
   const AttendValues<Scalar> attend_values;
@@ -269,8 +291,8 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
   parallel_for(attention_items, threads, [&](Index item, int worker) {
     const Index b = item / H, h = item % H;
     using ScratchMap = Eigen::Map<RowMatrix<Scalar>>;
-    auto scratch = [&](std::vector<RowMatrix<Scalar>>& buffers, Index rows, Index columns) {
-      RowMatrix<Scalar>& buffer = buffers[std::size_t(worker)];
+    auto tile_scratch = [&](std::vector<RowMatrix<Scalar>>& per_worker, Index rows, Index columns) {
+      RowMatrix<Scalar>& buffer = per_worker[std::size_t(worker)];
       if (buffer.size() < rows * columns) buffer.resize(std::min(query_tile, T), S);
       return ScratchMap(buffer.data(), rows, columns);
     };
@@ -299,7 +321,7 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
       if (options.key_padding_mask.size() != 0)
         mask.key_padding = options.key_padding_mask.data() + b * S;
 
-      ScratchMap probabilities = scratch(probabilities_scratch, rows, key_end);
+      ScratchMap probabilities = tile_scratch(probabilities_scratch, rows, key_end);
       if (regrouped) {
         const ConstVectorRef<Scalar> query_bias_h =
             weights.query_bias.size() != 0
@@ -321,7 +343,7 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
       softmax(softmax_args);
 
       ScratchMap dropped =
-          dropout.active() ? scratch(dropped_scratch, rows, key_end) : probabilities;
+          dropout.active() ? tile_scratch(dropped_scratch, rows, key_end) : probabilities;
       if (dropout.active()) {
         dropped = probabilities;
         dropout.apply(dropped, b, h, first_step, 0);
@@ -332,7 +354,7 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
       attend_values(values_args);
 
       // dP' = dA·Vᵀ, then dP = dP' ⊙ dropout's scale mask (dropped entries set to 0, not scaled).
-      ScratchMap d_scores = scratch(d_scores_scratch, rows, key_end);
+      ScratchMap d_scores = tile_scratch(d_scores_scratch, rows, key_end);
       gemm<Scalar>(as_operand<Scalar>(d_heads_tile), transposed<Scalar>(value_bh), d_scores, Scalar(1),
                    false);
       dropout.apply(d_scores, b, h, first_step, 0);
@@ -359,12 +381,11 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
     }
   }, &pool);
 
-  MhaGradients<Scalar> gradients;
   const bool use_bias = config.use_bias;
 
   // Output projection.
-  gradients.output_kernel = kernel_gradient<Scalar>(heads, d_output_matrix, threads, pool);
-  gradients.output_bias = bias_gradient<Scalar>(use_bias, d_output_matrix);
+  kernel_gradient<Scalar>(heads, d_output_matrix, threads, pool, scratch, gradients.output_kernel);
+  bias_gradient<Scalar>(use_bias, d_output_matrix, gradients.output_bias);
 
   // Query projection: dWq = Xᵀ·dQ in fixed column panels, dX sampled at X's pattern in row blocks.
   gradients.query_kernel.resize(dims.query_dim, H * Dk);
@@ -378,16 +399,21 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
     QueryKernelGradient<Scalar, StorageIndex>::can_implement(args);
     QueryKernelGradient<Scalar, StorageIndex>()(args);
   }, &pool);
-  gradients.query_bias = bias_gradient<Scalar>(use_bias, d_queries);
+  bias_gradient<Scalar>(use_bias, d_queries, gradients.query_bias);
   const Index blocks = row_block_count(csr.rows);
-  std::vector<Index> block_start(std::size_t(blocks) + 1, 0);
+  std::vector<Index>& block_start = scratch.block_start;
+  block_start.assign(std::size_t(blocks) + 1, 0);
   for (Index block = 0; block < blocks; ++block) {
     const Index first = block * kProjectionRowBlock;
     block_start[std::size_t(block) + 1] =
         block_start[std::size_t(block)] +
         csr.middle_rows(first, std::min(kProjectionRowBlock, csr.rows - first)).nonzeros();
   }
-  Vector<Scalar> d_stored(block_start.back());
+  // dX in CSR order: straight into the result, or into scratch when from_coo's entries map onto
+  // the stored values.
+  const auto& coo_to_stored = query.coo_to_stored();
+  Vector<Scalar>& d_stored = coo_to_stored.empty() ? gradients.query_values : scratch.d_stored;
+  d_stored.resize(block_start.back());
   parallel_for(blocks, threads, [&](Index block, int) {
     const Index first = block * kProjectionRowBlock;
     const Index count = std::min(kProjectionRowBlock, csr.rows - first);
@@ -398,41 +424,77 @@ MhaGradients<Scalar> backward(const Layer& layer, const typename Layer::Query& q
     QueryValuesGradient<Scalar, StorageIndex>::can_implement(args);
     QueryValuesGradient<Scalar, StorageIndex>()(args);
   }, &pool);
-  const auto& coo_to_stored = query.coo_to_stored();
-  if (coo_to_stored.empty()) {
-    gradients.query_values = std::move(d_stored);
-  } else {
+  if (!coo_to_stored.empty()) {
     gradients.query_values.resize(Index(coo_to_stored.size()));
     for (std::size_t entry = 0; entry < coo_to_stored.size(); ++entry)
       gradients.query_values[Index(entry)] = d_stored[Index(coo_to_stored[entry])];
   }
 
   // Key and value projections.
-  gradients.key_kernel = kernel_gradient<Scalar>(inputs.key, d_keys, threads, pool);
-  gradients.key_bias = bias_gradient<Scalar>(use_bias, d_keys);
+  kernel_gradient<Scalar>(inputs.key, d_keys, threads, pool, scratch, gradients.key_kernel);
+  bias_gradient<Scalar>(use_bias, d_keys, gradients.key_bias);
   gradients.key.resize(B, S, dims.key_in_dim);
   input_gradient(d_keys, weights.key_kernel,
                  Eigen::Map<RowMatrix<Scalar>>(gradients.key.data(), B * S, dims.key_in_dim),
                  threads, pool);
-  gradients.value_kernel = kernel_gradient<Scalar>(inputs.value, d_values, threads, pool);
-  gradients.value_bias = bias_gradient<Scalar>(use_bias, d_values);
+  kernel_gradient<Scalar>(inputs.value, d_values, threads, pool, scratch, gradients.value_kernel);
+  bias_gradient<Scalar>(use_bias, d_values, gradients.value_bias);
   gradients.value.resize(B, S, dims.value_in_dim);
   input_gradient(d_values, weights.value_kernel,
                  Eigen::Map<RowMatrix<Scalar>>(gradients.value.data(), B * S, dims.value_in_dim),
                  threads, pool);
-  return gradients;
+}
+
+// A saved context must be project_context(key, value)'s for these key and value.
+template <typename Layer, typename Scalar = typename Layer::ScalarType>
+void check_saved_context(const char* where, const Layer& layer, const Inputs<Scalar>& inputs,
+                         const ProjectedContext<Scalar>& context) {
+  const LayerDims& dims = layer.dims();
+  const Index rows = inputs.batch * inputs.key_steps;
+  if (context.batch != inputs.batch || context.key_steps != inputs.key_steps ||
+      context.keys.rows() != rows || context.keys.cols() != dims.projected_key_width() ||
+      context.values.rows() != rows || context.values.cols() != dims.projected_value_width())
+    fail<ShapeError>(
+        where, "context has batch ", context.batch, ", key_steps ", context.key_steps, ", keys ",
+        context.keys.rows(), " x ", context.keys.cols(), ", values ", context.values.rows(), " x ",
+        context.values.cols(), "; expected those of project_context(key, value): batch ",
+        inputs.batch, ", key_steps ", inputs.key_steps, ", keys ", rows, " x ",
+        dims.projected_key_width(), ", values ", rows, " x ", dims.projected_value_width());
 }
 
 }  // namespace detail::gradient
 
 // The gradients of loss(Y) for Y = layer.forward(query, key, value, options), given d_output =
-// ∂loss/∂Y (B, T, O). Honours every mask, the score strategy, dropout (training, dropout_rate,
-// dropout_seed: the forward's mask for the same seed) and num_threads; the result is bitwise the
-// same for any thread count. Blocked (t, s) pairs pass no gradient, fully blocked query rows get
-// exactly zero, and NaN or Inf in key or value rows that no query attends never reach a gradient.
-// Throws what forward throws for bad input, and ShapeError when d_output is not (B, T, O).
-// Cost: the flops of about 2.5–3 forwards (2–2.5 with a context): the attention is recomputed and
-// each of its products and projections has two gradient products.
+// ∂loss/∂Y (B, T, O), into `gradients` (resized; reallocated only when a shape grows), working in
+// `workspace`: called again with the same shapes, it allocates nothing and starts no threads.
+// Honours every mask, the score strategy, dropout (training, dropout_rate, dropout_seed: the
+// forward's mask for the same seed) and num_threads; the result is bitwise the same for any
+// thread count. Blocked (t, s) pairs pass no gradient, fully blocked query rows get exactly zero,
+// and NaN or Inf in key or value rows that no query attends never reach a gradient.
+// Throws what forward throws for bad input (a workspace in use included), and ShapeError when
+// d_output is not (B, T, O); `gradients` is untouched then.
+// Cost: the flops of about 2.7 forwards (2.2 with a context, below): the attention is recomputed
+// and each of its products and projections has two gradient products.
+template <typename Layer>
+void mha_backward(const Layer& layer, const typename Layer::Query& query,
+                  const TensorRef3<typename Layer::ScalarType>& key,
+                  const TensorRef3<typename Layer::ScalarType>& value,
+                  const TensorRef3<typename Layer::ScalarType>& d_output,
+                  const AttentionOptions<typename Layer::ScalarType>& options,
+                  Workspace<typename Layer::ScalarType>& workspace,
+                  MhaGradients<typename Layer::ScalarType>& gradients) {
+  namespace grad = detail::gradient;
+  constexpr const char* where = "mha_backward";
+  const auto inputs = grad::check_backward(where, layer, query, key, value, d_output, options);
+  const typename Workspace<typename Layer::ScalarType>::Lease lease(workspace, where);
+  auto& buffers = lease.buffers();
+  layer.project_checked(key, value, inputs.threads, &buffers.pool, buffers.context);
+  grad::backward(layer, query, inputs, buffers.context.keys, buffers.context.values, d_output,
+                 options, buffers, gradients);
+}
+
+// The same, returning the gradients, with a workspace of its own (allocates and starts its
+// threads on every call).
 template <typename Layer>
 MhaGradients<typename Layer::ScalarType> mha_backward(
     const Layer& layer, const typename Layer::Query& query,
@@ -440,17 +502,34 @@ MhaGradients<typename Layer::ScalarType> mha_backward(
     const TensorRef3<typename Layer::ScalarType>& value,
     const TensorRef3<typename Layer::ScalarType>& d_output,
     const AttentionOptions<typename Layer::ScalarType>& options = {}) {
-  namespace grad = detail::gradient;
-  const auto inputs =
-      grad::check_backward("mha_backward", layer, query, key, value, d_output, options);
-  const auto context = layer.project_context(key, value, inputs.threads);
-  return grad::backward(layer, query, inputs, context.keys, context.values, d_output, options);
+  Workspace<typename Layer::ScalarType> workspace;
+  MhaGradients<typename Layer::ScalarType> gradients;
+  mha_backward(layer, query, key, value, d_output, options, workspace, gradients);
+  return gradients;
 }
 
 // The same, reusing K and V from `context = layer.project_context(key, value)` (the context the
 // forward ran against) instead of projecting key and value again. key and value are still needed:
 // the kernels' gradients are keyᵀ·dK and valueᵀ·dV. ShapeError when the context's sizes are not
 // those of key and value.
+template <typename Layer>
+void mha_backward(const Layer& layer, const typename Layer::Query& query,
+                  const TensorRef3<typename Layer::ScalarType>& key,
+                  const TensorRef3<typename Layer::ScalarType>& value,
+                  const ProjectedContext<typename Layer::ScalarType>& context,
+                  const TensorRef3<typename Layer::ScalarType>& d_output,
+                  const AttentionOptions<typename Layer::ScalarType>& options,
+                  Workspace<typename Layer::ScalarType>& workspace,
+                  MhaGradients<typename Layer::ScalarType>& gradients) {
+  namespace grad = detail::gradient;
+  constexpr const char* where = "mha_backward";
+  const auto inputs = grad::check_backward(where, layer, query, key, value, d_output, options);
+  grad::check_saved_context(where, layer, inputs, context);
+  const typename Workspace<typename Layer::ScalarType>::Lease lease(workspace, where);
+  grad::backward(layer, query, inputs, context.keys, context.values, d_output, options,
+                 lease.buffers(), gradients);
+}
+
 template <typename Layer>
 MhaGradients<typename Layer::ScalarType> mha_backward(
     const Layer& layer, const typename Layer::Query& query,
@@ -459,21 +538,10 @@ MhaGradients<typename Layer::ScalarType> mha_backward(
     const ProjectedContext<typename Layer::ScalarType>& context,
     const TensorRef3<typename Layer::ScalarType>& d_output,
     const AttentionOptions<typename Layer::ScalarType>& options = {}) {
-  namespace grad = detail::gradient;
-  constexpr const char* where = "mha_backward";
-  const auto inputs = grad::check_backward(where, layer, query, key, value, d_output, options);
-  const LayerDims& dims = layer.dims();
-  const Index rows = inputs.batch * inputs.key_steps;
-  if (context.batch != inputs.batch || context.key_steps != inputs.key_steps ||
-      context.keys.rows() != rows || context.keys.cols() != dims.projected_key_width() ||
-      context.values.rows() != rows || context.values.cols() != dims.projected_value_width())
-    detail::fail<ShapeError>(
-        where, "context has batch ", context.batch, ", key_steps ", context.key_steps, ", keys ",
-        context.keys.rows(), " x ", context.keys.cols(), ", values ", context.values.rows(), " x ",
-        context.values.cols(), "; expected those of project_context(key, value): batch ",
-        inputs.batch, ", key_steps ", inputs.key_steps, ", keys ", rows, " x ",
-        dims.projected_key_width(), ", values ", rows, " x ", dims.projected_value_width());
-  return grad::backward(layer, query, inputs, context.keys, context.values, d_output, options);
+  Workspace<typename Layer::ScalarType> workspace;
+  MhaGradients<typename Layer::ScalarType> gradients;
+  mha_backward(layer, query, key, value, context, d_output, options, workspace, gradients);
+  return gradients;
 }
 
 }  // namespace sdmha

@@ -132,8 +132,13 @@ class SparseDenseMHA
   // dense operand per stored value instead of reusing registers and cache as a GEMM does.
   ScoreStrategy resolve_strategy(ScoreStrategy requested, const Query& query, Index key_steps,
                                  bool causal) const {
-    if (requested != ScoreStrategy::automatic) return requested;
     std::vector<Index> scratch;
+    return resolve_strategy(requested, query, key_steps, causal, scratch);
+  }
+  // The same with the cost model's scratch (Eq entries) supplied.
+  ScoreStrategy resolve_strategy(ScoreStrategy requested, const Query& query, Index key_steps,
+                                 bool causal, std::vector<Index>& scratch) const {
+    if (requested != ScoreStrategy::automatic) return requested;
     return choose_strategy(requested, query, key_steps, causal, scratch).strategy;
   }
 
@@ -151,6 +156,19 @@ class SparseDenseMHA
                                 const TensorRef3<Scalar>& d_output,
                                 const AttentionOptions<Scalar>& options = {}) const {
     return mha_backward(*this, query, key, value, context, d_output, options);
+  }
+  // Both forms into `gradients`, working in `workspace`: a training loop that keeps them
+  // allocates nothing and starts no threads after its first step.
+  void backward(const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
+                const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options,
+                Workspace<Scalar>& workspace, MhaGradients<Scalar>& gradients) const {
+    mha_backward(*this, query, key, value, d_output, options, workspace, gradients);
+  }
+  void backward(const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
+                const ProjectedContext<Scalar>& context, const TensorRef3<Scalar>& d_output,
+                const AttentionOptions<Scalar>& options, Workspace<Scalar>& workspace,
+                MhaGradients<Scalar>& gradients) const {
+    mha_backward(*this, query, key, value, context, d_output, options, workspace, gradients);
   }
 
   void check_query(const char* where, const Query& query) const {

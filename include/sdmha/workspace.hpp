@@ -1,5 +1,5 @@
-// sdmha/workspace.hpp — Workspace: the memory and the worker threads of forward calls, kept
-// between calls so that a repeated call with the same shapes allocates nothing.
+// sdmha/workspace.hpp — Workspace: the memory and the worker threads of forward and backward
+// calls, kept between calls so that a repeated call with the same shapes allocates nothing.
 //
 // A forward call needs K and V (B·S × H·Dk, B·S × H·Dv), the projected query (B·T × H·Dk), the
 // concatenated heads (B·T × H·Dv), one query tile × S score block per worker, and threads. Without
@@ -11,6 +11,10 @@
 //   sdmha::Workspace<float> workspace;            // one per calling thread
 //   sdmha::AttentionResult<float> result;         // reused too: its tensors keep their memory
 //   for (auto& batch : batches) layer.forward(batch.query, key, value, options, workspace, result);
+//
+// backward (sdmha/backward.hpp) takes a workspace the same way, with an MhaGradients to fill:
+//
+//   layer.backward(query, key, value, context, d_output, options, workspace, gradients);
 //
 // One workspace serves one call at a time: using it from two threads at once throws ConfigError
 // (give each calling thread its own). Buffers grow to the largest shapes seen and are freed with
@@ -31,6 +35,30 @@ namespace sdmha {
 
 namespace detail {
 
+// What one backward call works in besides CallBuffers' context, pool and strategy scratch: Q,
+// dA = dY·Woᵀ, the heads A, dQ, dK, dV, per-worker tile scratch, and the gathers of the
+// non-finite paths. Empty until a backward call uses the workspace.
+template <typename Scalar>
+struct BackwardBuffers {
+  RowMatrix<Scalar> queries, d_heads, heads, d_queries, d_keys, d_values;
+  std::vector<RowMatrix<Scalar>> tile_probabilities, tile_dropped, tile_d_scores;  // per worker
+  std::vector<Index> gathered_rows, block_start;
+  RowMatrix<Scalar> gathered_input, gathered_output;
+  Vector<Scalar> d_stored;
+
+  std::size_t bytes() const {
+    auto matrix_bytes = [](const auto& m) { return std::size_t(m.size()) * sizeof(Scalar); };
+    std::size_t total = matrix_bytes(queries) + matrix_bytes(d_heads) + matrix_bytes(heads) +
+                        matrix_bytes(d_queries) + matrix_bytes(d_keys) + matrix_bytes(d_values) +
+                        matrix_bytes(gathered_input) + matrix_bytes(gathered_output) +
+                        matrix_bytes(d_stored) +
+                        (gathered_rows.capacity() + block_start.capacity()) * sizeof(Index);
+    for (const auto* list : {&tile_probabilities, &tile_dropped, &tile_d_scores})
+      for (const auto& m : *list) total += matrix_bytes(m);
+    return total;
+  }
+};
+
 // What one forward call works in. Matrices are resized to each call's shapes; Eigen reallocates
 // only when the number of entries changes.
 template <typename Scalar>
@@ -42,6 +70,7 @@ struct CallBuffers {
   std::vector<RowMatrix<Scalar>> tile_scores;    // per worker: the query tile's scores
   std::vector<RowMatrix<Scalar>> tile_dropped;   // per worker: probabilities after dropout
   std::vector<Index> feature_batch;              // the score-strategy cost model's scratch
+  BackwardBuffers<Scalar> backward;              // the rest of a backward call's memory
   ThreadPool pool;
 
   // Grows a per-worker list to `workers` entries (keeping what the entries hold).
@@ -57,7 +86,7 @@ struct CallBuffers {
                         feature_batch.capacity() * sizeof(Index);
     for (const auto& m : tile_scores) total += matrix_bytes(m);
     for (const auto& m : tile_dropped) total += matrix_bytes(m);
-    return total;
+    return total + backward.bytes();
   }
 };
 

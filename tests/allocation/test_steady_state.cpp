@@ -1,12 +1,17 @@
 // The steady state of forward allocates nothing (issue 5): with a Workspace and an
 // AttentionResult kept between calls, a repeated call with the same shapes performs no heap
-// allocation at all — no buffer, no thread, no Eigen GEMM packing block.
+// allocation at all — no buffer, no thread, no Eigen GEMM packing block. The same for backward
+// with a Workspace and an MhaGradients kept (issue 6).
 //
 // Its own executable because it counts every heap block of the process: operator new is
 // replaced and malloc & co. are wrapped by the linker (bench/allocation_counter.hpp, shared with
 // the bench), which the rest of the suite should not run under.
 #include "allocation_counter.hpp"
 #include "test_support.hpp"
+
+#include <limits>
+
+#include <sdmha/backward.hpp>
 
 namespace sdmha_test {
 namespace {
@@ -103,6 +108,69 @@ TEST(SteadyState, DenseBaselineAllocatesNothingOnceWarm) {
   auto options = c.options;
   options.num_threads = 2;
   expect_no_allocation_after_warm_up(layer, query, c, options);
+}
+
+// Every gradient of `after` equals `before`'s, bit for bit.
+template <typename Scalar>
+bool same_gradients(const sdmha::MhaGradients<Scalar>& before, const sdmha::MhaGradients<Scalar>& after) {
+  auto same = [](const auto& a, const auto& b) {
+    return a.size() == b.size() && std::equal(a.data(), a.data() + a.size(), b.data());
+  };
+  return same(before.query_kernel, after.query_kernel) && same(before.key_kernel, after.key_kernel) &&
+         same(before.value_kernel, after.value_kernel) && same(before.output_kernel, after.output_kernel) &&
+         same(before.query_bias, after.query_bias) && same(before.key_bias, after.key_bias) &&
+         same(before.value_bias, after.value_bias) && same(before.output_bias, after.output_bias) &&
+         same(before.query_values, after.query_values) && same(before.key, after.key) &&
+         same(before.value, after.value);
+}
+
+TEST(SteadyState, BackwardAllocatesNothingOnceWarm) {
+  for (bool masks : {false, true}) {
+    Shape shape = steady_shape(masks);
+    shape.duplicates = masks;  // query_values then maps from_coo's entries onto the stored values
+    auto c = make_case<float>(shape, 14);
+    if (masks) {
+      // A NaN in a padded key row: the key kernel's gradient takes its gathering path.
+      for (Index s = 0; s < shape.key_steps; ++s)
+        if (c.options.key_padding_mask(0, s)) {
+          c.key(0, s, 0) = std::numeric_limits<float>::quiet_NaN();
+          break;
+        }
+    }
+    const sdmha::SparseDenseMHA<float> layer(c.config, c.weights);
+    const auto query = c.query();
+    const auto context = layer.project_context(c.key, c.value);
+    Tensor3<float> d_output(shape.batch, shape.steps, c.problem.output_dim);
+    d_output.setConstant(0.25f);
+    for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped,
+                          sdmha::ScoreStrategy::automatic})
+      for (int threads : {1, 2})
+        for (bool with_context : {false, true}) {
+          SCOPED_TRACE(testing::Message() << "masks=" << masks << " " << sdmha::to_string(strategy)
+                                          << " threads=" << threads << " context=" << with_context);
+          auto options = c.options;
+          options.score_strategy = strategy;
+          options.num_threads = threads;
+          options.training = masks;
+          options.dropout_rate = masks ? 0.1 : 0.0;
+          sdmha::Workspace<float> workspace;
+          sdmha::MhaGradients<float> gradients;
+          auto call = [&] {
+            if (with_context)
+              layer.backward(query, c.key, c.value, context, d_output, options, workspace, gradients);
+            else
+              layer.backward(query, c.key, c.value, d_output, options, workspace, gradients);
+          };
+          for (int warm_up = 0; warm_up < 3; ++warm_up) call();
+          const auto first = gradients;
+          EXPECT_EQ(allocations_during([&] {
+                      for (int repeat = 0; repeat < 3; ++repeat) call();
+                    }),
+                    0);
+          EXPECT_TRUE(same_gradients(first, gradients));
+          EXPECT_TRUE(gradients.key_kernel.allFinite());
+        }
+  }
 }
 
 }  // namespace

@@ -122,12 +122,13 @@ class AttentionCore {
     return Inputs{batch, steps, key_steps, resolve_thread_count(options.num_threads)};
   }
 
-
  protected:
   AttentionCore(const MhaConfig& config, MhaWeights<Scalar> weights)
       : config_(config), weights_(std::move(weights)), dims_(weights_.validate(config_)) {}
 
+ public:
   // K and V of validated key and value, into `context` (resized; reallocated only when it grows).
+  // Public, like the checks above, for passes built on the layer (mha_backward).
   void project_checked(const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value, int threads,
                        ThreadPool* pool, ProjectedContext<Scalar>& context) const {
     context.batch = value.dimension(0);
@@ -141,7 +142,6 @@ class AttentionCore {
                  context.values, threads, pool);
   }
 
- public:
   // Projects key (B, S, Ek) and value (B, S, Ev) once, for forward calls that reuse them.
   ProjectedContext<Scalar> project_context(const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
                                            int num_threads = 0) const {
