@@ -378,6 +378,39 @@ TYPED_TEST(BackwardTest, NonFiniteKeyAndValueInBlockedRowsNeverReachAGradient) {
   }
 }
 
+// Every key step padded, a NaN in a key and a value row, widths above one weight-gradient tile
+// (256): the kernel gradients take their gathering path and find no row with a gradient. The
+// gathered matrices are then empty, and no tile may be taken of them (UBSan: offsets on null
+// data). Nothing is attended, so every gradient but dbo is exactly 0.
+TYPED_TEST(BackwardTest, NonFiniteContextWithEveryKeyPaddedAndWideKernelsGivesZeroGradients) {
+  Shape s;
+  s.key_padding = true;
+  s.query_dim = 20;
+  s.key_in_dim = 270;
+  s.value_in_dim = 300;
+  s.heads = 2;
+  s.key_dim = 150;
+  s.value_dim = 140;
+  auto c = make_case<TypeParam>(s, 46);
+  c.options.key_padding_mask.setConstant(true);
+  c.key(0, 1, 3) = std::numeric_limits<TypeParam>::quiet_NaN();
+  c.value(1, 2, 280) = std::numeric_limits<TypeParam>::infinity();
+  const auto d_output = random_d_output(c, 47);
+  for (auto strategy :
+       {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+    SCOPED_TRACE(sdmha::to_string(strategy));
+    auto options = c.options;
+    options.score_strategy = strategy;
+    const auto g = backward(c, d_output, options);
+    for (const auto& view : views(c, g)) {
+      ASSERT_EQ(view.gradient_size, view.parameter_size) << view.name;
+      if (view.name == "output_bias") continue;
+      for (Index k = 0; k < view.gradient_size; ++k)
+        ASSERT_EQ(view.gradient[k], TypeParam(0)) << view.name << "[" << k << "]";
+    }
+  }
+}
+
 TYPED_TEST(BackwardTest, ThreadCountDoesNotChangeGradientsBitwise) {
   Shape s;
   s.batch = 2;

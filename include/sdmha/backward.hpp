@@ -126,14 +126,23 @@ void kernel_gradient(const ConstMatrixRef<Scalar>& input, const ConstMatrixRef<S
   rows.clear();
   for (Index row = 0; row < input.rows(); ++row)
     if ((d_output.row(row).array() != Scalar(0)).any()) rows.push_back(row);
-  scratch.gathered_input.resize(Index(rows.size()), input.cols());
-  scratch.gathered_output.resize(Index(rows.size()), d_output.cols());
-  for (std::size_t i = 0; i < rows.size(); ++i) {
-    scratch.gathered_input.row(Index(i)) = input.row(rows[i]);
-    scratch.gathered_output.row(Index(i)) = d_output.row(rows[i]);
+  // No row with a gradient (every key step blocked, or dY = 0): dW = 0, and the empty gathered
+  // matrices have null data that a tile at a non-zero offset must not be taken of.
+  if (rows.empty()) {
+    d_weight.setZero();
+    return;
   }
-  transposed_product_tiles<Scalar>(scratch.gathered_input, scratch.gathered_output, d_weight,
-                                   threads, pool);
+  // Sized for every row, not for this call's count, so that a blocking pattern changing from one
+  // training step to the next does not reallocate.
+  scratch.gathered_input.resize(input.rows(), input.cols());
+  scratch.gathered_output.resize(input.rows(), d_output.cols());
+  const Index count = Index(rows.size());
+  for (Index i = 0; i < count; ++i) {
+    scratch.gathered_input.row(i) = input.row(rows[std::size_t(i)]);
+    scratch.gathered_output.row(i) = d_output.row(rows[std::size_t(i)]);
+  }
+  transposed_product_tiles<Scalar>(scratch.gathered_input.topRows(count),
+                                   scratch.gathered_output.topRows(count), d_weight, threads, pool);
 }
 
 // dbias = 1ᵀ·dY; 0 without rows, where Eigen's column sums would take blocks at non-zero offsets
@@ -261,9 +270,11 @@ void backward(const Layer& layer, const typename Layer::Query& query, const Inpu
   d_queries.resize(B * T, H * Dk);
   d_keys.setZero(B * S, H * Dk);
   d_values.setZero(B * S, H * Dv);
-  const bool regrouped = layer.resolve_strategy(options.score_strategy, query, S,
-                                                options.use_causal_mask, buffers.feature_batch) ==
-                         ScoreStrategy::sparse_regrouped;
+  // The forward's choice of score strategy, with the largest U_b behind it: the regrouped
+  // kernel's per-thread scratch is sized for every batch entry at once, as in the forward.
+  const auto strategy = layer.choose_strategy(options.score_strategy, query, S,
+                                              options.use_causal_mask, buffers.feature_batch);
+  const bool regrouped = strategy.strategy == ScoreStrategy::sparse_regrouped;
   const Index query_tile = backward_query_tile(regrouped, options.use_causal_mask, T, S);
   const Index tiles = query_tile > 0 ? (T + query_tile - 1) / query_tile : 0;
   const DropoutMask dropout =
@@ -281,13 +292,14 @@ void backward(const Layer& layer, const typename Layer::Query& query, const Inpu
   const MaskedSoftmax<Scalar> softmax;
   const AttendValues<Scalar> attend_values;
 
-  // Without key steps every query row is fully blocked: A = 0 and dQ = 0, dK and dV are empty,
-  // and there is no (b, h) item: its blocks of the empty K and V would be offsets on null data.
-  if (S == 0) {
+  // Without key steps every query row is fully blocked: A = 0 and dQ = 0, dK and dV are empty.
+  // Without query steps A and dQ are empty and dK = dV = 0. Either way there is no (b, h) item:
+  // its blocks of the empty K and V, or of the empty dA, would be offsets on null data.
+  if (S == 0 || T == 0) {
     heads.setZero();
     d_queries.setZero();
   }
-  const Index attention_items = S > 0 ? B * H : 0;
+  const Index attention_items = S > 0 && T > 0 ? B * H : 0;
   parallel_for(attention_items, threads, [&](Index item, int worker) {
     const Index b = item / H, h = item % H;
     using ScratchMap = Eigen::Map<RowMatrix<Scalar>>;
@@ -330,6 +342,7 @@ void backward(const Layer& layer, const typename Layer::Query& query, const Inpu
         typename ScoreKernel<Scalar, StorageIndex>::SparseArguments args{
             query.batch_rows(b), weights.query_kernel.middleCols(h * Dk, Dk), query_bias_h, key_bh,
             scale, mask, probabilities};
+        args.feature_capacity = strategy.features.largest;
         score_kernel.can_implement(args);
         score_kernel(args);
       } else {
@@ -465,14 +478,14 @@ void check_saved_context(const char* where, const Layer& layer, const Inputs<Sca
 }  // namespace detail::gradient
 
 // The gradients of loss(Y) for Y = layer.forward(query, key, value, options), given d_output =
-// ∂loss/∂Y (B, T, O), into `gradients` (resized; reallocated only when a shape grows), working in
-// `workspace`: called again with the same shapes, it allocates nothing and starts no threads.
-// Honours every mask, the score strategy, dropout (training, dropout_rate, dropout_seed: the
-// forward's mask for the same seed) and num_threads; the result is bitwise the same for any
-// thread count. Blocked (t, s) pairs pass no gradient, fully blocked query rows get exactly zero,
-// and NaN or Inf in key or value rows that no query attends never reach a gradient.
-// Throws what forward throws for bad input (a workspace in use included), and ShapeError when
-// d_output is not (B, T, O); `gradients` is untouched then.
+// ∂loss/∂Y (B, T, O), into `gradients` (resized; reallocated only when a gradient's size
+// changes), working in `workspace`: called again with the same shapes, it allocates nothing and
+// starts no threads. Honours every mask, the score strategy, dropout (training, dropout_rate,
+// dropout_seed: the forward's mask for the same seed) and num_threads; the result is bitwise the
+// same for any thread count. Blocked (t, s) pairs pass no gradient, fully blocked query rows get
+// exactly zero, and NaN or Inf in key or value rows that no query attends never reach a
+// gradient. Throws what forward throws for bad input (a workspace in use included), and
+// ShapeError when d_output is not (B, T, O); `gradients` is untouched then.
 // Cost: the flops of about 2.7 forwards (2.2 with a context, below): the attention is recomputed
 // and each of its products and projections has two gradient products.
 template <typename Layer>

@@ -214,16 +214,15 @@ class SparseDenseMHA
     return forward(query, value, value, options);
   }
 
- private:
-
   // U_b, the number of distinct features that batch entry b's rows use: their sum Σ_b U_b and
   // their maximum. O(nnz + Eq).
   struct FeatureCounts {
     Index total = 0, largest = 0;
   };
 
-  // What resolve_strategy chose, with the feature counts behind it when the choice needed them
-  // (automatic or regrouped), so that the regrouped kernel's scratch hint does not count again.
+  // What resolve_strategy chooses, with the feature counts behind it when the choice needed them
+  // (automatic or regrouped), so that the regrouped kernel's scratch hint (the forward's and the
+  // backward's) does not count again.
   struct StrategyChoice {
     ScoreStrategy strategy;
     FeatureCounts features;
@@ -242,6 +241,8 @@ class SparseDenseMHA
     return {regrouped < project_first ? ScoreStrategy::sparse_regrouped : ScoreStrategy::project_first,
             features};
   }
+
+ private:
   static FeatureCounts distinct_features_per_batch(const Query& query, std::vector<Index>& last_batch) {
     last_batch.assign(static_cast<std::size_t>(query.features()), -1);
     const auto& csr = query.csr();

@@ -173,5 +173,44 @@ TEST(SteadyState, BackwardAllocatesNothingOnceWarm) {
   }
 }
 
+// A training loop whose padding changes from step to step: with a NaN in a padded key row, the
+// key kernel's gradient gathers the rows that have a gradient, and their number changes with the
+// padding. Its scratch is sized for all rows, so alternating two paddings allocates nothing.
+TEST(SteadyState, BackwardWithAChangingPaddingAllocatesNothingOnceWarm) {
+  Shape shape = steady_shape(false);
+  shape.key_padding = true;
+  auto c = make_case<float>(shape, 15);
+  for (Index b = 0; b < shape.batch; ++b) c.key(b, 0, 0) = std::numeric_limits<float>::quiet_NaN();
+  auto padding = [&](Index padded_steps, int threads) {
+    auto options = c.options;
+    options.num_threads = threads;
+    options.key_padding_mask.setConstant(false);
+    for (Index b = 0; b < shape.batch; ++b)
+      for (Index s = 0; s < padded_steps; ++s) options.key_padding_mask(b, s) = true;
+    return options;
+  };
+  const sdmha::SparseDenseMHA<float> layer(c.config, c.weights);
+  const auto query = c.query();
+  Tensor3<float> d_output(shape.batch, shape.steps, c.problem.output_dim);
+  d_output.setConstant(0.25f);
+  for (int threads : {1, 2}) {
+    SCOPED_TRACE(testing::Message() << "threads=" << threads);
+    const sdmha::AttentionOptions<float> paddings[] = {padding(1, threads), padding(7, threads)};
+    sdmha::Workspace<float> workspace;
+    sdmha::MhaGradients<float> gradients;
+    auto step = [&](const sdmha::AttentionOptions<float>& options) {
+      layer.backward(query, c.key, c.value, d_output, options, workspace, gradients);
+    };
+    for (int warm_up = 0; warm_up < 2; ++warm_up)
+      for (const auto& options : paddings) step(options);
+    EXPECT_EQ(allocations_during([&] {
+                for (int repeat = 0; repeat < 3; ++repeat)
+                  for (const auto& options : paddings) step(options);
+              }),
+              0);
+    EXPECT_TRUE(gradients.key_kernel.allFinite());
+  }
+}
+
 }  // namespace
 }  // namespace sdmha_test
