@@ -88,12 +88,13 @@ struct GradientCheckSummary {
   double worst = 0;  // the largest |numeric − analytic| / (absolute + relative·|analytic|)
 };
 
-// Checks every entry of every gradient (a random sample of kMaxCheckedPerGradient for larger
+// Checks every entry of every gradient (a random sample of `max_checked` for larger
 // ones) against (L(θ + h) − L(θ − h)) / 2h.
 void check_against_finite_differences(Case<double> c,
                                       const sdmha::AttentionOptions<double>& options,
                                       const std::string& label, std::uint64_t seed,
-                                      GradientCheckSummary& summary) {
+                                      GradientCheckSummary& summary,
+                                      Index max_checked = kMaxCheckedPerGradient) {
   SCOPED_TRACE(label);
   const auto d_output = random_d_output(c, seed);
   const auto gradients = backward(c, d_output, options);
@@ -102,9 +103,9 @@ void check_against_finite_differences(Case<double> c,
     ASSERT_EQ(view.gradient_size, view.parameter_size) << view.name;
     std::vector<Index> entries(static_cast<std::size_t>(view.parameter_size));
     std::iota(entries.begin(), entries.end(), 0);
-    if (Index(entries.size()) > kMaxCheckedPerGradient) {
+    if (Index(entries.size()) > max_checked) {
       std::shuffle(entries.begin(), entries.end(), generator);
-      entries.resize(kMaxCheckedPerGradient);
+      entries.resize(static_cast<std::size_t>(max_checked));
     }
     for (Index entry : entries) {
       double& parameter = view.parameter[entry];
@@ -265,6 +266,44 @@ template <typename Scalar>
       if (!std::isfinite(double(view.gradient[k])))
         return ::testing::AssertionFailure() << view.name << "[" << k << "] = " << view.gradient[k];
   return ::testing::AssertionSuccess();
+}
+
+// A query kernel beyond L2 and larger than dQ (1024 × 272 doubles, 2.2 MB), each feature used
+// about 3 times (16 rows, some empty, at density 0.25): dWq and dX go by feature over the
+// query's CSC (detail::query_gradients_by_feature). Checked against central differences like
+// the random configurations (150 entries of each larger gradient: every forward streams the
+// kernel), and bitwise across thread counts.
+TEST(BackwardGradientCheck, WideQueryKernelTakesTheFeatureOrder) {
+  Shape s;
+  s.batch = 2;
+  s.steps = 8;
+  s.key_steps = 6;
+  s.query_dim = 1024;
+  s.key_in_dim = 7;
+  s.value_in_dim = 5;
+  s.heads = 2;
+  s.key_dim = 136;
+  s.value_dim = 3;
+  s.output_dim = 4;
+  s.density = 0.25;
+  s.duplicates = true;
+  s.random_mask = true;
+  s.empty_rows = true;
+  auto c = make_case<double>(s, 61);
+  ASSERT_TRUE(sdmha::detail::query_gradients_by_feature(c.query().csr(), s.heads * s.key_dim));
+  auto options = c.options;
+  options.num_threads = 1;
+  options.score_strategy = sdmha::ScoreStrategy::project_first;  // the query gradients are the point
+  GradientCheckSummary summary;
+  check_against_finite_differences(c, options, "wide query kernel", 62, summary, 150);
+  EXPECT_EQ(summary.failed, 0) << "of " << summary.checked << " entries checked";
+  EXPECT_GT(summary.checked, 800);
+
+  const auto d_output = random_d_output(c, 63);
+  const auto one = backward(c, d_output, options);
+  options.num_threads = 2;
+  const auto two = backward(c, d_output, options);
+  EXPECT_TRUE(same_bits(c, one, two));
 }
 
 TYPED_TEST(BackwardTest, GradientsHaveTheWeightsShapesAndNoBiasWithoutBias) {
@@ -859,10 +898,29 @@ TYPED_TEST(QueryGradientStagesTest, MatchDenseProducts) {
   sdmha::QueryKernelGradient<Scalar>::can_implement(kernel_args);
   sdmha::QueryKernelGradient<Scalar>()(kernel_args);
   const sdmha::RowMatrix<double> expected_kernel = dense.transpose() * d_query_wide;
-  EXPECT_TRUE(all_near(
-      d_kernel.data(),
-      std::vector<double>(expected_kernel.data(), expected_kernel.data() + expected_kernel.size()),
-      relative_tolerance<Scalar>()));
+  const std::vector<double> expected_kernel_entries(
+      expected_kernel.data(), expected_kernel.data() + expected_kernel.size());
+  EXPECT_TRUE(all_near(d_kernel.data(), expected_kernel_entries, relative_tolerance<Scalar>()));
+
+  // By feature over X's CSC, in two blocks of features as the backward splits them.
+  typename sdmha::QueryKernelGradient<Scalar>::FeatureGroups groups;
+  sdmha::detail::build_feature_groups(query.csr(), groups, true);
+  const Index split = features / 2;
+  sdmha::Vector<Scalar> d_values_by_feature = sdmha::Vector<Scalar>::Constant(d_values.size(), 42);
+  sdmha::RowMatrix<Scalar> d_kernel_by_feature = sdmha::RowMatrix<Scalar>::Constant(features, width, 42);
+  for (auto [first, count] : {std::pair<Index, Index>{0, split}, {split, features - split}}) {
+    typename sdmha::QueryValuesGradient<Scalar>::Arguments feature_values_args{
+        query.csr(), kernel, d_query, d_values_by_feature, &groups, first, count};
+    sdmha::QueryValuesGradient<Scalar>::can_implement(feature_values_args);
+    sdmha::QueryValuesGradient<Scalar>()(feature_values_args);
+    typename sdmha::QueryKernelGradient<Scalar>::Arguments feature_kernel_args{
+        query.csr(), d_query, d_kernel_by_feature.middleRows(first, count), &groups, first};
+    sdmha::QueryKernelGradient<Scalar>::can_implement(feature_kernel_args);
+    sdmha::QueryKernelGradient<Scalar>()(feature_kernel_args);
+  }
+  EXPECT_TRUE(all_near(d_values_by_feature.data(), expected_values, relative_tolerance<Scalar>()));
+  EXPECT_TRUE(all_near(d_kernel_by_feature.data(), expected_kernel_entries,
+                       relative_tolerance<Scalar>()));
 }
 
 TYPED_TEST(QueryGradientStagesTest, RejectMismatchedShapes) {
@@ -889,6 +947,27 @@ TYPED_TEST(QueryGradientStagesTest, RejectMismatchedShapes) {
                           sdmha::ShapeError, "d_query has 9 rows; expected 10");
   SDMHA_EXPECT_THROW_WITH(Kernel::can_implement({query.csr(), d_query, wrong_d_kernel}),
                           sdmha::ShapeError, "d_kernel is 16 x 7; expected 16 x 8");
+
+  // The by-feature forms: a CSC that is not the query's (or lacks positions), a feature range
+  // outside [0, Eq).
+  typename Kernel::FeatureGroups groups, without_positions, stale;
+  sdmha::detail::build_feature_groups(query.csr(), groups, true);
+  sdmha::detail::build_feature_groups(query.csr(), without_positions, false);
+  sdmha::detail::build_feature_groups(query.csr().middle_rows(0, 5), stale, true);
+  SDMHA_EXPECT_THROW_WITH(Values::can_implement({query.csr(), kernel, d_query, d_values, &stale, 0, 16}),
+                          sdmha::ShapeError, "expected build_feature_groups of the query");
+  SDMHA_EXPECT_THROW_WITH(
+      Values::can_implement({query.csr(), kernel, d_query, d_values, &without_positions, 0, 16}),
+      sdmha::ShapeError, "and positions");
+  SDMHA_EXPECT_THROW_WITH(Values::can_implement({query.csr(), kernel, d_query, d_values, &groups, 8, 9}),
+                          sdmha::ShapeError, "features [8, 17) asked for; expected a range in [0, 16)");
+  SDMHA_EXPECT_THROW_WITH(Kernel::can_implement({query.csr(), d_query, d_kernel, &stale, 0}),
+                          sdmha::ShapeError, "expected build_feature_groups of the query");
+  SDMHA_EXPECT_THROW_WITH(Kernel::can_implement({query.csr(), d_query, d_kernel, &groups, 1}),
+                          sdmha::ShapeError, "d_kernel holds features [1, 17); expected a range in [0, 16)");
+  SDMHA_EXPECT_THROW_WITH(Kernel::can_implement({query.csr(), d_query, wrong_d_kernel, &groups, 0}),
+                          sdmha::ShapeError, "d_kernel has 7 columns; expected d_query's 8");
+  EXPECT_NO_THROW(Kernel::can_implement({query.csr(), d_query, d_kernel.middleRows(4, 12), &groups, 4}));
 }
 
 }  // namespace

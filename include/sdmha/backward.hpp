@@ -16,7 +16,9 @@
 // loop keeps one tile of scores per worker, never the whole (B, H, T, S) tensor; its tiles are
 // the forward's under a causal mask or the regrouped kernel, and otherwise as many query rows as
 // keep three tile × S matrices in L2 (backward_query_tile). Every product is a detail::gemm, on
-// one ThreadPool for the whole call.
+// one ThreadPool for the whole call. dWq and dX go by rows of X, or by feature over X's CSC when
+// Wq is beyond L2 and larger than dQ (detail::query_gradients_by_feature; `bow`), the same sums
+// either way.
 #pragma once
 
 #include <algorithm>
@@ -51,6 +53,10 @@ namespace detail::gradient {
 // Tiles of a weight gradient (rows × columns of dW); fixed, so that every entry of dW is one
 // GEMM over the same rows for any thread count.
 constexpr Index kWeightTile = 256;
+
+// Features per work item of the query gradients by feature: 1024 rows of dWq (2 MB at N = 512)
+// per item, 32 items on `bow`.
+constexpr Index kFeatureBlock = 1024;
 
 // Scores held per worker and tile: three tile × S matrices (P, P' and dS) of this many entries
 // each stay in L2 together.
@@ -400,43 +406,69 @@ void backward(const Layer& layer, const typename Layer::Query& query, const Inpu
   kernel_gradient<Scalar>(heads, d_output_matrix, threads, pool, scratch, gradients.output_kernel);
   bias_gradient<Scalar>(use_bias, d_output_matrix, gradients.output_bias);
 
-  // Query projection: dWq = Xᵀ·dQ in fixed column panels, dX sampled at X's pattern in row blocks.
-  gradients.query_kernel.resize(dims.query_dim, H * Dk);
-  // Without query rows (B·T = 0) dWq is 0; the panels would be offsets on d_queries' null data.
-  if (csr.rows == 0) gradients.query_kernel.setZero();
-  const Index panels = csr.rows > 0 ? (H * Dk + kWeightTile - 1) / kWeightTile : 0;
-  parallel_for(panels, threads, [&](Index panel, int) {
-    const Index first = panel * kWeightTile, count = std::min(kWeightTile, H * Dk - first);
-    typename QueryKernelGradient<Scalar, StorageIndex>::Arguments args{
-        csr, d_queries.middleCols(first, count), gradients.query_kernel.middleCols(first, count)};
-    QueryKernelGradient<Scalar, StorageIndex>::can_implement(args);
-    QueryKernelGradient<Scalar, StorageIndex>()(args);
-  }, &pool);
-  bias_gradient<Scalar>(use_bias, d_queries, gradients.query_bias);
-  const Index blocks = row_block_count(csr.rows);
-  std::vector<Index>& block_start = scratch.block_start;
-  block_start.assign(std::size_t(blocks) + 1, 0);
-  for (Index block = 0; block < blocks; ++block) {
-    const Index first = block * kProjectionRowBlock;
-    block_start[std::size_t(block) + 1] =
-        block_start[std::size_t(block)] +
-        csr.middle_rows(first, std::min(kProjectionRowBlock, csr.rows - first)).nonzeros();
-  }
-  // dX in CSR order: straight into the result, or into scratch when from_coo's entries map onto
-  // the stored values.
+  // Query projection: dWq = Xᵀ·dQ, dbq = 1ᵀ·dQ, and dX = dQ·Wqᵀ sampled at X's pattern, in CSR
+  // order: straight into the result, or into scratch when from_coo's entries map onto the stored
+  // values.
   const auto& coo_to_stored = query.coo_to_stored();
   Vector<Scalar>& d_stored = coo_to_stored.empty() ? gradients.query_values : scratch.d_stored;
-  d_stored.resize(block_start.back());
-  parallel_for(blocks, threads, [&](Index block, int) {
-    const Index first = block * kProjectionRowBlock;
-    const Index count = std::min(kProjectionRowBlock, csr.rows - first);
-    const Index start = block_start[std::size_t(block)];
-    typename QueryValuesGradient<Scalar, StorageIndex>::Arguments args{
-        csr.middle_rows(first, count), weights.query_kernel, d_queries.middleRows(first, count),
-        d_stored.segment(start, block_start[std::size_t(block) + 1] - start)};
-    QueryValuesGradient<Scalar, StorageIndex>::can_implement(args);
-    QueryValuesGradient<Scalar, StorageIndex>()(args);
-  }, &pool);
+  d_stored.resize(csr.nonzeros());
+  gradients.query_kernel.resize(dims.query_dim, H * Dk);
+  bias_gradient<Scalar>(use_bias, d_queries, gradients.query_bias);
+  using KernelGradient = QueryKernelGradient<Scalar, StorageIndex>;
+  using ValuesGradient = QueryValuesGradient<Scalar, StorageIndex>;
+  if (query_gradients_by_feature(csr, H * Dk)) {
+    // Wq and dWq beyond L2 (`bow`): both stages by feature over X's CSC, built once here and
+    // read by every worker, in fixed blocks of features. Thread-local like the forward's
+    // by-feature scratch: a repeated call on this thread allocates nothing.
+    // The workers reach it through this pointer: inside their lambda the thread_local's name
+    // would be each worker's own, empty, instance.
+    thread_local typename KernelGradient::FeatureGroups calling_thread_features;
+    const auto* query_features = &calling_thread_features;
+    build_feature_groups(csr, calling_thread_features, true);
+    const Index features = dims.query_dim;
+    parallel_for((features + kFeatureBlock - 1) / kFeatureBlock, threads, [&](Index block, int) {
+      const Index first = block * kFeatureBlock, count = std::min(kFeatureBlock, features - first);
+      typename KernelGradient::Arguments kernel_args{
+          csr, d_queries, gradients.query_kernel.middleRows(first, count), query_features, first};
+      KernelGradient::can_implement(kernel_args);
+      KernelGradient()(kernel_args);
+      typename ValuesGradient::Arguments values_args{
+          csr, weights.query_kernel, d_queries, d_stored, query_features, first, count};
+      ValuesGradient::can_implement(values_args);
+      ValuesGradient()(values_args);
+    }, &pool);
+  } else {
+    // By rows: dWq in fixed column panels, dX in the projection's row blocks. Without query rows
+    // (B·T = 0) dWq is 0; the panels would be offsets on d_queries' null data.
+    if (csr.rows == 0) gradients.query_kernel.setZero();
+    const Index panels = csr.rows > 0 ? (H * Dk + kWeightTile - 1) / kWeightTile : 0;
+    parallel_for(panels, threads, [&](Index panel, int) {
+      const Index first = panel * kWeightTile, count = std::min(kWeightTile, H * Dk - first);
+      typename KernelGradient::Arguments args{csr, d_queries.middleCols(first, count),
+                                              gradients.query_kernel.middleCols(first, count)};
+      KernelGradient::can_implement(args);
+      KernelGradient()(args);
+    }, &pool);
+    const Index blocks = row_block_count(csr.rows);
+    std::vector<Index>& block_start = scratch.block_start;
+    block_start.assign(std::size_t(blocks) + 1, 0);
+    for (Index block = 0; block < blocks; ++block) {
+      const Index first = block * kProjectionRowBlock;
+      block_start[std::size_t(block) + 1] =
+          block_start[std::size_t(block)] +
+          csr.middle_rows(first, std::min(kProjectionRowBlock, csr.rows - first)).nonzeros();
+    }
+    parallel_for(blocks, threads, [&](Index block, int) {
+      const Index first = block * kProjectionRowBlock;
+      const Index count = std::min(kProjectionRowBlock, csr.rows - first);
+      const Index start = block_start[std::size_t(block)];
+      typename ValuesGradient::Arguments args{
+          csr.middle_rows(first, count), weights.query_kernel, d_queries.middleRows(first, count),
+          d_stored.segment(start, block_start[std::size_t(block) + 1] - start)};
+      ValuesGradient::can_implement(args);
+      ValuesGradient()(args);
+    }, &pool);
+  }
   if (!coo_to_stored.empty()) {
     gradients.query_values.resize(Index(coo_to_stored.size()));
     for (std::size_t entry = 0; entry < coo_to_stored.size(); ++entry)

@@ -52,7 +52,7 @@ struct SparseQueryProjection {
   // than by rows at 1 % (2.6 rows per feature), as fast at 0.4 % (1.0) and ~1.6× slower at 0.1 %
   // (0.26). Both add each row's values in ascending feature order with one FMA each, so sorted
   // rows give the same bits whichever is taken.
-  static constexpr double kCacheBytes = 2.0 * 1024 * 1024;  // the L2 of one core
+  static constexpr double kCacheBytes = detail::kCoreCacheBytes;
 
   static bool by_feature(const Arguments& args) {
     const double kernel_bytes = double(args.kernel.rows()) * double(args.kernel.cols()) * sizeof(Scalar);
