@@ -518,8 +518,8 @@ void check_saved_context(const char* where, const Layer& layer, const Inputs<Sca
 // exactly zero, and NaN or Inf in key or value rows that no query attends never reach a
 // gradient. Throws what forward throws for bad input (a workspace in use included), and
 // ShapeError when d_output is not (B, T, O); `gradients` is untouched then.
-// Cost: the flops of about 2.7 forwards (2.2 with a context, below): the attention is recomputed
-// and each of its products and projections has two gradient products.
+// Cost: the flops of about 2.7 forwards on `seed` (2.1 with a context, below): the attention is
+// recomputed and each of its products and projections has two gradient products.
 template <typename Layer>
 void mha_backward(const Layer& layer, const typename Layer::Query& query,
                   const TensorRef3<typename Layer::ScalarType>& key,
