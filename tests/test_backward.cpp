@@ -272,7 +272,7 @@ template <typename Scalar>
 // about 3 times (16 rows, some empty, at density 0.25): dWq and dX go by feature over the
 // query's CSC (detail::query_gradients_by_feature). Checked against central differences like
 // the random configurations (150 entries of each larger gradient: every forward streams the
-// kernel), and bitwise across thread counts.
+// kernel), and bitwise across thread counts on a wider kernel.
 TEST(BackwardGradientCheck, WideQueryKernelTakesTheFeatureOrder) {
   Shape s;
   s.batch = 2;
@@ -299,11 +299,18 @@ TEST(BackwardGradientCheck, WideQueryKernelTakesTheFeatureOrder) {
   EXPECT_EQ(summary.failed, 0) << "of " << summary.checked << " entries checked";
   EXPECT_GT(summary.checked, 800);
 
-  const auto d_output = random_d_output(c, 63);
-  const auto one = backward(c, d_output, options);
-  options.num_threads = 2;
-  const auto two = backward(c, d_output, options);
-  EXPECT_TRUE(same_bits(c, one, two));
+  // Bitwise across thread counts with several feature blocks (Eq = 3000: three of 1024), so that
+  // the pool's workers take some of them.
+  s.query_dim = 3000;
+  auto wide = make_case<double>(s, 64);
+  ASSERT_TRUE(sdmha::detail::query_gradients_by_feature(wide.query().csr(), s.heads * s.key_dim));
+  const auto d_output = random_d_output(wide, 63);
+  auto wide_options = wide.options;
+  wide_options.num_threads = 1;
+  const auto one = backward(wide, d_output, wide_options);
+  wide_options.num_threads = 2;
+  const auto two = backward(wide, d_output, wide_options);
+  EXPECT_TRUE(same_bits(wide, one, two));
 }
 
 TYPED_TEST(BackwardTest, GradientsHaveTheWeightsShapesAndNoBiasWithoutBias) {
@@ -632,31 +639,47 @@ TYPED_TEST(BackwardTest, ScoreStrategiesGiveTheSameGradients) {
   }
 }
 
+// Also with a query kernel beyond L2 (3000 × 272), where dX goes by feature and is written through
+// each entry's CSR position: the slack between the rows must not shift them.
 TYPED_TEST(BackwardTest, QueryFromAnUncompressedEigenMatrixGetsOneGradientPerStoredValue) {
-  Shape s;
-  s.empty_rows = true;
-  s.density = 0.3;
-  s.shuffle = false;
-  auto c = make_case<TypeParam>(s, 52);
-  const auto d_output = random_d_output(c, 53);
-  const auto from_coo = backward(c, d_output, c.options);  // COO entries are in CSR order here
-  using Sparse = typename sdmha::SparseQuery<TypeParam>::SparseMatrixType;
-  Sparse matrix(s.batch * s.steps, s.query_dim);
-  matrix.reserve(Eigen::VectorXi::Constant(s.batch * s.steps, 6));  // slack between rows
-  for (Index e = 0; e < c.values.size(); ++e)
-    matrix.insert(c.indices(e, 0) * s.steps + c.indices(e, 1), c.indices(e, 2)) = c.values[e];
-  ASSERT_FALSE(matrix.isCompressed());
-  const auto query = sdmha::SparseQuery<TypeParam>::from_eigen(s.batch, s.steps, std::move(matrix));
-  const Layer<TypeParam> layer(c.config, c.weights);
-  const auto g = sdmha::mha_backward(layer, query, c.key, c.value, d_output, c.options);
-  ASSERT_EQ(g.query_values.size(), c.values.size());
-  // from_coo's gradients are in COO order; the Eigen query's in CSR order.
-  const auto coo_query = c.query();
-  const auto& coo_to_stored = coo_query.coo_to_stored();
-  std::vector<double> expected(coo_to_stored.size());
-  for (std::size_t e = 0; e < coo_to_stored.size(); ++e)
-    expected[std::size_t(coo_to_stored[e])] = double(from_coo.query_values[Index(e)]);
-  EXPECT_TRUE(all_near(g.query_values.data(), expected, relative_tolerance<TypeParam>()));
+  for (bool wide : {false, true}) {
+    SCOPED_TRACE(wide ? "wide kernel, by feature" : "by rows");
+    Shape s;
+    s.empty_rows = true;
+    s.density = 0.3;
+    s.shuffle = false;
+    if (wide) {
+      s.steps = 8;
+      s.query_dim = 3000;
+      s.key_dim = 136;
+      s.density = 0.25;
+    }
+    auto c = make_case<TypeParam>(s, 52);
+    const auto d_output = random_d_output(c, 53);
+    const auto from_coo = backward(c, d_output, c.options);  // COO entries are in CSR order here
+    using Sparse = typename sdmha::SparseQuery<TypeParam>::SparseMatrixType;
+    Sparse matrix(s.batch * s.steps, s.query_dim);
+    // Slack between rows: room for more entries than any row holds.
+    matrix.reserve(Eigen::VectorXi::Constant(s.batch * s.steps, int(s.query_dim * s.density) + 6));
+    for (Index e = 0; e < c.values.size(); ++e)
+      matrix.insert(c.indices(e, 0) * s.steps + c.indices(e, 1), c.indices(e, 2)) = c.values[e];
+    ASSERT_FALSE(matrix.isCompressed());
+    const auto query = sdmha::SparseQuery<TypeParam>::from_eigen(s.batch, s.steps, std::move(matrix));
+    EXPECT_EQ(sdmha::detail::query_gradients_by_feature(query.csr(), s.heads * s.key_dim), wide);
+    const Layer<TypeParam> layer(c.config, c.weights);
+    const auto g = sdmha::mha_backward(layer, query, c.key, c.value, d_output, c.options);
+    ASSERT_EQ(g.query_values.size(), c.values.size());
+    // from_coo's gradients are in COO order; the Eigen query's in CSR order.
+    const auto coo_query = c.query();
+    const auto& coo_to_stored = coo_query.coo_to_stored();
+    std::vector<double> expected(coo_to_stored.size());
+    for (std::size_t e = 0; e < coo_to_stored.size(); ++e)
+      expected[std::size_t(coo_to_stored[e])] = double(from_coo.query_values[Index(e)]);
+    EXPECT_TRUE(all_near(g.query_values.data(), expected, relative_tolerance<TypeParam>()));
+    const std::vector<double> expected_kernel(from_coo.query_kernel.data(),
+                                              from_coo.query_kernel.data() + from_coo.query_kernel.size());
+    EXPECT_TRUE(all_near(g.query_kernel.data(), expected_kernel, relative_tolerance<TypeParam>()));
+  }
 }
 
 TYPED_TEST(BackwardTest, ZeroSizedBatchStepsAndKeys) {

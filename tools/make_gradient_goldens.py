@@ -38,8 +38,9 @@ def forward(t, metadata, causal):
     """Keras 3's MultiHeadAttention on the densified sparse query, from the tensors `t`."""
     batch, steps, features = (int(n) for n in t["query/dense_shape"])
     indices = t["query/indices"]
+    # accumulate: duplicate coordinates sum, as in SparseQuery::from_coo (the goldens have none).
     query = torch.zeros(batch, steps, features, dtype=torch.float64).index_put(
-        (indices[:, 0], indices[:, 1], indices[:, 2]), t["query/values"])
+        (indices[:, 0], indices[:, 1], indices[:, 2]), t["query/values"], accumulate=True)
     key = t["key"] if "key" in t else t["value"]
     value = t["value"]
     q = torch.einsum("bte,ehd->bthd", query, t["query/kernel"]) + t["query/bias"]

@@ -172,7 +172,8 @@ void csr_dense_product(const CsrView<Scalar, StorageIndex>& x, const Scalar* wei
 
 // The by-feature kernel's working memory: the rows' stored values regrouped by feature. Pass the
 // same object to repeated calls (one object per thread): once it has grown to the largest shape,
-// a call allocates nothing. 32-bit-or-narrower StorageIndex keeps it small (it stays in L2).
+// a call allocates nothing. 32-bit-or-narrower StorageIndex keeps it small (the forward's
+// 512-row blocks stay in L2).
 template <typename Scalar, typename StorageIndex = int>
 struct CsrProductScratch {
   // A stored value of X: its row and value side by side, so that regrouping writes one place.
@@ -188,6 +189,7 @@ struct CsrProductScratch {
   // values in CSR order (0 for the first stored value of row 0, without the slack between the
   // rows of an uncompressed matrix). The backward writes dX, which is in CSR order, through them.
   std::vector<StorageIndex> positions;
+  Index rows = 0;  // of the X it was built from: an entry's row is below it
 };
 
 // Whether the by-feature kernel can take `x`: its rows must be numbered in StorageIndex (the
@@ -217,19 +219,20 @@ bool query_gradients_by_feature(const CsrView<Scalar, StorageIndex>& x, Index co
          x.nonzeros() >= 2 * x.cols && by_feature_fits(x);
 }
 
-// The sizes that build_feature_groups(x, groups, with_positions) gives, checked in O(1) by the
-// stages that take a CSC (its content, being X's, is the caller's precondition).
+// The sizes that build_feature_groups(x, groups, with_positions) gives, checked by the stages
+// that take a CSC (O(1), O(rows) for an uncompressed X; its content, being X's, is the caller's
+// precondition).
 template <typename Scalar, typename StorageIndex>
 void check_feature_groups(const char* where, const CsrView<Scalar, StorageIndex>& x,
                           const CsrProductScratch<Scalar, StorageIndex>& groups, bool with_positions) {
-  const std::size_t nonzeros = static_cast<std::size_t>(x.nonzeros());
-  if (groups.feature_offsets.size() != static_cast<std::size_t>(x.cols) + 1 ||
-      groups.entries.size() != nonzeros || Index(groups.feature_offsets.back()) != x.nonzeros() ||
-      (with_positions && groups.positions.size() != nonzeros))
-    fail<ShapeError>(where, "feature_groups has ", groups.feature_offsets.size(), " offsets, ",
-                     groups.entries.size(), " entries and ", groups.positions.size(),
-                     " positions; expected build_feature_groups of the query: ", x.cols + 1,
-                     " offsets, ", nonzeros, " entries", with_positions ? " and positions" : "");
+  const Index nonzeros = x.nonzeros();
+  if (groups.rows != x.rows || groups.feature_offsets.size() != static_cast<std::size_t>(x.cols) + 1 ||
+      Index(groups.entries.size()) != nonzeros || Index(groups.feature_offsets.back()) != nonzeros ||
+      (with_positions && Index(groups.positions.size()) != nonzeros))
+    fail<ShapeError>(where, "feature_groups has ", groups.rows, " rows, ", groups.feature_offsets.size(),
+                     " offsets, ", groups.entries.size(), " entries and ", groups.positions.size(),
+                     " positions; expected build_feature_groups of the query: ", x.rows, " rows, ",
+                     x.cols + 1, " offsets, ", nonzeros, " entries", with_positions ? " and positions" : "");
 }
 
 // Fills scratch with X's CSC: a counting sort by feature that keeps CSR order within a feature;
@@ -261,16 +264,17 @@ void build_feature_groups(const CsrView<Scalar, StorageIndex>& x, CsrProductScra
   auto* entries = scratch.entries.data();
   if (with_positions) scratch.positions.resize(scratch.entries.size());
   StorageIndex* positions = with_positions ? scratch.positions.data() : nullptr;
-  StorageIndex in_csr_order = 0;
+  Index in_csr_order = 0;  // Index: one past the last entry may not fit StorageIndex
   for (Index row = 0; row < x.rows; ++row) {
     const Index end = x.row_end(row);
     for (Index k = x.row_begin(row); k < end; ++k, ++in_csr_order) {
       const std::size_t position = static_cast<std::size_t>(offsets[std::size_t(x.column_indices[k])]++);
       entries[position].row = StorageIndex(row);
       entries[position].value = x.values[k];
-      if (positions != nullptr) positions[position] = in_csr_order;
+      if (positions != nullptr) positions[position] = StorageIndex(in_csr_order);
     }
   }
+  scratch.rows = x.rows;
   for (std::size_t feature = features; feature > 0; --feature) offsets[feature] = offsets[feature - 1];
   offsets[0] = 0;
 }
