@@ -2,8 +2,13 @@
 //
 // Same weights, options and stages as SparseDenseMHA (score kernel in its project-first form);
 // the query (B, T, Eq) is projected by a dense GEMM. It is what a user would run after
-// densifying a sparse query, and what the bench compares against.
+// densifying a sparse query, and what the bench compares against. The query projection goes in
+// blocks of kQueryProjectionRowBlock rows: a wide Wq (Eq = 32768) is then packed once per 512
+// rows, not once per 64.
 #pragma once
+
+#include <memory>
+#include <utility>
 
 #include "sdmha/detail/attention_core.hpp"
 #include "sdmha/stages/attend_values.hpp"
@@ -14,33 +19,30 @@
 
 namespace sdmha {
 
-template <typename Scalar,
-          typename QueryProjectionT = DenseProjection<Scalar>,
-          typename ScoreKernelT = ScoreKernel<Scalar>,
-          typename SoftmaxT = MaskedSoftmax<Scalar>,
-          typename AttendValuesT = AttendValues<Scalar>,
-          typename OutputProjectionT = OutputProjection<Scalar>,
+template <typename Scalar, typename QueryProjectionT = DenseProjection<Scalar>,
+          typename ScoreKernelT = ScoreKernel<Scalar>, typename SoftmaxT = MaskedSoftmax<Scalar>,
+          typename AttendValuesT = AttendValues<Scalar>, typename OutputProjectionT = OutputProjection<Scalar>,
           typename ContextProjectionT = DenseProjection<Scalar>>
-class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
-                                              OutputProjectionT, ContextProjectionT> {
-  using Core = detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
-                                     OutputProjectionT, ContextProjectionT>;
+class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT, OutputProjectionT,
+                                              ContextProjectionT> {
+  using Core =
+      detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT, OutputProjectionT, ContextProjectionT>;
   static_assert(std::is_same<typename QueryProjectionT::ScalarType, Scalar>::value,
                 "the query projection's ScalarType must be the layer's Scalar");
 
  public:
-  using ScalarType = Scalar;
   using QueryProjection = QueryProjectionT;
 
-  DenseMHA(const MhaConfig& config, MhaWeights<Scalar> weights) : Core(config, std::move(weights)) {}
+  DenseMHA(const MhaConfig& config, MhaWeights<Scalar> weights)
+      : Core(config, std::make_shared<MhaWeights<Scalar>>(std::move(weights))) {}
+  DenseMHA(const MhaConfig& config, std::shared_ptr<MhaWeights<Scalar>> weights) : Core(config, std::move(weights)) {}
 
   QueryProjection& query_projection() { return query_projection_; }
 
   // query (B, T, Eq) dense; key (B, S, Ek); value (B, S, Ev) → output (B, T, O). Thread-safe.
   // options.score_strategy is ignored: a dense query has only the project-first form.
   AttentionResult<Scalar> forward(const TensorRef3<Scalar>& query, const TensorRef3<Scalar>& key,
-                                  const TensorRef3<Scalar>& value,
-                                  const AttentionOptions<Scalar>& options = {}) const {
+                                  const TensorRef3<Scalar>& value, const AttentionOptions<Scalar>& options = {}) const {
     Workspace<Scalar> workspace;
     AttentionResult<Scalar> result;
     forward(query, key, value, options, workspace, result);
@@ -52,31 +54,37 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
                const AttentionOptions<Scalar>& options, Workspace<Scalar>& workspace,
                AttentionResult<Scalar>& result) const {
     constexpr const char* where = "DenseMHA::forward";
-    const LayerDims& dims = this->dims_;
+    const LayerDims dims = this->dims();
+    const Index B = query.dimension(0), T = query.dimension(1);
     if (query.dimension(2) != dims.query_dim)
       detail::fail<ShapeError>(where, "query has width ", query.dimension(2),
                                "; expected the query kernel's input width ", dims.query_dim);
-    const Index B = query.dimension(0), T = query.dimension(1), Dk = dims.key_dim;
     if (query.data() == nullptr && B * T * dims.query_dim > 0)
-      detail::fail<ShapeError>(where, "query has no data; expected ", B, " x ", T, " x ",
-                               dims.query_dim, " values");
-    this->check_context(where, B, key, value);
-    auto inputs = this->check_options(where, B, T, value.dimension(1), options);
+      detail::fail<ShapeError>(where, "query has no data; expected ", B, " x ", T, " x ", dims.query_dim, " values");
+    Core::check_context(where, dims, B, key, value);
+    auto plan = Core::check_options(where, dims, B, T, value.dimension(1), options, detail::Pass::forward);
+    TileSizes block;
+    block.rows = detail::kQueryProjectionRowBlock;
+    block.input_width = dims.query_dim;
+    block.output_width = dims.projected_key_width();
+    this->finish_plan(plan, detail::stage_workspace_size<QueryProjection>(block));
     const typename Workspace<Scalar>::Lease lease(workspace, where);
     auto& buffers = lease.buffers();
-    inputs.pool = &buffers.pool;
-    const auto& context = buffers.context;
-    this->project_checked(key, value, inputs.threads, inputs.pool, buffers.context);
+    buffers.prepare_workers(plan.workers(B * T), plan.worker_scratch_bytes, plan.tile_entries, 2);
+    this->project_context_into(plan, key, value, buffers, buffers.context);
     RowMatrix<Scalar>& projected_query = buffers.projected_query;
     projected_query.resize(B * T, dims.projected_key_width());
-    this->project_rows(query_projection_, query.as_matrix(), this->weights_.query_kernel,
-                       this->weights_.query_bias, projected_query, inputs.threads, inputs.pool);
-    const Scalar scale = this->score_scale();
-    this->attend(inputs, context, options, detail::kQueryTile,
-                        [&](Index b, Index h, Index first_step, const ConstMatrixRef<Scalar>& key_bh,
-                            const BatchMask& mask, MatrixRef<Scalar> scores) {
+    const auto& weights = this->weights();
+    Core::project_rows(plan, query_projection_, detail::kQueryProjectionRowBlock, query.as_matrix(),
+                       weights.query_kernel, weights.query_bias, projected_query, buffers);
+    const Scalar scale = this->score_scale(dims);
+    const Index Dk = dims.key_dim;
+    this->attend(plan, buffers.context, options, [&](const detail::AttentionItem& item, const BatchMask& mask,
+                                                     const ConstMatrixRef<Scalar>& key_tile, StageScratch scratch,
+                                                     MatrixRef<Scalar> scores) {
       typename ScoreKernelT::Arguments args{
-          projected_query.block(b * T + first_step, h * Dk, scores.rows(), Dk), key_bh, scale, mask, scores};
+          item.position(), projected_query.block(item.batch * T + item.query_begin, item.head * Dk, item.query_rows, Dk),
+          key_tile, scale, mask, scores, scratch};
       ScoreKernelT::can_implement(args);
       this->score_kernel_(args);
     }, buffers, result);

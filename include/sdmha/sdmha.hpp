@@ -17,6 +17,6 @@
 #include "sdmha/sparse_dense_mha.hpp"  // SparseDenseMHA: the layer, composed of the stages
 #include "sdmha/dense_mha.hpp"         // DenseMHA: the dense baseline with the same math
 #include "sdmha/gradients.hpp"         // MhaGradients: what backward returns
-#include "sdmha/stages/query_values_gradient.hpp"  // ∂/∂ stored query values (sampled dense product)
-#include "sdmha/stages/query_kernel_gradient.hpp"  // ∂/∂Wq = Xᵀ·dQ from CSR
+
+
 #include "sdmha/backward.hpp"          // mha_backward: the training pass (SparseDenseMHA::backward)

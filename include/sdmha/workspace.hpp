@@ -1,24 +1,23 @@
 // sdmha/workspace.hpp — Workspace: the memory and the worker threads of forward and backward
 // calls, kept between calls so that a repeated call with the same shapes allocates nothing.
 //
-// A forward call needs K and V (B·S × H·Dk, B·S × H·Dv), the projected query (B·T × H·Dk), the
-// concatenated heads (B·T × H·Dv), one query tile × S score block per worker, and threads. Without
-// a workspace each call allocates them and starts its threads; with one, the first call sizes the
-// buffers and starts the threads, and later calls with the same (or smaller) shapes reuse them.
-// Eigen's GEMM packing blocks are kept per thread (detail/gemm.hpp), so with the workspace's
-// persistent threads those stop allocating too.
+// A call plans its work first (detail::AttentionPlan): K and V, the projected query, the
+// concatenated heads, and per worker one tile of scores and the scratch its stages ask for
+// (workspace_size(), GEMM packing included). Without a workspace each call allocates them and
+// starts its threads; with one, the first call sizes the buffers and starts the threads, and
+// later calls with the same (or smaller) shapes reuse them. No stage keeps memory of its own.
 //
 //   sdmha::Workspace<float> workspace;            // one per calling thread
 //   sdmha::AttentionResult<float> result;         // reused too: its tensors keep their memory
 //   for (auto& batch : batches) layer.forward(batch.query, key, value, options, workspace, result);
 //
-// backward (sdmha/backward.hpp) takes a workspace the same way, with an MhaGradients to fill:
+// backward takes a workspace the same way, with an MhaGradients to fill:
 //
 //   layer.backward(query, key, value, context, d_output, options, workspace, gradients);
 //
 // One workspace serves one call at a time: using it from two threads at once throws ConfigError
 // (give each calling thread its own). Buffers grow to the largest shapes seen and are freed with
-// the workspace; bytes() tells how much it holds.
+// the workspace; bytes() tells how much it holds, all of it.
 #pragma once
 
 #include <atomic>
@@ -28,6 +27,7 @@
 
 #include "sdmha/config.hpp"
 #include "sdmha/detail/parallel.hpp"
+#include "sdmha/detail/scratch.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/options.hpp"
 
@@ -35,57 +35,65 @@ namespace sdmha {
 
 namespace detail {
 
-// What one backward call works in besides CallBuffers' context, pool and strategy scratch: Q,
-// dA = dY·Woᵀ, the heads A, dQ, dK, dV, per-worker tile scratch, and the gathers of the
-// non-finite paths. Empty until a backward call uses the workspace.
+// One worker's memory: its stages' scratch and its tile buffers (scores or P, P after dropout,
+// dP → dS), each of the plan's tile_entries.
+template <typename Scalar>
+struct WorkerBuffers {
+  ScratchBuffer stage;
+  ScratchBuffer tiles;
+
+  Eigen::Map<RowMatrix<Scalar>> tile(int which, Index rows, Index columns, Index tile_entries) const {
+    Scalar* base = reinterpret_cast<Scalar*>(tiles.view().data) + which * tile_entries;
+    return Eigen::Map<RowMatrix<Scalar>>(base, rows, columns);
+  }
+  std::size_t bytes() const { return stage.bytes() + tiles.bytes(); }
+};
+
+// What one backward call works in besides the forward's buffers.
 template <typename Scalar>
 struct BackwardBuffers {
-  RowMatrix<Scalar> queries, d_heads, heads, d_queries, d_keys, d_values;
-  std::vector<RowMatrix<Scalar>> tile_probabilities, tile_dropped, tile_d_scores;  // per worker
+  RowMatrix<Scalar> d_heads, d_queries, d_keys, d_values;  // dA, dQ, dK, dV
+  RowMatrix<Scalar> gathered_input, gathered_output;       // rows of a non-finite input with a gradient
   std::vector<Index> gathered_rows, block_start;
-  RowMatrix<Scalar> gathered_input, gathered_output;
-  Vector<Scalar> d_stored;
+  Vector<Scalar> d_stored;       // dX in CSR order when from_coo's order differs
+  ScratchBuffer feature_groups;  // the whole query's CSC, for the query gradients by feature
 
   std::size_t bytes() const {
     auto matrix_bytes = [](const auto& m) { return std::size_t(m.size()) * sizeof(Scalar); };
-    std::size_t total = matrix_bytes(queries) + matrix_bytes(d_heads) + matrix_bytes(heads) +
-                        matrix_bytes(d_queries) + matrix_bytes(d_keys) + matrix_bytes(d_values) +
-                        matrix_bytes(gathered_input) + matrix_bytes(gathered_output) +
-                        matrix_bytes(d_stored) +
-                        (gathered_rows.capacity() + block_start.capacity()) * sizeof(Index);
-    for (const auto* list : {&tile_probabilities, &tile_dropped, &tile_d_scores})
-      for (const auto& m : *list) total += matrix_bytes(m);
-    return total;
+    return matrix_bytes(d_heads) + matrix_bytes(d_queries) + matrix_bytes(d_keys) + matrix_bytes(d_values) +
+           matrix_bytes(gathered_input) + matrix_bytes(gathered_output) + matrix_bytes(d_stored) +
+           (gathered_rows.capacity() + block_start.capacity()) * sizeof(Index) + feature_groups.bytes();
   }
 };
 
-// What one forward call works in. Matrices are resized to each call's shapes; Eigen reallocates
-// only when the number of entries changes.
+// What one call works in. Matrices are resized to each call's shapes; Eigen reallocates only
+// when the number of entries changes.
 template <typename Scalar>
 struct CallBuffers {
-  ProjectedContext<Scalar> context;              // K and V, unless the caller passes a context
-  RowMatrix<Scalar> projected_query;             // Q (project-first, and the dense baseline)
-  RowMatrix<Scalar> heads;                       // [A_0 … A_{H−1}], B·T × H·Dv
-  std::vector<char> value_is_finite;             // per (b, h)
-  std::vector<RowMatrix<Scalar>> tile_scores;    // per worker: the query tile's scores
-  std::vector<RowMatrix<Scalar>> tile_dropped;   // per worker: probabilities after dropout
-  std::vector<Index> feature_batch;              // the score-strategy cost model's scratch
-  BackwardBuffers<Scalar> backward;              // the rest of a backward call's memory
+  ProjectedContext<Scalar> context;        // K and V, unless the caller passes a context
+  RowMatrix<Scalar> projected_query;       // Q (project-first, the dense baseline, backward)
+  RowMatrix<Scalar> heads;                 // [A_0 … A_{H−1}], B·T × H·Dv
+  std::vector<char> value_is_finite;       // per (b, h)
+  std::vector<Index> feature_marks;        // the query statistics' scratch (Eq entries)
+  std::vector<WorkerBuffers<Scalar>> workers;
+  BackwardBuffers<Scalar> backward;
   ThreadPool pool;
 
-  // Grows a per-worker list to `workers` entries (keeping what the entries hold).
-  template <typename T>
-  static void ensure_workers(std::vector<T>& list, int workers) {
-    if (list.size() < static_cast<std::size_t>(workers)) list.resize(static_cast<std::size_t>(workers));
+  // Grows every worker's buffers to the plan's sizes, on the calling thread, before the workers
+  // start: a worker never allocates.
+  void prepare_workers(int count, std::size_t stage_bytes, Index tile_entries, int tiles_per_worker) {
+    if (workers.size() < static_cast<std::size_t>(count)) workers.resize(static_cast<std::size_t>(count));
+    for (auto& worker : workers) {
+      worker.stage.reserve(stage_bytes);
+      worker.tiles.reserve(std::size_t(tiles_per_worker) * std::size_t(tile_entries) * sizeof(Scalar));
+    }
   }
 
   std::size_t bytes() const {
     auto matrix_bytes = [](const RowMatrix<Scalar>& m) { return std::size_t(m.size()) * sizeof(Scalar); };
-    std::size_t total = matrix_bytes(context.keys) + matrix_bytes(context.values) +
-                        matrix_bytes(projected_query) + matrix_bytes(heads) + value_is_finite.capacity() +
-                        feature_batch.capacity() * sizeof(Index);
-    for (const auto& m : tile_scores) total += matrix_bytes(m);
-    for (const auto& m : tile_dropped) total += matrix_bytes(m);
+    std::size_t total = matrix_bytes(context.keys) + matrix_bytes(context.values) + matrix_bytes(projected_query) +
+                        matrix_bytes(heads) + value_is_finite.capacity() + feature_marks.capacity() * sizeof(Index);
+    for (const auto& worker : workers) total += worker.bytes();
     return total + backward.bytes();
   }
 };
@@ -102,8 +110,7 @@ class Workspace {
     return *this;
   }
 
-  // Bytes held in buffers (not counting the per-thread GEMM packing blocks, which belong to the
-  // threads: about kc·(mc + nc) scalars each, a few hundred KB).
+  // Bytes held: every buffer, the workers' stage scratch and GEMM packing included.
   std::size_t bytes() const { return buffers_ ? buffers_->bytes() : 0; }
   // Worker threads started so far (the calling thread works too, so a call on N threads keeps
   // N − 1 here).
@@ -113,8 +120,7 @@ class Workspace {
   class Lease {
    public:
     Lease(Workspace& workspace, const char* where) : workspace_(workspace) {
-      if (!workspace.buffers_)
-        detail::fail<ConfigError>(where, "workspace was moved from; expected a live Workspace");
+      if (!workspace.buffers_) detail::fail<ConfigError>(where, "workspace was moved from; expected a live Workspace");
       if (workspace.in_use_.exchange(true, std::memory_order_acquire))
         detail::fail<ConfigError>(where, "workspace is in use by another call; expected one "
                                          "Workspace per calling thread");

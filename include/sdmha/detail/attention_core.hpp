@@ -1,23 +1,46 @@
-// sdmha/detail/attention_core.hpp — what the sparse layer and the dense baseline share: input
-// validation, the key and value projections, the per-(batch, head) score → softmax → values
-// loop, and the output projection. The two layers differ only in how they get the scores.
+// sdmha/detail/attention_core.hpp — what the sparse layer and the dense baseline share: the
+// weights, input validation, the plan of a call, the key/value and output projections, and the
+// forward's per-tile score → softmax → values body. The two layers differ only in how they get
+// the scores of a tile.
 #pragma once
 
 #include <cmath>
+#include <memory>
 #include <type_traits>
 #include <utility>
 
 #include "sdmha/config.hpp"
+#include "sdmha/detail/attention_plan.hpp"
 #include "sdmha/detail/dropout.hpp"
 #include "sdmha/detail/finite.hpp"
 #include "sdmha/detail/parallel.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/mask.hpp"
 #include "sdmha/options.hpp"
+#include "sdmha/stage.hpp"
 #include "sdmha/weights.hpp"
 #include "sdmha/workspace.hpp"
 
 namespace sdmha::detail {
+
+// The mask of one attention item: its rows and keys of the (B, T, S) masks of `options`.
+template <typename Scalar>
+BatchMask item_mask(const AttentionItem& item, const AttentionOptions<Scalar>& options, Index steps,
+                    Index key_steps) {
+  BatchMask mask;
+  mask.steps = item.query_rows;
+  mask.key_steps = item.key_steps;
+  mask.first_step = item.query_begin;
+  mask.first_key_step = item.key_begin;
+  mask.causal = options.use_causal_mask;
+  if (options.attention_mask.size() != 0) {
+    mask.attention = options.attention_mask.data() + (item.batch * steps + item.query_begin) * key_steps + item.key_begin;
+    mask.attention_stride = key_steps;
+  }
+  if (options.key_padding_mask.size() != 0)
+    mask.key_padding = options.key_padding_mask.data() + item.batch * key_steps + item.key_begin;
+  return mask;
+}
 
 template <typename Scalar, typename ScoreKernelT, typename SoftmaxT, typename AttendValuesT,
           typename OutputProjectionT, typename ContextProjectionT>
@@ -34,6 +57,7 @@ class AttentionCore {
                 "the key/value projection's ScalarType must be the layer's Scalar");
 
  public:
+  using ScalarType = Scalar;
   using ScoreKernel = ScoreKernelT;
   using Softmax = SoftmaxT;
   using AttendValues = AttendValuesT;
@@ -41,264 +65,306 @@ class AttentionCore {
   using ContextProjection = ContextProjectionT;
 
   const MhaConfig& config() const { return config_; }
-  const MhaWeights<Scalar>& weights() const { return weights_; }
-  const LayerDims& dims() const { return dims_; }
+  // The weights, shared with whoever else holds them: a training step may update them in place
+  // between calls (each call checks their shapes again).
+  const MhaWeights<Scalar>& weights() const { return *weights_; }
+  MhaWeights<Scalar>& weights() { return *weights_; }
+  const std::shared_ptr<MhaWeights<Scalar>>& shared_weights() const { return weights_; }
+  // Every width of the layer, from the configuration and the weights' current shapes.
+  LayerDims dims() const { return weights_->validate(config_); }
 
   // The stage objects, for stages that carry parameters of their own. Set them up before the
-  // layer is shared between threads: forward only reads them.
+  // layer is shared between threads: forward and backward only read them.
   ScoreKernel& score_kernel() { return score_kernel_; }
   Softmax& softmax() { return softmax_; }
   AttendValues& attend_values() { return attend_values_; }
   OutputProjection& output_projection() { return output_projection_; }
   ContextProjection& context_projection() { return context_projection_; }
+  const ScoreKernel& score_kernel() const { return score_kernel_; }
+  const Softmax& softmax() const { return softmax_; }
+  const AttendValues& attend_values() const { return attend_values_; }
+  const OutputProjection& output_projection() const { return output_projection_; }
+  const ContextProjection& context_projection() const { return context_projection_; }
 
-  // The boundary checks of forward, public so that passes built on the layer (mha_backward)
-  // check the same things with the same messages.
-  // The sizes of one validated call.
-  struct Inputs {
-    Index batch, steps, key_steps;
-    int threads;
-    ThreadPool* pool = nullptr;  // persistent workers (a Workspace's), or threads per call
-  };
+  // Projects key (B, S, Ek) and value (B, S, Ev) once, for forward and backward calls that reuse them.
+  ProjectedContext<Scalar> project_context(const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
+                                           int num_threads = 0) const {
+    constexpr const char* where = "project_context";
+    const LayerDims dims = this->dims();
+    check_context(where, dims, key.dimension(0), key, value);
+    if (num_threads < 0)
+      fail<ConfigError>(where, "num_threads = ", num_threads, "; expected >= 0 (0 means all hardware threads)");
+    AttentionPlan plan;
+    plan.dims = dims;
+    plan.batch = key.dimension(0);
+    plan.key_steps = key.dimension(1);
+    plan.threads = resolve_thread_count(num_threads);
+    plan.worker_scratch_bytes = context_scratch_bytes(plan);
+    Workspace<Scalar> workspace;
+    const typename Workspace<Scalar>::Lease lease(workspace, where);
+    auto& buffers = lease.buffers();
+    ProjectedContext<Scalar> context;
+    project_context_into(plan, key, value, buffers, context);
+    return context;
+  }
+
+ protected:
+  AttentionCore(const MhaConfig& config, std::shared_ptr<MhaWeights<Scalar>> weights)
+      : config_(config), weights_(std::move(weights)) {
+    if (!weights_) fail<ConfigError>("layer", "weights is a null shared_ptr; expected MhaWeights");
+    dims();  // ConfigError, ShapeError
+  }
+
+  // ---- validation --------------------------------------------------------------------------
 
   // Checks key (B, S, Ek) and value (B, S, Ev) against the weights and the query's batch.
-  void check_context(const char* where, Index batch, const TensorRef3<Scalar>& key,
-                     const TensorRef3<Scalar>& value) const {
+  static void check_context(const char* where, const LayerDims& dims, Index batch, const TensorRef3<Scalar>& key,
+                            const TensorRef3<Scalar>& value) {
     auto check_tensor = [&](const char* name, const TensorRef3<Scalar>& tensor, Index width) {
       if (tensor.dimension(0) != batch)
-        fail<ShapeError>(where, name, " has batch ", tensor.dimension(0),
-                         "; expected the query's batch ", batch);
+        fail<ShapeError>(where, name, " has batch ", tensor.dimension(0), "; expected the query's batch ", batch);
       if (tensor.dimension(2) != width)
-        fail<ShapeError>(where, name, " has width ", tensor.dimension(2),
-                         "; expected the kernel's input width ", width);
+        fail<ShapeError>(where, name, " has width ", tensor.dimension(2), "; expected the kernel's input width ",
+                         width);
       if (tensor.data() == nullptr && tensor.dimension(0) * tensor.dimension(1) * width > 0)
-        fail<ShapeError>(where, name, " has no data; expected ", batch, " x ",
-                         tensor.dimension(1), " x ", width, " values");
+        fail<ShapeError>(where, name, " has no data; expected ", batch, " x ", tensor.dimension(1), " x ", width,
+                         " values");
     };
-    check_tensor("key", key, dims_.key_in_dim);
-    check_tensor("value", value, dims_.value_in_dim);
+    check_tensor("key", key, dims.key_in_dim);
+    check_tensor("value", value, dims.value_in_dim);
     if (key.dimension(1) != value.dimension(1))
-      fail<ShapeError>(where, "key has ", key.dimension(1), " steps but value has ",
-                       value.dimension(1), "; expected equal");
+      fail<ShapeError>(where, "key has ", key.dimension(1), " steps but value has ", value.dimension(1),
+                       "; expected equal");
   }
 
   // Checks a ProjectedContext against the weights and the query's batch.
-  void check_context(const char* where, Index batch, const ProjectedContext<Scalar>& context) const {
+  static void check_context(const char* where, const LayerDims& dims, Index batch,
+                            const ProjectedContext<Scalar>& context) {
     if (context.batch != batch)
       fail<ShapeError>(where, "context has batch ", context.batch, "; expected the query's batch ", batch);
     if (context.key_steps < 0 || context.keys.rows() != context.batch * context.key_steps ||
-        context.keys.cols() != dims_.projected_key_width())
+        context.keys.cols() != dims.projected_key_width())
       fail<ShapeError>(where, "context.keys is ", context.keys.rows(), " x ", context.keys.cols(),
-                       "; expected batch * key_steps x num_heads * key_dim = ",
-                       context.batch * context.key_steps, " x ", dims_.projected_key_width());
-    if (context.values.rows() != context.keys.rows() ||
-        context.values.cols() != dims_.projected_value_width())
-      fail<ShapeError>(where, "context.values is ", context.values.rows(), " x ",
-                       context.values.cols(), "; expected batch * key_steps x num_heads * value_dim = ",
-                       context.keys.rows(), " x ", dims_.projected_value_width());
+                       "; expected batch * key_steps x num_heads * key_dim = ", context.batch * context.key_steps,
+                       " x ", dims.projected_key_width());
+    if (context.values.rows() != context.keys.rows() || context.values.cols() != dims.projected_value_width())
+      fail<ShapeError>(where, "context.values is ", context.values.rows(), " x ", context.values.cols(),
+                       "; expected batch * key_steps x num_heads * value_dim = ", context.keys.rows(), " x ",
+                       dims.projected_value_width());
   }
 
-  // Checks the options against (B, T, S) and resolves the thread count.
-  Inputs check_options(const char* where, Index batch, Index steps, Index key_steps,
-                       const AttentionOptions<Scalar>& options) const {
+  // Checks the options against (B, T, S) and starts the call's plan: sizes and threads.
+  static AttentionPlan check_options(const char* where, const LayerDims& dims, Index batch, Index steps,
+                                     Index key_steps, const AttentionOptions<Scalar>& options, Pass pass) {
     const auto& mask = options.attention_mask;
     if (mask.size() != 0 || mask.dimension(0) != 0 || mask.dimension(1) != 0 || mask.dimension(2) != 0) {
       if (mask.dimension(0) != batch || mask.dimension(1) != steps || mask.dimension(2) != key_steps)
-        fail<ShapeError>(where, "attention_mask is (", mask.dimension(0), ", ", mask.dimension(1),
-                         ", ", mask.dimension(2), "); expected (B, T, S) = (", batch, ", ", steps,
-                         ", ", key_steps, ")");
+        fail<ShapeError>(where, "attention_mask is (", mask.dimension(0), ", ", mask.dimension(1), ", ",
+                         mask.dimension(2), "); expected (B, T, S) = (", batch, ", ", steps, ", ", key_steps, ")");
     }
     const auto& padding = options.key_padding_mask;
     if (padding.dimension(0) != 0 || padding.dimension(1) != 0) {
       if (padding.dimension(0) != batch || padding.dimension(1) != key_steps)
-        fail<ShapeError>(where, "key_padding_mask is (", padding.dimension(0), ", ",
-                         padding.dimension(1), "); expected (B, S) = (", batch, ", ", key_steps, ")");
+        fail<ShapeError>(where, "key_padding_mask is (", padding.dimension(0), ", ", padding.dimension(1),
+                         "); expected (B, S) = (", batch, ", ", key_steps, ")");
     }
     if (!(options.dropout_rate >= 0.0 && options.dropout_rate < 1.0))
       fail<ConfigError>(where, "dropout_rate = ", options.dropout_rate, "; expected 0 <= dropout_rate < 1");
     if (options.num_threads < 0)
       fail<ConfigError>(where, "num_threads = ", options.num_threads,
                         "; expected >= 0 (0 means all hardware threads)");
-    return Inputs{batch, steps, key_steps, resolve_thread_count(options.num_threads)};
+    AttentionPlan plan;
+    plan.pass = pass;
+    plan.batch = batch;
+    plan.steps = steps;
+    plan.key_steps = key_steps;
+    plan.dims = dims;
+    plan.threads = resolve_thread_count(options.num_threads);
+    plan.causal = options.use_causal_mask;
+    return plan;
   }
 
- protected:
-  AttentionCore(const MhaConfig& config, MhaWeights<Scalar> weights)
-      : config_(config), weights_(std::move(weights)), dims_(weights_.validate(config_)) {}
+  // ---- the plan's scratch ------------------------------------------------------------------
 
- public:
+  std::size_t context_scratch_bytes(const AttentionPlan& plan) const {
+    TileSizes sizes;
+    sizes.rows = plan.pass == Pass::forward ? kProjectionRowBlock : std::max(plan.batch * plan.key_steps, Index(1));
+    sizes.input_width = std::max(plan.dims.key_in_dim, plan.dims.value_in_dim);
+    sizes.output_width = std::max(plan.dims.projected_key_width(), plan.dims.projected_value_width());
+    return stage_workspace_size<ContextProjection>(sizes);
+  }
+
+  // Fills in the plan's tiles and each worker's scratch: the largest of what the stages ask for
+  // (`query_stage_bytes` is the layer's own query projection's).
+  void finish_plan(AttentionPlan& plan, std::size_t query_stage_bytes) const {
+    plan.query_tile = plan_query_tile(plan.pass, plan.regrouped(), plan.causal, plan.steps, plan.key_steps);
+    plan.query_tiles = AttentionPlan::block_count(plan.steps, plan.query_tile);
+    const Index rows = std::min(plan.query_tile, plan.steps);
+    plan.tile_entries = rows * plan.key_steps;
+    TileSizes tile;
+    tile.rows = rows;
+    tile.key_steps = plan.key_steps;
+    tile.key_dim = plan.dims.key_dim;
+    tile.value_dim = plan.dims.value_dim;
+    tile.features = plan.dims.query_dim;
+    if (plan.regrouped()) {
+      tile.distinct_features = plan.query.distinct_largest;
+      tile.nonzeros = plan.query.batch_nonzeros_largest;
+    }
+    TileSizes output;
+    output.rows = plan.pass == Pass::forward ? kProjectionRowBlock : std::max(plan.batch * plan.steps, Index(1));
+    output.input_width = plan.dims.projected_value_width();
+    output.output_width = plan.dims.output_dim;
+    plan.worker_scratch_bytes =
+        std::max({query_stage_bytes, context_scratch_bytes(plan), stage_workspace_size<OutputProjection>(output),
+                  stage_workspace_size<ScoreKernel>(tile), stage_workspace_size<Softmax>(tile),
+                  stage_workspace_size<AttendValues>(tile)});
+  }
+
+  // ---- forward passes ----------------------------------------------------------------------
+
+  // input (rows × E) · kernel + bias → output, in the plan's fixed row blocks.
+  template <typename Projection>
+  static void project_rows(const AttentionPlan& plan, const Projection& projection, Index block_rows,
+                           const ConstMatrixRef<Scalar>& input, const RowMatrix<Scalar>& kernel,
+                           const Vector<Scalar>& bias, MatrixRef<Scalar> output, CallBuffers<Scalar>& buffers) {
+    const Index rows = input.rows();
+    const Index blocks = AttentionPlan::block_count(rows, block_rows);
+    buffers.prepare_workers(plan.workers(blocks), plan.worker_scratch_bytes, 0, 0);
+    parallel_for(blocks, plan.threads, [&](Index index, int worker) {
+      const RowBlock block = AttentionPlan::block(index, rows, block_rows);
+      typename Projection::Arguments args{input.middleRows(block.begin, block.rows), kernel, bias_view(bias),
+                                          output.middleRows(block.begin, block.rows),
+                                          buffers.workers[std::size_t(worker)].stage.view()};
+      Projection::can_implement(args);
+      projection(args);
+    }, &buffers.pool);
+  }
+
   // K and V of validated key and value, into `context` (resized; reallocated only when it grows).
-  // Public, like the checks above, for passes built on the layer (mha_backward).
-  void project_checked(const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value, int threads,
-                       ThreadPool* pool, ProjectedContext<Scalar>& context) const {
+  void project_context_into(const AttentionPlan& plan, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
+                            CallBuffers<Scalar>& buffers, ProjectedContext<Scalar>& context) const {
+    const MhaWeights<Scalar>& weights = *weights_;
     context.batch = value.dimension(0);
     context.key_steps = value.dimension(1);
     const Index rows = context.batch * context.key_steps;
-    context.keys.resize(rows, dims_.projected_key_width());
-    context.values.resize(rows, dims_.projected_value_width());
-    project_rows(context_projection_, key.as_matrix(), weights_.key_kernel, weights_.key_bias,
-                 context.keys, threads, pool);
-    project_rows(context_projection_, value.as_matrix(), weights_.value_kernel, weights_.value_bias,
-                 context.values, threads, pool);
+    context.keys.resize(rows, plan.dims.projected_key_width());
+    context.values.resize(rows, plan.dims.projected_value_width());
+    project_rows(plan, context_projection_, kProjectionRowBlock, key.as_matrix(), weights.key_kernel,
+                 weights.key_bias, context.keys, buffers);
+    project_rows(plan, context_projection_, kProjectionRowBlock, value.as_matrix(), weights.value_kernel,
+                 weights.value_bias, context.values, buffers);
   }
 
-  // Projects key (B, S, Ek) and value (B, S, Ev) once, for forward calls that reuse them.
-  ProjectedContext<Scalar> project_context(const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
-                                           int num_threads = 0) const {
-    constexpr const char* where = "project_context";
-    check_context(where, key.dimension(0), key, value);
-    if (num_threads < 0)
-      fail<ConfigError>(where, "num_threads = ", num_threads, "; expected >= 0 (0 means all hardware threads)");
-    ProjectedContext<Scalar> context;
-    project_checked(key, value, resolve_thread_count(num_threads), nullptr, context);
-    return context;
-  }
-
- protected:
-  Scalar score_scale() const { return Scalar(1.0 / std::sqrt(double(dims_.key_dim))); }
-
-  // The bias of a projection, or an empty vector when the layer has none.
-  ConstVectorRef<Scalar> bias_or_empty(const Vector<Scalar>& bias) const {
-    return bias.size() != 0 ? ConstVectorRef<Scalar>(bias) : ConstVectorRef<Scalar>(no_bias_);
-  }
-  ConstVectorRef<Scalar> bias_segment(const Vector<Scalar>& bias, Index start, Index size) const {
-    return bias.size() != 0 ? ConstVectorRef<Scalar>(bias.segment(start, size))
-                            : ConstVectorRef<Scalar>(no_bias_);
-  }
-
-  // input (rows × E) · kernel + bias → output, in fixed row blocks spread over the threads.
-  template <typename Projection>
-  void project_rows(const Projection& projection, const ConstMatrixRef<Scalar>& input,
-                    const RowMatrix<Scalar>& kernel, const Vector<Scalar>& bias,
-                    MatrixRef<Scalar> output, int threads, ThreadPool* pool = nullptr) const {
-    const Index rows = input.rows();
-    parallel_for(row_block_count(rows), threads, [&](Index block, int) {
-      const Index first = block * kProjectionRowBlock;
-      const Index count = std::min(kProjectionRowBlock, rows - first);
-      typename Projection::Arguments args{input.middleRows(first, count), kernel,
-                                          bias_or_empty(bias), output.middleRows(first, count)};
-      Projection::can_implement(args);
-      projection(args);
-    }, pool);
-  }
-
-  // The shared body of forward. `compute_scores(b, h, first_step, key_block, mask, scores)` fills
-  // the masked scores of rows first_step … first_step + rows − 1 of one (batch, head) against
-  // the key steps 0 … key_block.rows() − 1; everything before and after it is common.
-  // Work items are (b, h, query tile) with tiles of `query_tile` steps; for a causal mask the
-  // key steps that no row of the tile may see are skipped, neither computed nor stored. Scratch
-  // comes from `buffers`, the output goes to `result` (both resized only when shapes change).
+  // The shared body of forward: for every attention item of the plan, the scores (from
+  // `compute_scores(item, mask, key_tile, scratch, scores)`), the softmax, dropout and P·V into
+  // the heads, then the output projection. Scratch comes from `buffers`, the output goes to
+  // `result` (both resized only when shapes change).
   template <typename ComputeScores>
-  void attend(const Inputs& inputs, const ProjectedContext<Scalar>& context,
-              const AttentionOptions<Scalar>& options, Index query_tile, ComputeScores&& compute_scores,
-              CallBuffers<Scalar>& buffers, AttentionResult<Scalar>& result) const {
-    const Index B = inputs.batch, T = inputs.steps, S = inputs.key_steps;
-    const Index H = dims_.num_heads, Dk = dims_.key_dim, Dv = dims_.value_dim;
-    const int threads = inputs.threads;
-    ThreadPool* const pool = inputs.pool;
-    const RowMatrix<Scalar>& keys = context.keys;
-    const RowMatrix<Scalar>& values = context.values;
-
+  void attend(const AttentionPlan& plan, const ProjectedContext<Scalar>& context,
+              const AttentionOptions<Scalar>& options, ComputeScores&& compute_scores, CallBuffers<Scalar>& buffers,
+              AttentionResult<Scalar>& result) const {
+    const Index B = plan.batch, T = plan.steps, S = plan.key_steps, H = plan.heads();
     const bool return_scores = options.return_attention_scores;
     if (return_scores)
       result.attention_scores.resize(B, H, T, S);
     else if (result.attention_scores.size() != 0)
       result.attention_scores = Eigen::Tensor<Scalar, 4, Eigen::RowMajor>();
-    const DropoutMask dropout = options.training ? DropoutMask(options.dropout_rate, options.dropout_seed)
-                                                 : DropoutMask();
-    RowMatrix<Scalar>& heads = buffers.heads;
-    heads.resize(B * T, H * Dv);
-    // Whether V_bh is finite, found once per (b, h) for all of its query tiles.
-    std::vector<char>& value_is_finite = buffers.value_is_finite;
-    value_is_finite.assign(static_cast<std::size_t>(B * H), 0);
-    if (S > 0)
-      parallel_for(B * H, threads, [&](Index item, int) {
-        value_is_finite[std::size_t(item)] =
-            all_finite<Scalar>(values.block((item / H) * S, (item % H) * Dv, S, Dv));
-      }, pool);
-    const Index tiles = query_tile > 0 ? (T + query_tile - 1) / query_tile : 0;
-    // Per worker: the scores of the tile in flight, and the probabilities after dropout when the
-    // scores before it must be returned.
-    const int workers = worker_count(B * H * tiles, threads);
-    auto& scratch = buffers.tile_scores;
-    auto& dropped = buffers.tile_dropped;
-    CallBuffers<Scalar>::ensure_workers(scratch, workers);
-    if (dropout.active() && return_scores) CallBuffers<Scalar>::ensure_workers(dropped, workers);
-    parallel_for(B * H * tiles, threads, [&](Index item, int worker) {
-      const Index b = item / (H * tiles), h = (item / tiles) % H, tile = item % tiles;
-      const Index first_step = tile * query_tile, rows = std::min(query_tile, T - first_step);
-      const Index key_end = options.use_causal_mask ? std::min(S, first_step + rows) : S;
+    buffers.heads.resize(B * T, plan.dims.projected_value_width());
+    // Rows no item writes (no key steps: every row fully blocked) are 0, as are their heads.
+    if (plan.attention_items() == 0) buffers.heads.setZero();
+    mark_finite_values(plan, context.values, buffers);
+    buffers.prepare_workers(plan.workers(plan.attention_items()), plan.worker_scratch_bytes, plan.tile_entries, 2);
+    parallel_for(plan.attention_items(), plan.threads, [&](Index index, int worker) {
+      attend_item(plan, plan.attention_item(index), context, options, compute_scores,
+                  buffers.workers[std::size_t(worker)], buffers, result);
+    }, &buffers.pool);
+    result.output.resize(B, T, plan.dims.output_dim);
+    project_rows(plan, output_projection_, kProjectionRowBlock, buffers.heads, weights_->output_kernel,
+                 weights_->output_bias, Eigen::Map<RowMatrix<Scalar>>(result.output.data(), B * T, plan.dims.output_dim),
+                 buffers);
+  }
 
-      if (key_end == 0) {
-        // No key steps at all: every row is fully blocked, so its probabilities and head are 0
-        // (and K, V are empty, with no memory to take blocks of).
-        heads.block(b * T + first_step, h * Dv, rows, Dv).setZero();
-        return;
-      }
-      using ScoresMap = Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
-      Scalar* scores_data;
-      Index scores_stride;
-      if (return_scores) {
-        scores_data = result.attention_scores.data() + ((b * H + h) * T + first_step) * S;
-        scores_stride = S;
-        if (key_end < S)
-          ScoresMap(scores_data + key_end, rows, S - key_end, Eigen::OuterStride<>(S)).setZero();
-      } else {
-        RowMatrix<Scalar>& buffer = scratch[std::size_t(worker)];
-        // Sized once for a whole tile against every key, so that the causal tiles (fewer keys)
-        // and the last tile (fewer rows) do not reallocate it.
-        if (buffer.size() < rows * key_end) buffer.resize(std::min(query_tile, T), S);
-        scores_data = buffer.data();
-        scores_stride = key_end;
-      }
-      ScoresMap scores(scores_data, rows, key_end, Eigen::OuterStride<>(scores_stride));
+  // Whether V_bh is finite, found once per (b, h) for all of its query tiles.
+  static void mark_finite_values(const AttentionPlan& plan, const RowMatrix<Scalar>& values,
+                                 CallBuffers<Scalar>& buffers) {
+    const Index H = plan.heads(), S = plan.key_steps, Dv = plan.dims.value_dim;
+    buffers.value_is_finite.assign(static_cast<std::size_t>(plan.batch * H), 0);
+    if (S == 0) return;
+    parallel_for(plan.batch * H, plan.threads, [&](Index item, int) {
+      buffers.value_is_finite[std::size_t(item)] = all_finite<Scalar>(values.block((item / H) * S, (item % H) * Dv, S, Dv));
+    }, &buffers.pool);
+  }
 
-      BatchMask mask;
-      mask.steps = rows;
-      mask.key_steps = key_end;
-      mask.first_step = first_step;
-      mask.causal = options.use_causal_mask;
-      if (options.attention_mask.size() != 0) {
-        mask.attention = options.attention_mask.data() + (b * T + first_step) * S;
-        mask.attention_stride = S;
-      }
-      if (options.key_padding_mask.size() != 0) mask.key_padding = options.key_padding_mask.data() + b * S;
+  template <typename ComputeScores>
+  void attend_item(const AttentionPlan& plan, const AttentionItem& item, const ProjectedContext<Scalar>& context,
+                   const AttentionOptions<Scalar>& options, ComputeScores& compute_scores, WorkerBuffers<Scalar>& worker,
+                   CallBuffers<Scalar>& buffers, AttentionResult<Scalar>& result) const {
+    const Index T = plan.steps, S = plan.key_steps, H = plan.heads();
+    const Index Dk = plan.dims.key_dim, Dv = plan.dims.value_dim;
+    const Index b = item.batch, h = item.head, rows = item.query_rows, keys = item.key_steps;
+    auto heads = buffers.heads.block(b * T + item.query_begin, h * Dv, rows, Dv);
+    if (keys == 0) {  // every row fully blocked: zero probabilities, zero heads
+      heads.setZero();
+      if (options.return_attention_scores) scores_in_result(plan, item, result).setZero();
+      return;
+    }
+    using Tile = Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
+    Tile scores = options.return_attention_scores ? scores_in_result(plan, item, result)
+                                                  : as_tile(worker.tile(0, rows, keys, plan.tile_entries));
+    const TilePosition position = item.position();
+    const StageScratch scratch = worker.stage.view();
+    compute_scores(item, item_mask(item, options, T, S),
+                   ConstMatrixRef<Scalar>(context.keys.block(b * S + item.key_begin, h * Dk, keys, Dk)), scratch,
+                   MatrixRef<Scalar>(scores));
+    typename Softmax::Arguments softmax_args{position, scores, scratch};
+    Softmax::can_implement(softmax_args);
+    softmax_(softmax_args);
+    // Dropout acts on the probabilities that meet the values; returned scores stay before it.
+    const DropoutMask dropout = options.training ? DropoutMask(options.dropout_rate, options.dropout_seed) : DropoutMask();
+    const bool keep_scores = dropout.active() && options.return_attention_scores;
+    Tile probabilities = keep_scores ? as_tile(worker.tile(1, rows, keys, plan.tile_entries)) : scores;
+    if (keep_scores) probabilities = scores;
+    dropout.apply(probabilities, b, h, item.query_begin, item.key_begin);
+    typename AttendValues::Arguments values_args{
+        position, probabilities, context.values.block(b * S + item.key_begin, h * Dv, keys, Dv), heads,
+        buffers.value_is_finite[std::size_t(b * H + h)] != 0, scratch};
+    AttendValues::can_implement(values_args);
+    attend_values_(values_args);
+  }
 
-      compute_scores(b, h, first_step, ConstMatrixRef<Scalar>(keys.block(b * S, h * Dk, key_end, Dk)),
-                     mask, MatrixRef<Scalar>(scores));
-      typename Softmax::Arguments softmax_args{scores};
-      Softmax::can_implement(softmax_args);
-      softmax_(softmax_args);
+  // The item's block of the returned (B, H, T, S) probabilities; keys beyond the item's are 0.
+  static Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> scores_in_result(const AttentionPlan& plan,
+                                                                                  const AttentionItem& item,
+                                                                                  AttentionResult<Scalar>& result) {
+    const Index S = plan.key_steps;
+    Scalar* first = result.attention_scores.data() +
+                    ((item.batch * plan.heads() + item.head) * plan.steps + item.query_begin) * S;
+    Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> whole(first, item.query_rows, S, Eigen::OuterStride<>(S));
+    whole.rightCols(S - item.key_begin - item.key_steps).setZero();
+    whole.leftCols(item.key_begin).setZero();
+    return Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>(first + item.key_begin, item.query_rows,
+                                                                  item.key_steps, Eigen::OuterStride<>(S));
+  }
+  static Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> as_tile(Eigen::Map<RowMatrix<Scalar>> map) {
+    return Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>(map.data(), map.rows(), map.cols(),
+                                                                  Eigen::OuterStride<>(map.cols()));
+  }
 
-      // Dropout acts on the probabilities that meet the values; returned scores stay before it.
-      Scalar* probabilities_data = scores_data;
-      Index probabilities_stride = scores_stride;
-      if (dropout.active() && return_scores) {
-        RowMatrix<Scalar>& copy = dropped[std::size_t(worker)];
-        if (copy.size() < rows * key_end) copy.resize(std::min(query_tile, T), S);
-        Eigen::Map<RowMatrix<Scalar>>(copy.data(), rows, key_end) = scores;
-        probabilities_data = copy.data();
-        probabilities_stride = key_end;
-      }
-      ScoresMap probabilities(probabilities_data, rows, key_end, Eigen::OuterStride<>(probabilities_stride));
-      dropout.apply(probabilities, b, h, first_step, 0);
-      typename AttendValues::Arguments values_args{probabilities, values.block(b * S, h * Dv, key_end, Dv),
-                                                   heads.block(b * T + first_step, h * Dv, rows, Dv),
-                                                   value_is_finite[std::size_t(b * H + h)] != 0};
-      AttendValues::can_implement(values_args);
-      attend_values_(values_args);
-    }, pool);
+  Scalar score_scale(const LayerDims& dims) const { return Scalar(1.0 / std::sqrt(double(dims.key_dim))); }
 
-    result.output.resize(B, T, dims_.output_dim);
-    project_rows(output_projection_, heads, weights_.output_kernel, weights_.output_bias,
-                 Eigen::Map<RowMatrix<Scalar>>(result.output.data(), B * T, dims_.output_dim),
-                 threads, pool);
+  // A projection's bias, or an empty view when the layer has none.
+  static ConstVectorRef<Scalar> bias_view(const Vector<Scalar>& bias) {
+    static const Vector<Scalar> none;
+    return bias.size() != 0 ? ConstVectorRef<Scalar>(bias) : ConstVectorRef<Scalar>(none);
+  }
+  static ConstVectorRef<Scalar> bias_segment(const Vector<Scalar>& bias, Index start, Index size) {
+    static const Vector<Scalar> none;
+    return bias.size() != 0 ? ConstVectorRef<Scalar>(bias.segment(start, size)) : ConstVectorRef<Scalar>(none);
   }
 
   MhaConfig config_;
-  MhaWeights<Scalar> weights_;
-  LayerDims dims_;
-  Vector<Scalar> no_bias_;
+  std::shared_ptr<MhaWeights<Scalar>> weights_;
   ScoreKernel score_kernel_;
   Softmax softmax_;
   AttendValues attend_values_;

@@ -34,6 +34,7 @@
 // AVX-512), with pstoreu as the fallback.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -42,6 +43,7 @@
 #include <Eigen/Core>
 
 #include "sdmha/config.hpp"
+#include "sdmha/detail/scratch.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/sparse_query.hpp"
 
@@ -170,26 +172,50 @@ void csr_dense_product(const CsrView<Scalar, StorageIndex>& x, const Scalar* wei
   if (stream) stream_fence();
 }
 
-// The by-feature kernel's working memory: the rows' stored values regrouped by feature. Pass the
-// same object to repeated calls (one object per thread): once it has grown to the largest shape,
-// a call allocates nothing. 32-bit-or-narrower StorageIndex keeps it small (the forward's
-// 512-row blocks stay in L2).
+// X's stored values regrouped by feature (its CSC), over memory carved from a stage's scratch:
+// what the by-feature kernels read. 32-bit-or-narrower StorageIndex keeps it small (the
+// forward's 512-row blocks stay in L2).
 template <typename Scalar, typename StorageIndex = int>
-struct CsrProductScratch {
+struct FeatureGroups {
   // A stored value of X: its row and value side by side, so that regrouping writes one place.
   struct Entry {
     StorageIndex row;
     Scalar value;
   };
-  std::vector<StorageIndex> feature_offsets;  // cols + 1: feature f's entries are [offsets[f], offsets[f + 1])
-  std::vector<StorageIndex> used_features;    // the first used_count: the features with entries, ascending
+  StorageIndex* feature_offsets = nullptr;  // cols + 1: feature f's entries are [offsets[f], offsets[f + 1])
+  StorageIndex* used_features = nullptr;    // the first used_count: the features with entries, ascending
   Index used_count = 0;
-  std::vector<Entry> entries;                 // by feature, then in CSR order
-  // When build_feature_groups is asked for them: for each entry, its place among X's stored
-  // values in CSR order (0 for the first stored value of row 0, without the slack between the
-  // rows of an uncompressed matrix). The backward writes dX, which is in CSR order, through them.
-  std::vector<StorageIndex> positions;
-  Index rows = 0;  // of the X it was built from: an entry's row is below it
+  Entry* entries = nullptr;  // by feature, then in CSR order
+  // With positions: for each entry, its place among X's stored values in CSR order (0 for the
+  // first stored value of row 0, without the slack between the rows of an uncompressed matrix).
+  // The backward writes dX, which is in CSR order, through them.
+  StorageIndex* positions = nullptr;
+  Index rows = 0, cols = 0, nonzeros = 0;  // of the X it was built from
+
+  // The scratch bytes for X of `cols` features and `nonzeros` stored values.
+  static std::size_t bytes(Index cols, Index nonzeros, bool with_positions) {
+    return array_bytes<StorageIndex>(cols + 1) + array_bytes<StorageIndex>(cols) +
+           array_bytes<Entry>(nonzeros) + (with_positions ? array_bytes<StorageIndex>(nonzeros) : 0);
+  }
+  // Arrays for X of at most these sizes, taken from `carver`; null arrays when it is too small.
+  static FeatureGroups carve(ScratchCarver& carver, Index cols, Index nonzeros, bool with_positions) {
+    FeatureGroups groups;
+    groups.feature_offsets = carver.take<StorageIndex>(cols + 1);
+    groups.used_features = carver.take<StorageIndex>(cols);
+    groups.entries = carver.take<Entry>(nonzeros);
+    if (with_positions) groups.positions = carver.take<StorageIndex>(nonzeros);
+    groups.capacity_ = nonzeros;
+    groups.feature_capacity_ = cols;
+    return groups;
+  }
+  bool fits(Index cols_needed, Index nonzeros_needed, bool with_positions) const {
+    return feature_offsets != nullptr && used_features != nullptr && entries != nullptr &&
+           (!with_positions || positions != nullptr) && cols_needed <= feature_capacity_ &&
+           nonzeros_needed <= capacity_;
+  }
+
+ private:
+  Index capacity_ = 0, feature_capacity_ = 0;
 };
 
 // Whether the by-feature kernel can take `x`: its rows must be numbered in StorageIndex (the
@@ -224,46 +250,43 @@ bool query_gradients_by_feature(const CsrView<Scalar, StorageIndex>& x, Index co
 // precondition).
 template <typename Scalar, typename StorageIndex>
 void check_feature_groups(const char* where, const CsrView<Scalar, StorageIndex>& x,
-                          const CsrProductScratch<Scalar, StorageIndex>& groups, bool with_positions) {
+                          const FeatureGroups<Scalar, StorageIndex>& groups, bool with_positions) {
   const Index nonzeros = x.nonzeros();
-  if (groups.rows != x.rows || groups.feature_offsets.size() != static_cast<std::size_t>(x.cols) + 1 ||
-      Index(groups.entries.size()) != nonzeros || Index(groups.feature_offsets.back()) != nonzeros ||
-      (with_positions && Index(groups.positions.size()) != nonzeros))
-    fail<ShapeError>(where, "feature_groups has ", groups.rows, " rows, ", groups.feature_offsets.size(),
-                     " offsets, ", groups.entries.size(), " entries and ", groups.positions.size(),
-                     " positions; expected build_feature_groups of the query: ", x.rows, " rows, ",
-                     x.cols + 1, " offsets, ", nonzeros, " entries", with_positions ? " and positions" : "");
+  if (groups.rows != x.rows || groups.cols != x.cols || groups.nonzeros != nonzeros ||
+      groups.feature_offsets == nullptr || (with_positions && groups.positions == nullptr))
+    fail<ShapeError>(where, "feature_groups has ", groups.rows, " rows, ", groups.cols, " features and ",
+                     groups.nonzeros, " entries", groups.positions == nullptr ? " without" : " with",
+                     " positions; expected build_feature_groups of the query: ", x.rows, " rows, ", x.cols,
+                     " features, ", nonzeros, " entries", with_positions ? " and positions" : "");
 }
 
-// Fills scratch with X's CSC: a counting sort by feature that keeps CSR order within a feature;
-// with `with_positions`, also each entry's place in CSR order (scratch.positions).
+// Fills `groups` (carved for at least X's sizes) with X's CSC: a counting sort by feature that
+// keeps CSR order within a feature; with `with_positions`, also each entry's place in CSR order.
 template <typename Scalar, typename StorageIndex>
-void build_feature_groups(const CsrView<Scalar, StorageIndex>& x, CsrProductScratch<Scalar, StorageIndex>& scratch,
+void build_feature_groups(const CsrView<Scalar, StorageIndex>& x, FeatureGroups<Scalar, StorageIndex>& groups,
                           bool with_positions = false) {
-  auto& offsets = scratch.feature_offsets;
+  SDMHA_ASSERT(groups.fits(x.cols, x.nonzeros(), with_positions));
+  StorageIndex* offsets = groups.feature_offsets;
   const std::size_t features = static_cast<std::size_t>(x.cols);
-  offsets.assign(features + 1, StorageIndex(0));  // assign/resize keep the capacity
+  std::fill(offsets, offsets + features + 1, StorageIndex(0));
   for (Index row = 0; row < x.rows; ++row) {
     const Index end = x.row_end(row);
     for (Index k = x.row_begin(row); k < end; ++k) ++offsets[std::size_t(x.column_indices[k]) + 1];
   }
   // Prefix sums, and the used features without a branch (about 90 % of them are used on `bow`
   // at 1 %, too many for the branch to be predictable).
-  scratch.used_features.resize(features);
-  StorageIndex* used = scratch.used_features.data();
+  StorageIndex* used = groups.used_features;
   std::size_t used_count = 0;
   for (std::size_t feature = 0; feature < features; ++feature) {
     used[used_count] = StorageIndex(feature);
     used_count += offsets[feature + 1] != 0 ? 1 : 0;
     offsets[feature + 1] += offsets[feature];
   }
-  scratch.used_count = Index(used_count);
-  scratch.entries.resize(static_cast<std::size_t>(offsets[features]));
+  groups.used_count = Index(used_count);
   // offsets[f] serves as feature f's cursor; afterwards it holds feature f's end, which is
   // feature f + 1's begin, so shifting by one place restores the begins.
-  auto* entries = scratch.entries.data();
-  if (with_positions) scratch.positions.resize(scratch.entries.size());
-  StorageIndex* positions = with_positions ? scratch.positions.data() : nullptr;
+  auto* entries = groups.entries;
+  StorageIndex* positions = with_positions ? groups.positions : nullptr;
   Index in_csr_order = 0;  // Index: one past the last entry may not fit StorageIndex
   for (Index row = 0; row < x.rows; ++row) {
     const Index end = x.row_end(row);
@@ -274,7 +297,10 @@ void build_feature_groups(const CsrView<Scalar, StorageIndex>& x, CsrProductScra
       if (positions != nullptr) positions[position] = StorageIndex(in_csr_order);
     }
   }
-  scratch.rows = x.rows;
+  groups.rows = x.rows;
+  groups.cols = x.cols;
+  groups.nonzeros = in_csr_order;
+  if (!with_positions) groups.positions = nullptr;
   for (std::size_t feature = features; feature > 0; --feature) offsets[feature] = offsets[feature - 1];
   offsets[0] = 0;
 }
@@ -304,17 +330,17 @@ template <typename Scalar, typename StorageIndex>
 void csr_dense_product_by_feature(const CsrView<Scalar, StorageIndex>& x, const Scalar* weight,
                                   Index weight_stride, const Scalar* bias, Scalar* output,
                                   Index output_stride, Index columns,
-                                  CsrProductScratch<Scalar, StorageIndex>& scratch) {
+                                  FeatureGroups<Scalar, StorageIndex>& scratch) {
   SDMHA_ASSERT(by_feature_fits(x));
   build_feature_groups(x, scratch);
   for (Index row = 0; row < x.rows; ++row) {
     Scalar* output_row = output + row * output_stride;
     for (Index j = 0; j < columns; ++j) output_row[j] = bias != nullptr ? bias[j] : Scalar(0);
   }
-  const StorageIndex* offsets = scratch.feature_offsets.data();
-  const auto* entries = scratch.entries.data();
+  const StorageIndex* offsets = scratch.feature_offsets;
+  const auto* entries = scratch.entries;
   for (Index i = 0; i < scratch.used_count; ++i) {
-    const Index feature = scratch.used_features[std::size_t(i)];
+    const Index feature = scratch.used_features[i];
     const Index begin = offsets[feature], end = offsets[feature + 1];
     const Scalar* weight_row = weight + feature * weight_stride;
     Index column = 0;
@@ -335,15 +361,6 @@ void csr_dense_product_by_feature(const CsrView<Scalar, StorageIndex>& x, const 
       }
     }
   }
-}
-
-// The same with a scratch of its own (allocates on every call).
-template <typename Scalar, typename StorageIndex>
-void csr_dense_product_by_feature(const CsrView<Scalar, StorageIndex>& x, const Scalar* weight,
-                                  Index weight_stride, const Scalar* bias, Scalar* output,
-                                  Index output_stride, Index columns) {
-  CsrProductScratch<Scalar, StorageIndex> scratch;
-  csr_dense_product_by_feature(x, weight, weight_stride, bias, output, output_stride, columns, scratch);
 }
 
 }  // namespace sdmha::detail

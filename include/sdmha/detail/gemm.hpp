@@ -1,5 +1,4 @@
-// sdmha/detail/gemm.hpp — C (+)= α·A·B through Eigen's own GEMM, with packing buffers that stay
-// with the calling thread instead of being allocated by every product.
+// sdmha/detail/gemm.hpp — C (+)= α·A·B through Eigen's own GEMM, packing into the caller's scratch.
 //
 //   math:  C = α·op(A)·op(B) (+ C when accumulating), op = identity or transpose of a row-major view
 //   pre:   shapes agree (checked by the calling stage's can_implement); C does not alias A or B
@@ -10,10 +9,10 @@
 // EIGEN_STACK_ALLOCATION_LIMIT (128 KB) — a K-tile of 64 × 2048 keys already does. A layer that
 // runs thousands of such products per call would allocate thousands of times. Eigen's GEMM driver
 // (internal::general_matrix_matrix_product) takes its blocking object from the caller and uses the
-// blocks the object points at, so here the blocks live in a thread_local buffer that grows to the
-// largest product the thread has run and is then reused: the steady state allocates nothing.
-// The block sizes come from Eigen's own heuristic, so the arithmetic is that of Eigen's product.
-// This leans on Eigen 3.4's internal API (pinned below); a new Eigen must be checked here first.
+// blocks the object points at, so here the blocks live in the worker's scratch, sized by
+// gemm_workspace_size() when the call is planned. The block sizes come from Eigen's own
+// heuristic, so the arithmetic is that of Eigen's product. This leans on Eigen 3.4's internal API
+// (pinned below); a new Eigen must be checked here first.
 #pragma once
 
 #include <algorithm>
@@ -22,6 +21,7 @@
 #include <Eigen/Core>
 
 #include "sdmha/config.hpp"
+#include "sdmha/detail/scratch.hpp"
 
 static_assert(EIGEN_WORLD_VERSION == 3 && EIGEN_MAJOR_VERSION == 4,
               "sdmha/detail/gemm.hpp calls Eigen 3.4's internal GEMM driver; check it before moving Eigen");
@@ -45,51 +45,44 @@ GemmOperand<Scalar> transposed(const ConstMatrixRef<Scalar>& matrix) {
   return {matrix.data(), matrix.cols(), matrix.rows(), matrix.outerStride(), false};
 }
 
-// Eigen's blocking object over this thread's packing buffer.
+// Eigen's block sizes for a row-major (rows × cols) result with inner dimension depth, as its
+// product computes them (Eigen transposes a row-major product: its m is our cols).
+struct GemmBlockSizes {
+  Index kc, mc, nc;
+};
+
 template <typename Scalar>
-class ThreadGemmBlocking : public Eigen::internal::level3_blocking<Scalar, Scalar> {
+GemmBlockSizes gemm_block_sizes(Index rows, Index cols, Index depth) {
+  GemmBlockSizes sizes{depth, cols, rows};
+  Eigen::internal::computeProductBlockingSizes<Scalar, Scalar, 1, Index>(sizes.kc, sizes.mc, sizes.nc, 1);
+  return sizes;
+}
+
+// Bytes of packing scratch that gemm() needs for a (rows × cols) result of inner dimension depth.
+template <typename Scalar>
+std::size_t gemm_workspace_size(Index rows, Index cols, Index depth) {
+  if (rows <= 0 || cols <= 0 || depth <= 0) return 0;
+  const GemmBlockSizes sizes = gemm_block_sizes<Scalar>(rows, cols, depth);
+  return array_bytes<Scalar>(sizes.mc * sizes.kc) + array_bytes<Scalar>(sizes.kc * sizes.nc);
+}
+
+// Eigen's blocking object over packing blocks that the caller owns.
+template <typename Scalar>
+class ScratchGemmBlocking : public Eigen::internal::level3_blocking<Scalar, Scalar> {
  public:
-  // Block sizes for a row-major (rows × cols) result with inner dimension depth, as Eigen's
-  // product computes them (Eigen transposes a row-major product: its m is our cols).
-  ThreadGemmBlocking(Index rows, Index cols, Index depth) {
-    this->m_mc = cols;
-    this->m_nc = rows;
-    this->m_kc = depth;
-    Eigen::internal::computeProductBlockingSizes<Scalar, Scalar, 1, Index>(this->m_kc, this->m_mc, this->m_nc, 1);
-    const Index size_a = round_up(this->m_mc * this->m_kc);
-    const Index size_b = this->m_kc * this->m_nc;
-    auto& buffer = thread_buffer();
-    if (buffer.size() < size_a + size_b) buffer.resize(size_a + size_b);
-    this->m_blockA = buffer.data();
-    this->m_blockB = buffer.data() + size_a;
-  }
-
-  // What the calling thread holds for packing, in bytes (grows, never shrinks, freed at thread exit).
-  static std::size_t bytes_held() { return std::size_t(thread_buffer().size()) * sizeof(Scalar); }
-
- private:
-  // Keeps block B on Eigen's default alignment (buffer.data() itself is aligned by Eigen).
-  static Index round_up(Index size) {
-    constexpr Index per_alignment = Index(EIGEN_DEFAULT_ALIGN_BYTES / sizeof(Scalar)) > 0
-                                        ? Index(EIGEN_DEFAULT_ALIGN_BYTES / sizeof(Scalar)) : 1;
-    return (size + per_alignment - 1) / per_alignment * per_alignment;
-  }
-  static Vector<Scalar>& thread_buffer() {
-    thread_local Vector<Scalar> buffer;
-    return buffer;
+  ScratchGemmBlocking(const GemmBlockSizes& sizes, Scalar* block_a, Scalar* block_b) {
+    this->m_kc = sizes.kc;
+    this->m_mc = sizes.mc;
+    this->m_nc = sizes.nc;
+    this->m_blockA = block_a;
+    this->m_blockB = block_b;
   }
 };
 
-// C (m × n, row-major, any outer stride) = α·A·B, or += when `accumulate`.
 template <typename Scalar>
-void gemm(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>& b, MatrixRef<Scalar> c, Scalar alpha,
-          bool accumulate) {
-  SDMHA_ASSERT(a.rows == c.rows() && b.cols == c.cols() && a.cols == b.rows);
+void gemm_with_blocking(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>& b, MatrixRef<Scalar> c,
+                        Scalar alpha, Eigen::internal::level3_blocking<Scalar, Scalar>& blocking) {
   const Index m = c.rows(), n = c.cols(), k = a.cols;
-  if (m == 0 || n == 0) return;
-  if (!accumulate) c.setZero();
-  if (k == 0) return;
-  ThreadGemmBlocking<Scalar> blocking(m, n, k);
   using Eigen::ColMajor;
   using Eigen::RowMajor;
   using Eigen::internal::general_matrix_matrix_product;
@@ -105,6 +98,32 @@ void gemm(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>& b, MatrixRef<
   else
     general_matrix_matrix_product<Index, Scalar, ColMajor, false, Scalar, ColMajor, false, RowMajor, 1>::run(
         m, n, k, a.data, a.stride, b.data, b.stride, c.data(), 1, c.outerStride(), alpha, blocking);
+}
+
+// C (m × n, row-major, any outer stride) = α·A·B, or += when `accumulate`, packing in `scratch`
+// (at least gemm_workspace_size(m, n, k) bytes). A scratch too small is a planning error: debug
+// builds stop on it, release builds pack into memory of their own (same result, one allocation).
+template <typename Scalar>
+void gemm(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>& b, MatrixRef<Scalar> c, Scalar alpha,
+          bool accumulate, StageScratch scratch) {
+  SDMHA_ASSERT(a.rows == c.rows() && b.cols == c.cols() && a.cols == b.rows);
+  const Index m = c.rows(), n = c.cols(), k = a.cols;
+  if (m == 0 || n == 0) return;
+  if (!accumulate) c.setZero();
+  if (k == 0) return;
+  const GemmBlockSizes sizes = gemm_block_sizes<Scalar>(m, n, k);
+  ScratchCarver carver(scratch);
+  Scalar* block_a = carver.take<Scalar>(sizes.mc * sizes.kc);
+  Scalar* block_b = carver.take<Scalar>(sizes.kc * sizes.nc);
+  SDMHA_ASSERT(block_b != nullptr);
+  Vector<Scalar> own;  // only when the plan under-sized the scratch
+  if (block_b == nullptr) {
+    own.resize(Index(array_bytes<Scalar>(sizes.mc * sizes.kc) / sizeof(Scalar)) + sizes.kc * sizes.nc);
+    block_a = own.data();
+    block_b = own.data() + array_bytes<Scalar>(sizes.mc * sizes.kc) / sizeof(Scalar);
+  }
+  ScratchGemmBlocking<Scalar> blocking(sizes, block_a, block_b);
+  gemm_with_blocking<Scalar>(a, b, c, alpha, blocking);
 }
 
 }  // namespace sdmha::detail

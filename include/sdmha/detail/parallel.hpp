@@ -198,19 +198,4 @@ void parallel_for(Index count, int threads, Body&& body, ThreadPool* pool = null
   queue.rethrow_failure();
 }
 
-// Row blocks of a fixed height, so that projections split the same way for any thread count.
-constexpr Index kProjectionRowBlock = 64;
-// Rows per query-projection work item: enough stored values per item for the by-feature kernel
-// to pay on wide queries (see stages/query_projection.hpp). Each block streams the part of Wq its
-// rows use once, so larger blocks read Wq fewer times: on `bow` at 1 % (64 MB Wq) 512-row blocks
-// measured 2.27× Eigen's product against 1.83× with 256 (1024: 2.23×, and one item only).
-constexpr Index kQueryProjectionRowBlock = 512;
-// Query steps per attention work item: the scores in flight are kQueryTile × S per worker, never
-// the whole (B, H, T, S) tensor.
-constexpr Index kQueryTile = 64;
-
-inline Index row_block_count(Index rows) {
-  return (rows + kProjectionRowBlock - 1) / kProjectionRowBlock;
-}
-
 }  // namespace sdmha::detail

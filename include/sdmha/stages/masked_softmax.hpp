@@ -1,26 +1,49 @@
-// sdmha/stages/masked_softmax.hpp — MaskedSoftmax: probabilities over keys, in place.
+// sdmha/stages/masked_softmax.hpp — MaskedSoftmax: probabilities over keys, in place, and the
+// softmax's backward.
 //
 //   math:  P[t, s] = exp(S[t, s] − m_t) / Σ_s' exp(S[t, s'] − m_t), m_t = max_s S[t, s];
 //          a row whose scores are all −∞ (every key blocked) gets P[t, ·] = 0 (Keras 3)
-//   pre:   blocked positions hold −∞ (ScoreKernel's convention); S is T × S
-//   cost:  O(T·S) exponentials
+//   pre:   blocked positions hold −∞ (ScoreKernel's convention); S is rows × keys, all keys of its rows
+//   cost:  O(rows·keys) exponentials
+//
+// Backward: dS = P ⊙ (dP − rowsum(P ⊙ dP)), exactly 0 wherever P = 0 (blocked entries, fully
+// blocked rows), in place of dP.
 #pragma once
 
 #include <limits>
 
 #include "sdmha/config.hpp"
+#include "sdmha/errors.hpp"
+#include "sdmha/stage.hpp"
 
 namespace sdmha {
 
 template <typename Scalar>
 struct MaskedSoftmax {
   using ScalarType = Scalar;
+  using differentiates = MaskedSoftmax;
 
-  struct Arguments {
-    mutable MatrixRef<Scalar> scores;  // T × S, scores in, probabilities out
+  struct Arguments : TilePosition {
+    mutable MatrixRef<Scalar> scores;  // rows × keys, scores in, probabilities out
+    StageScratch workspace = {};
+  };
+
+  struct BackwardArguments : TilePosition {
+    ConstMatrixRef<Scalar> probabilities;  // rows × keys, P as the forward gave it
+    mutable MatrixRef<Scalar> d_scores;    // rows × keys: dP in, dS out
+    // false: dP may hold NaN/Inf where P = 0 (from a blocked non-finite value row); those
+    // entries are then set to 0 instead of multiplied.
+    bool d_probabilities_are_finite = true;
+    StageScratch workspace = {};
   };
 
   static void can_implement(const Arguments&) {}
+  static void can_implement(const BackwardArguments& args) {
+    if (args.d_scores.rows() != args.probabilities.rows() || args.d_scores.cols() != args.probabilities.cols())
+      detail::fail<ShapeError>("MaskedSoftmax (backward)", "d_scores is ", args.d_scores.rows(), " x ",
+                               args.d_scores.cols(), "; expected the probabilities' ", args.probabilities.rows(),
+                               " x ", args.probabilities.cols());
+  }
 
   // Subtracting the row maximum keeps every exponent ≤ 0, so logits of any size (±1e4 and more)
   // neither overflow nor lose the largest term. Blocked keys must come out as exactly 0, but
@@ -46,6 +69,22 @@ struct MaskedSoftmax {
       for (Index s = 0; s < columns; ++s)
         probabilities[s] = probabilities[s] < smallest_normal ? Scalar(0) : probabilities[s];
       row *= Scalar(1) / row.sum();
+    }
+  }
+
+  // With a finite dP, P·(…) is 0 where P = 0 by itself (a packet loop); otherwise dP may be NaN
+  // where P = 0, and those entries are set, not multiplied.
+  void backward(const BackwardArguments& args) const {
+    for (Index t = 0; t < args.d_scores.rows(); ++t) {
+      auto p = args.probabilities.row(t).array();
+      auto d = args.d_scores.row(t).array();
+      if (args.d_probabilities_are_finite) {
+        const Scalar weighted = (p * d).sum();
+        d = p * (d - weighted);
+      } else {
+        const Scalar weighted = (p != Scalar(0)).select(p * d, Scalar(0)).sum();
+        d = (p != Scalar(0)).select(p * (d - weighted), Scalar(0));
+      }
     }
   }
 };

@@ -1,14 +1,27 @@
-// sdmha/stages/query_projection.hpp — SparseQueryProjection: the query projection from CSR.
+// sdmha/stages/query_projection.hpp — SparseQueryProjection: the query projection from CSR, and
+// its backward (the query kernel's gradient and the stored values' gradient).
 //
 //   math:  Q = X·Wq + bq, X sparse (rows × Eq, CSR), Wq dense row-major (Eq × N), bq (N) or none
 //   pre:   X validated (columns in [0, Eq)); Wq has Eq rows; Q is rows × N
 //   cost:  2·nnz(X)·N flops, reading one row of Wq per stored value; X is never densified
+//
+// Backward, given dQ:
+//   dWq = Xᵀ·dQ                               (KernelGradientArguments; 2·nnz·N flops)
+//   dX[r, c] = dQ[r, :]·Wq[c, :] at X's stored (r, c) only, in CSR order (ValuesGradientArguments)
+//   (dbq = 1ᵀ·dQ is a column sum, left to the caller.)
+// Both go by rows of X, or by feature over X's CSC (detail::build_feature_groups with positions)
+// when Wq is beyond L2 (detail::query_gradients_by_feature): then each row of Wq and dWq is
+// touched once, in order, and the random accesses go to dQ, the smaller. The CSC keeps CSR order
+// within a feature, so every sum has the terms, and the order, of the by-rows loop; a caller may
+// split N into column panels (by rows) or the features into blocks (by feature) for any thread
+// count and get the same bits.
 #pragma once
 
 #include "sdmha/config.hpp"
 #include "sdmha/detail/csr_dense_product.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/sparse_query.hpp"
+#include "sdmha/stage.hpp"
 
 namespace sdmha {
 
@@ -16,20 +29,37 @@ template <typename Scalar, typename StorageIndex = int>
 struct SparseQueryProjection {
   using ScalarType = Scalar;
   using StorageIndexType = StorageIndex;
+  using differentiates = SparseQueryProjection;
+  using FeatureGroups = detail::FeatureGroups<Scalar, StorageIndex>;
 
   struct Arguments {
     CsrView<Scalar, StorageIndex> query;  // rows × Eq
     ConstMatrixRef<Scalar> kernel;        // Eq × N, row-major: a stored value reads one contiguous row
     ConstVectorRef<Scalar> bias;          // N, or empty for no bias
-    mutable MatrixRef<Scalar> output;             // rows × N
-    // Optional working memory for the by-feature kernel, reused across calls so that they do not
-    // allocate; one per thread. When null, a thread-local one is used.
-    detail::CsrProductScratch<Scalar, StorageIndex>* scratch = nullptr;
-    // An upper bound on the stored values of any call this scratch serves in one pass (the
-    // layer passes its largest row block's): the scratch is sized for it at once, so that a
-    // repeated pass allocates nothing whichever thread gets which block. 0: unknown.
-    Index nonzero_capacity = 0;
+    mutable MatrixRef<Scalar> output;     // rows × N
+    StageScratch workspace = {};          // workspace_size() bytes for this call's sizes
   };
+
+  // Two register-blocked kernels (detail/csr_dense_product.hpp gives the reasons). By rows: a
+  // panel of output columns stays in vector registers across a row's stored values. By features:
+  // for a kernel larger than L2 that the rows use at least twice per feature on average, X is
+  // regrouped by feature so that Wq streams through once, in order, instead of one random row per
+  // stored value. Both add each row's values in ascending feature order with one FMA each, so
+  // sorted rows give the same bits whichever is taken.
+  static bool kernel_beyond_cache(Index features, Index columns) {
+    return double(features) * double(columns) * sizeof(Scalar) > detail::kCoreCacheBytes;
+  }
+  static bool by_feature(const Arguments& args) {
+    return kernel_beyond_cache(args.kernel.rows(), args.kernel.cols()) &&
+           args.query.nonzeros() >= 2 * args.query.cols && detail::by_feature_fits(args.query);
+  }
+
+  // The by-feature kernel's CSC of one block: sizes.features (Eq), sizes.output_width (N),
+  // sizes.nonzeros (the fullest block's stored values).
+  static std::size_t workspace_size(const TileSizes& sizes) {
+    if (!kernel_beyond_cache(sizes.features, sizes.output_width)) return 0;
+    return FeatureGroups::bytes(sizes.features, sizes.nonzeros, false);
+  }
 
   static void can_implement(const Arguments& args) {
     constexpr const char* where = "SparseQueryProjection";
@@ -44,45 +74,146 @@ struct SparseQueryProjection {
                                "; expected ", args.query.rows, " x ", args.kernel.cols());
   }
 
-  // Two register-blocked kernels (detail/csr_dense_product.hpp gives the reasons). By rows: a
-  // panel of output columns stays in vector registers across a row's stored values. By features:
-  // for a kernel larger than L2 that the rows use at least twice per feature on average, X is
-  // regrouped by feature so that Wq streams through once, in order, instead of one random row
-  // per stored value. On `bow` in the layer's 256-row blocks, by features measured ~1.3× faster
-  // than by rows at 1 % (2.6 rows per feature), as fast at 0.4 % (1.0) and ~1.6× slower at 0.1 %
-  // (0.26). Both add each row's values in ascending feature order with one FMA each, so sorted
-  // rows give the same bits whichever is taken.
-  static constexpr double kCacheBytes = detail::kCoreCacheBytes;
-
-  static bool by_feature(const Arguments& args) {
-    const double kernel_bytes = double(args.kernel.rows()) * double(args.kernel.cols()) * sizeof(Scalar);
-    return kernel_bytes > kCacheBytes && args.query.nonzeros() >= 2 * args.query.cols &&
-           detail::by_feature_fits(args.query);
-  }
-
-  // Whether the by-row kernel writes Q with streaming stores: when Wq fits in L2 (so that
-  // reading Wq does not bound the kernel) and this call's output is too large to be wanted in
-  // cache (detail::kStreamOutputBytes gives the measurement).
+  // The by-row kernel writes Q with streaming stores when Wq fits in L2 (so that reading Wq does
+  // not bound it) and the output is too large to be wanted in cache (detail::kStreamOutputBytes).
   static bool stream_output(const Arguments& args) {
-    const double kernel_bytes = double(args.kernel.rows()) * double(args.kernel.cols()) * sizeof(Scalar);
     const double output_bytes = double(args.output.rows()) * double(args.output.cols()) * sizeof(Scalar);
-    return kernel_bytes <= kCacheBytes && output_bytes >= detail::kStreamOutputBytes;
+    return !kernel_beyond_cache(args.kernel.rows(), args.kernel.cols()) &&
+           output_bytes >= detail::kStreamOutputBytes;
   }
 
   void operator()(const Arguments& args) const {
     const Scalar* bias = args.bias.size() != 0 ? args.bias.data() : nullptr;
     if (by_feature(args)) {
-      thread_local detail::CsrProductScratch<Scalar, StorageIndex> local_scratch;
-      auto& scratch = args.scratch != nullptr ? *args.scratch : local_scratch;
-      if (scratch.entries.capacity() < static_cast<std::size_t>(args.nonzero_capacity))
-        scratch.entries.reserve(static_cast<std::size_t>(args.nonzero_capacity));
-      detail::csr_dense_product_by_feature(args.query, args.kernel.data(), args.kernel.outerStride(), bias,
-                                           args.output.data(), args.output.outerStride(), args.kernel.cols(),
-                                           scratch);
-    } else {
-      detail::csr_dense_product(args.query, args.kernel.data(), args.kernel.outerStride(), bias,
-                                args.output.data(), args.output.outerStride(), args.kernel.cols(),
-                                stream_output(args));
+      detail::ScratchCarver carver(args.workspace);
+      FeatureGroups groups = FeatureGroups::carve(carver, args.query.cols, args.query.nonzeros(), false);
+      if (groups.fits(args.query.cols, args.query.nonzeros(), false)) {
+        detail::csr_dense_product_by_feature(args.query, args.kernel.data(), args.kernel.outerStride(), bias,
+                                             args.output.data(), args.output.outerStride(), args.kernel.cols(),
+                                             groups);
+        return;
+      }
+      SDMHA_ASSERT(!"SparseQueryProjection: workspace smaller than workspace_size()");
+    }
+    detail::csr_dense_product(args.query, args.kernel.data(), args.kernel.outerStride(), bias, args.output.data(),
+                              args.output.outerStride(), args.kernel.cols(), stream_output(args));
+  }
+
+  // ---- backward -------------------------------------------------------------------------------
+
+  // dWq = Xᵀ·dQ. By rows: d_kernel is Eq × (a column panel of N), overwritten. By feature (X's
+  // CSC given): d_kernel holds rows [first_feature, first_feature + d_kernel.rows()) of dWq.
+  struct KernelGradientArguments {
+    CsrView<Scalar, StorageIndex> query;  // rows × Eq
+    ConstMatrixRef<Scalar> d_query;       // rows × N (or a column panel)
+    mutable MatrixRef<Scalar> d_kernel;   // see above
+    const FeatureGroups* feature_groups = nullptr;
+    Index first_feature = 0;
+  };
+
+  // dX at X's stored positions, in CSR order. By feature (X's CSC with positions given): only
+  // the entries of features [first_feature, first_feature + feature_count) are written.
+  struct ValuesGradientArguments {
+    CsrView<Scalar, StorageIndex> query;          // rows × Eq: only its pattern is read
+    ConstMatrixRef<Scalar> kernel;                // Eq × N
+    ConstMatrixRef<Scalar> d_query;               // rows × N
+    mutable Eigen::Ref<Vector<Scalar>> d_values;  // nnz(X), one per stored value in CSR order
+    const FeatureGroups* feature_groups = nullptr;
+    Index first_feature = 0, feature_count = 0;
+  };
+
+  static void can_implement(const KernelGradientArguments& args) {
+    constexpr const char* where = "SparseQueryProjection (kernel gradient)";
+    if (args.d_query.rows() != args.query.rows)
+      detail::fail<ShapeError>(where, "d_query has ", args.d_query.rows(), " rows; expected ", args.query.rows,
+                               " (one per query row)");
+    if (args.feature_groups == nullptr) {
+      if (args.d_kernel.rows() != args.query.cols || args.d_kernel.cols() != args.d_query.cols())
+        detail::fail<ShapeError>(where, "d_kernel is ", args.d_kernel.rows(), " x ", args.d_kernel.cols(),
+                                 "; expected ", args.query.cols, " x ", args.d_query.cols());
+      return;
+    }
+    if (args.d_kernel.cols() != args.d_query.cols())
+      detail::fail<ShapeError>(where, "d_kernel has ", args.d_kernel.cols(), " columns; expected d_query's ",
+                               args.d_query.cols());
+    detail::check_feature_groups(where, args.query, *args.feature_groups, false);
+    check_feature_range(where, args.query.cols, args.first_feature, args.d_kernel.rows());
+  }
+
+  static void can_implement(const ValuesGradientArguments& args) {
+    constexpr const char* where = "SparseQueryProjection (values gradient)";
+    if (args.kernel.rows() != args.query.cols)
+      detail::fail<ShapeError>(where, "kernel has ", args.kernel.rows(),
+                               " rows; expected the query's feature width ", args.query.cols);
+    if (args.d_query.rows() != args.query.rows || args.d_query.cols() != args.kernel.cols())
+      detail::fail<ShapeError>(where, "d_query is ", args.d_query.rows(), " x ", args.d_query.cols(),
+                               "; expected ", args.query.rows, " x ", args.kernel.cols());
+    if (args.d_values.size() != args.query.nonzeros())
+      detail::fail<ShapeError>(where, "d_values has ", args.d_values.size(),
+                               " entries; expected one per stored value, ", args.query.nonzeros());
+    if (args.feature_groups == nullptr) return;
+    detail::check_feature_groups(where, args.query, *args.feature_groups, true);
+    check_feature_range(where, args.query.cols, args.first_feature, args.feature_count);
+  }
+
+  void backward(const KernelGradientArguments& args) const {
+    if (args.feature_groups != nullptr) {
+      kernel_gradient_by_feature(args);
+      return;
+    }
+    const auto& query = args.query;
+    args.d_kernel.setZero();
+    for (Index row = 0; row < query.rows; ++row) {
+      const auto d_query_row = args.d_query.row(row);
+      for (Index k = query.row_begin(row); k < query.row_end(row); ++k)
+        args.d_kernel.row(query.column_indices[k]).noalias() += query.values[k] * d_query_row;
+    }
+  }
+
+  void backward(const ValuesGradientArguments& args) const {
+    if (args.feature_groups != nullptr) {
+      values_gradient_by_feature(args);
+      return;
+    }
+    const auto& query = args.query;
+    Index position = 0;
+    for (Index row = 0; row < query.rows; ++row) {
+      const auto d_query_row = args.d_query.row(row);
+      for (Index k = query.row_begin(row); k < query.row_end(row); ++k)
+        args.d_values[position++] = d_query_row.dot(args.kernel.row(query.column_indices[k]));
+    }
+  }
+
+ private:
+  static void check_feature_range(const char* where, Index features, Index first, Index count) {
+    if (first < 0 || count < 0 || first + count > features)
+      detail::fail<ShapeError>(where, "features [", first, ", ", first + count,
+                               ") asked for; expected a range in [0, ", features, ")");
+  }
+
+  // Row c of dWq = Σ x_rc·dQ[r, :] over the feature's entries, accumulated and written once.
+  static void kernel_gradient_by_feature(const KernelGradientArguments& args) {
+    const auto* offsets = args.feature_groups->feature_offsets;
+    const auto* entries = args.feature_groups->entries;
+    for (Index i = 0; i < args.d_kernel.rows(); ++i) {
+      const Index feature = args.first_feature + i;
+      auto d_kernel_row = args.d_kernel.row(i);
+      d_kernel_row.setZero();
+      for (Index k = offsets[feature]; k < offsets[feature + 1]; ++k)
+        d_kernel_row.noalias() += entries[k].value * args.d_query.row(Index(entries[k].row));
+    }
+  }
+
+  // Each used row of Wq read once, against the dQ rows of its entries; results to CSR positions.
+  static void values_gradient_by_feature(const ValuesGradientArguments& args) {
+    const auto* offsets = args.feature_groups->feature_offsets;
+    const auto* entries = args.feature_groups->entries;
+    const auto* positions = args.feature_groups->positions;
+    const Index last = args.first_feature + args.feature_count;
+    for (Index feature = args.first_feature; feature < last; ++feature) {
+      const auto kernel_row = args.kernel.row(feature);
+      for (Index k = offsets[feature]; k < offsets[feature + 1]; ++k)
+        args.d_values[Index(positions[k])] = args.d_query.row(Index(entries[k].row)).dot(kernel_row);
     }
   }
 };

@@ -1,19 +1,25 @@
-// sdmha/stages/score_kernel.hpp — ScoreKernel: the masked scores of one (batch, head).
+// sdmha/stages/score_kernel.hpp — ScoreKernel: the masked scores of one tile, and their backward.
 //
 //   math:  S = (Q_h/√Dk)·K_hᵀ, or regrouped S = X_b·M + 1·c with M = Wq_h·K_hᵀ/√Dk, c = bq_h·K_hᵀ/√Dk;
 //          then S[t, s] = −∞ wherever the mask blocks (t, s)
-//   pre:   Q_h T × Dk (or X_b: T CSR rows over Eq features, Wq_h Eq × Dk); K_h S × Dk; S is T × S
-//   cost:  project-first 2·T·S·Dk; regrouped 2·U·Dk·S + 2·nnz(X_b)·S, U = distinct features of X_b
+//   pre:   Q_h rows × Dk (or X_b: CSR rows over Eq features, Wq_h Eq × Dk); K_h keys × Dk; S rows × keys
+//   cost:  project-first 2·rows·keys·Dk; regrouped 2·U·Dk·keys + 2·nnz(X_b)·keys, U = distinct features
+//
+// Backward, given dS (zero at blocked entries): dQ_h = scale·dS·K_h, dK_h += scale·dSᵀ·Q_h, for
+// either form (the regrouped form's Q is the projected query too).
+// Every Arguments says where its tile sits (TilePosition: batch, head, query_begin, key_begin),
+// so a stage derived from this one can edit `scores` by absolute position after calling it.
 #pragma once
 
 #include <algorithm>
-#include <vector>
 
 #include "sdmha/config.hpp"
 #include "sdmha/detail/gemm.hpp"
+#include "sdmha/detail/scratch.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/mask.hpp"
 #include "sdmha/sparse_query.hpp"
+#include "sdmha/stage.hpp"
 
 namespace sdmha {
 
@@ -21,30 +27,59 @@ template <typename Scalar, typename StorageIndex = int>
 struct ScoreKernel {
   using ScalarType = Scalar;
   using StorageIndexType = StorageIndex;
+  using differentiates = ScoreKernel;
 
-  // Project-first: the head's block of the projected query.
-  struct Arguments {
-    ConstMatrixRef<Scalar> query;  // T × Dk
-    ConstMatrixRef<Scalar> key;    // S × Dk
-    Scalar scale;                  // 1/√Dk
-    BatchMask mask;
-    mutable MatrixRef<Scalar> scores;      // T × S
+  // Project-first: the tile's rows of the head's block of the projected query.
+  struct Arguments : TilePosition {
+    ConstMatrixRef<Scalar> query;      // rows × Dk
+    ConstMatrixRef<Scalar> key;        // keys × Dk
+    Scalar scale;                      // 1/√Dk
+    BatchMask mask;                    // of this tile
+    mutable MatrixRef<Scalar> scores;  // rows × keys
+    StageScratch workspace = {};
   };
 
-  // Regrouped sparse × dense: batch b's CSR rows and the head's columns of the query kernel.
-  struct SparseArguments {
-    CsrView<Scalar, StorageIndex> query;  // T × Eq
+  // Regrouped sparse × dense: the tile's CSR rows and the head's columns of the query kernel.
+  struct SparseArguments : TilePosition {
+    CsrView<Scalar, StorageIndex> query;  // rows × Eq
     ConstMatrixRef<Scalar> query_kernel;  // Eq × Dk (head h's column block of Wq)
     ConstVectorRef<Scalar> query_bias;    // Dk (head h's slice of bq), or empty
-    ConstMatrixRef<Scalar> key;           // S × Dk
+    ConstMatrixRef<Scalar> key;           // keys × Dk
     Scalar scale;
     BatchMask mask;
-    mutable MatrixRef<Scalar> scores;             // T × S
-    // An upper bound on the distinct features (U) of any call in this pass, when the caller
-    // knows one (the layer does): the stage then sizes its per-thread scratch for it once, and
-    // a repeated pass allocates nothing whichever thread gets which batch. 0: unknown.
-    Index feature_capacity = 0;
+    mutable MatrixRef<Scalar> scores;  // rows × keys
+    StageScratch workspace = {};
   };
+
+  // The gradient through the scores of either form.
+  struct BackwardArguments : TilePosition {
+    ConstMatrixRef<Scalar> query;        // rows × Dk, the projected query's tile
+    ConstMatrixRef<Scalar> key;          // keys × Dk
+    Scalar scale;
+    mutable MatrixRef<Scalar> d_scores;  // rows × keys: ∂loss/∂scores (0 where blocked); a derived stage may edit it
+    mutable MatrixRef<Scalar> d_query;   // rows × Dk, overwritten
+    mutable MatrixRef<Scalar> d_key;     // keys × Dk, accumulated into
+    bool key_is_finite = true;           // false: K may hold NaN/Inf in rows whose dS column is 0
+    StageScratch workspace = {};
+  };
+
+  // Packing for the project-first product and both gradient products (sizes.rows × sizes.key_steps
+  // × sizes.key_dim), and for the regrouped form its feature list, entry positions, gathered Wq
+  // rows and M (sizes.nonzeros, sizes.distinct_features) besides.
+  static std::size_t workspace_size(const TileSizes& sizes) {
+    const Index rows = sizes.rows, keys = sizes.key_steps, width = sizes.key_dim;
+    const Index used = sizes.distinct_features, entries = sizes.nonzeros;
+    const std::size_t dense = std::max({detail::gemm_workspace_size<Scalar>(rows, keys, width),
+                                        detail::gemm_workspace_size<Scalar>(rows, width, keys),
+                                        detail::gemm_workspace_size<Scalar>(keys, width, rows)});
+    if (used == 0) return dense;
+    const std::size_t regrouped =
+        2 * detail::array_bytes<StorageIndex>(entries) + detail::array_bytes<Scalar>(used * width) +
+        detail::array_bytes<Scalar>(used * keys) +
+        std::max(detail::gemm_workspace_size<Scalar>(used, keys, width),
+                 detail::gemm_workspace_size<Scalar>(1, keys, width));
+    return std::max(dense, regrouped);
+  }
 
   static void can_implement(const Arguments& args) {
     constexpr const char* where = "ScoreKernel";
@@ -60,98 +95,134 @@ struct ScoreKernel {
       detail::fail<ShapeError>(where, "query_kernel has ", args.query_kernel.rows(),
                                " rows; expected the query's feature width ", args.query.cols);
     if (args.query_kernel.cols() != args.key.cols())
-      detail::fail<ShapeError>(where, "query_kernel has ", args.query_kernel.cols(),
-                               " columns but key has width ", args.key.cols(), "; expected equal");
+      detail::fail<ShapeError>(where, "query_kernel has ", args.query_kernel.cols(), " columns but key has width ",
+                               args.key.cols(), "; expected equal");
     if (args.query_bias.size() != 0 && args.query_bias.size() != args.key.cols())
-      detail::fail<ShapeError>(where, "query_bias has ", args.query_bias.size(),
-                               " entries; expected 0 or ", args.key.cols());
+      detail::fail<ShapeError>(where, "query_bias has ", args.query_bias.size(), " entries; expected 0 or ",
+                               args.key.cols());
     check_scores(where, args.scores, args.query.rows, args.key.rows(), args.mask);
+  }
+
+  static void can_implement(const BackwardArguments& args) {
+    constexpr const char* where = "ScoreKernel (backward)";
+    const Index rows = args.query.rows(), keys = args.key.rows(), width = args.key.cols();
+    if (args.query.cols() != width)
+      detail::fail<ShapeError>(where, "query has width ", args.query.cols(), "; expected key's ", width);
+    if (args.d_scores.rows() != rows || args.d_scores.cols() != keys)
+      detail::fail<ShapeError>(where, "d_scores is ", args.d_scores.rows(), " x ", args.d_scores.cols(),
+                               "; expected ", rows, " x ", keys);
+    if (args.d_query.rows() != rows || args.d_query.cols() != width)
+      detail::fail<ShapeError>(where, "d_query is ", args.d_query.rows(), " x ", args.d_query.cols(),
+                               "; expected ", rows, " x ", width);
+    if (args.d_key.rows() != keys || args.d_key.cols() != width)
+      detail::fail<ShapeError>(where, "d_key is ", args.d_key.rows(), " x ", args.d_key.cols(), "; expected ",
+                               keys, " x ", width);
   }
 
   void operator()(const Arguments& args) const {
     // Keras scales the query, not the product; the scale folds into the GEMM's alpha.
-    detail::gemm<Scalar>(detail::as_operand<Scalar>(args.query), detail::transposed<Scalar>(args.key),
-                         args.scores, args.scale, false);
+    detail::gemm<Scalar>(detail::as_operand<Scalar>(args.query), detail::transposed<Scalar>(args.key), args.scores,
+                         args.scale, false, args.workspace);
     apply_mask<Scalar>(args.mask, args.scores);
   }
 
-  void operator()(const SparseArguments& args) const {
-    const auto& query = args.query;
-    RegroupScratch& scratch = regroup_scratch();
-    const Index width = args.query_kernel.cols(), key_steps = args.key.rows();
-    const Index capacity = std::max(args.feature_capacity, Index(0));
-    // position[f]: f's row in M, or −1; sized to Eq once per thread and reset after each call.
-    std::vector<Index>& position = scratch.position;
-    if (position.size() < static_cast<std::size_t>(query.cols))
-      position.resize(static_cast<std::size_t>(query.cols), -1);
-    // U: the distinct features that these rows use, sorted; only those rows of M are needed.
-    std::vector<StorageIndex>& features = scratch.features;
-    if (features.capacity() < static_cast<std::size_t>(capacity)) features.reserve(static_cast<std::size_t>(capacity));
-    features.clear();
-    for (Index row = 0; row < query.rows; ++row)
-      for (Index k = query.row_begin(row); k < query.row_end(row); ++k) {
-        Index& seen = position[std::size_t(query.column_indices[k])];
-        if (seen < 0) {
-          seen = 0;
-          features.push_back(query.column_indices[k]);
-        }
-      }
-    std::sort(features.begin(), features.end());
-    const Index used = static_cast<Index>(features.size());
-    for (Index i = 0; i < used; ++i) position[std::size_t(features[i])] = i;
-    const Index rows_held = std::max(used, capacity);
+  void operator()(const SparseArguments& args) const;
 
-    // M = (Wq_h[U] · scale) · Kᵀ, U × S: the query kernel's used rows against every key.
-    Eigen::Map<RowMatrix<Scalar>> gathered(grow(scratch.gathered, rows_held * width), used, width);
-    for (Index i = 0; i < used; ++i) gathered.row(i) = args.query_kernel.row(features[i]);
-    Eigen::Map<RowMatrix<Scalar>> regrouped(grow(scratch.regrouped, rows_held * key_steps), used, key_steps);
-    detail::gemm<Scalar>(detail::as_operand<Scalar>(gathered), detail::transposed<Scalar>(args.key),
-                         regrouped, args.scale, false);
-
-    if (args.query_bias.size() != 0 && query.rows > 0) {
-      // c = (bq_h · scale) · Kᵀ into the first row, then copied to the others.
-      const detail::GemmOperand<Scalar> bias_row{args.query_bias.data(), 1, width, width, true};
-      detail::gemm<Scalar>(bias_row, detail::transposed<Scalar>(args.key), args.scores.topRows(1),
-                           args.scale, false);
-      for (Index row = 1; row < query.rows; ++row) args.scores.row(row) = args.scores.row(0);
-    } else {
-      args.scores.setZero();
-    }
-    for (Index row = 0; row < query.rows; ++row) {
-      auto out = args.scores.row(row);
-      for (Index k = query.row_begin(row); k < query.row_end(row); ++k)
-        out.noalias() += query.values[k] * regrouped.row(position[std::size_t(query.column_indices[k])]);
-    }
-    for (const StorageIndex feature : features) position[std::size_t(feature)] = -1;
-    apply_mask<Scalar>(args.mask, args.scores);
+  void backward(const BackwardArguments& args) const {
+    product_skipping_zero_weights(args.scale, args.d_scores, args.key, args.key_is_finite, args.d_query,
+                                  args.workspace);
+    detail::gemm<Scalar>(detail::transposed<Scalar>(args.d_scores), detail::as_operand<Scalar>(args.query),
+                         args.d_key, args.scale, true, args.workspace);
   }
 
  private:
-  // The regrouped form's working memory, kept per thread and grown, never shrunk, so that the
-  // steady state allocates nothing (U varies from batch to batch; Eigen's resize would reallocate).
-  struct RegroupScratch {
-    std::vector<Index> position;
-    std::vector<StorageIndex> features;
-    Vector<Scalar> gathered, regrouped;
-  };
-  static RegroupScratch& regroup_scratch() {
-    thread_local RegroupScratch scratch;
-    return scratch;
-  }
-  static Scalar* grow(Vector<Scalar>& buffer, Index size) {
-    if (buffer.size() < size) buffer.resize(size);
-    return buffer.data();
+  // out = alpha · weights · rows, where a zero weight never meets its row: a row of K that every
+  // query is blocked from may be NaN, and its weights (dS's column) are exactly 0.
+  static void product_skipping_zero_weights(Scalar alpha, const ConstMatrixRef<Scalar>& weights,
+                                            const ConstMatrixRef<Scalar>& rows, bool rows_are_finite,
+                                            MatrixRef<Scalar> out, StageScratch workspace) {
+    if (rows_are_finite) {
+      detail::gemm<Scalar>(detail::as_operand<Scalar>(weights), detail::as_operand<Scalar>(rows), out, alpha,
+                           false, workspace);
+      return;
+    }
+    out.setZero();
+    for (Index t = 0; t < weights.rows(); ++t)
+      for (Index s = 0; s < weights.cols(); ++s)
+        if (weights(t, s) != Scalar(0)) out.row(t).noalias() += (alpha * weights(t, s)) * rows.row(s);
   }
 
-  static void check_scores(const char* where, const MatrixRef<Scalar>& scores, Index steps,
-                           Index key_steps, const BatchMask& mask) {
+  static void check_scores(const char* where, const MatrixRef<Scalar>& scores, Index steps, Index key_steps,
+                           const BatchMask& mask) {
     if (scores.rows() != steps || scores.cols() != key_steps)
-      detail::fail<ShapeError>(where, "scores is ", scores.rows(), " x ", scores.cols(),
-                               "; expected ", steps, " x ", key_steps);
+      detail::fail<ShapeError>(where, "scores is ", scores.rows(), " x ", scores.cols(), "; expected ", steps,
+                               " x ", key_steps);
     if (!mask.empty() && (mask.steps != steps || mask.key_steps != key_steps))
-      detail::fail<ShapeError>(where, "mask is for ", mask.steps, " x ", mask.key_steps,
-                               "; expected ", steps, " x ", key_steps);
+      detail::fail<ShapeError>(where, "mask is for ", mask.steps, " x ", mask.key_steps, "; expected ", steps,
+                               " x ", key_steps);
   }
 };
+
+// Regrouped: U, the distinct features of these rows, sorted; M = (Wq_h[U]·scale)·Kᵀ (U × keys);
+// then each row is c plus the sum of its values times their features' rows of M. Only U rows of
+// Wq are read, and every product with K is one GEMM.
+template <typename Scalar, typename StorageIndex>
+void ScoreKernel<Scalar, StorageIndex>::operator()(const SparseArguments& args) const {
+  const auto& query = args.query;
+  const Index width = args.query_kernel.cols(), key_steps = args.key.rows();
+  const Index entries = query.nonzeros();
+  // A workspace smaller than workspace_size() (a caller's planning error, stopped in debug
+  // builds) gets memory of its own here: the same result, with an allocation.
+  detail::ScratchBuffer own_lists, own_products;
+  detail::ScratchCarver carver(args.workspace);
+  if (args.workspace.bytes < 2 * detail::array_bytes<StorageIndex>(entries)) {
+    SDMHA_ASSERT(!"ScoreKernel: workspace smaller than workspace_size()");
+    own_lists.reserve(2 * detail::array_bytes<StorageIndex>(entries));
+    carver = detail::ScratchCarver(own_lists.view());
+  }
+  StorageIndex* features = carver.take<StorageIndex>(entries);
+  StorageIndex* entry_rows = carver.take<StorageIndex>(entries);  // each entry's row of M
+  Index count = 0;
+  for (Index row = 0; row < query.rows; ++row)
+    for (Index k = query.row_begin(row); k < query.row_end(row); ++k) features[count++] = query.column_indices[k];
+  std::sort(features, features + count);
+  const Index used = Index(std::unique(features, features + count) - features);
+  count = 0;
+  for (Index row = 0; row < query.rows; ++row)
+    for (Index k = query.row_begin(row); k < query.row_end(row); ++k)
+      entry_rows[count++] =
+          StorageIndex(std::lower_bound(features, features + used, query.column_indices[k]) - features);
+
+  const std::size_t products = detail::array_bytes<Scalar>(used * width) + detail::array_bytes<Scalar>(used * key_steps) +
+                               std::max(detail::gemm_workspace_size<Scalar>(used, key_steps, width),
+                                        detail::gemm_workspace_size<Scalar>(1, key_steps, width));
+  if (carver.rest().bytes < products) {
+    SDMHA_ASSERT(!"ScoreKernel: workspace smaller than workspace_size()");
+    own_products.reserve(products);
+    carver = detail::ScratchCarver(own_products.view());
+  }
+  Eigen::Map<RowMatrix<Scalar>> gathered(carver.take<Scalar>(used * width), used, width);
+  Eigen::Map<RowMatrix<Scalar>> regrouped(carver.take<Scalar>(used * key_steps), used, key_steps);
+  for (Index i = 0; i < used; ++i) gathered.row(i) = args.query_kernel.row(features[i]);
+  detail::gemm<Scalar>(detail::as_operand<Scalar>(gathered), detail::transposed<Scalar>(args.key), regrouped,
+                       args.scale, false, carver.rest());
+
+  if (args.query_bias.size() != 0 && query.rows > 0) {
+    // c = (bq_h · scale) · Kᵀ into the first row, then copied to the others.
+    const detail::GemmOperand<Scalar> bias_row{args.query_bias.data(), 1, width, width, true};
+    detail::gemm<Scalar>(bias_row, detail::transposed<Scalar>(args.key), args.scores.topRows(1), args.scale, false,
+                         carver.rest());
+    for (Index row = 1; row < query.rows; ++row) args.scores.row(row) = args.scores.row(0);
+  } else {
+    args.scores.setZero();
+  }
+  count = 0;
+  for (Index row = 0; row < query.rows; ++row) {
+    auto out = args.scores.row(row);
+    for (Index k = query.row_begin(row); k < query.row_end(row); ++k)
+      out.noalias() += query.values[k] * regrouped.row(entry_rows[count++]);
+  }
+  apply_mask<Scalar>(args.mask, args.scores);
+}
 
 }  // namespace sdmha

@@ -1,0 +1,161 @@
+// sdmha/detail/attention_plan.hpp — AttentionPlan: everything one forward or backward call
+// decides before it computes, so that both passes and the bench walk the same work.
+//
+// A plan holds the validated sizes, the score strategy, the work items with their absolute
+// offsets — row blocks of the projections, (batch, head, query tile, key tile) items of the
+// attention — and the scratch each worker needs, the largest of what every stage asks for
+// through its workspace_size(). Work items are fixed by the problem, never by the thread count,
+// and each writes its own output: results are bitwise the same for any number of threads.
+//
+// Key tiles: the unfused softmax needs a row's every key at once, so the attention here runs one
+// key tile per row (all keys the tile's rows may see: S, or fewer under a causal mask); an
+// online-softmax pass can split the same items into several key tiles.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
+#include "sdmha/config.hpp"
+#include "sdmha/detail/parallel.hpp"
+#include "sdmha/options.hpp"
+#include "sdmha/sparse_query.hpp"
+#include "sdmha/stage.hpp"
+#include "sdmha/weights.hpp"
+
+namespace sdmha::detail {
+
+// Rows per dense-projection work item (the key, value and output projections).
+constexpr Index kProjectionRowBlock = 64;
+// Rows per query-projection work item: enough stored values for the by-feature kernel to pay on
+// wide queries; each block streams the part of Wq its rows use once, so larger blocks read Wq
+// fewer times. The dense baseline projects its query in blocks of the same height.
+constexpr Index kQueryProjectionRowBlock = 512;
+// Query steps per attention tile: the scores in flight are kQueryTile × S per worker.
+constexpr Index kQueryTile = 64;
+// Backward tiles: three tile × S matrices (P, P' and dS) of at most this many entries each stay
+// in L2 together; larger tiles waste less on packing their six small GEMMs.
+constexpr Index kBackwardTileEntries = Index(1) << 15;
+// Tiles of a weight gradient (rows × columns of dW), and features per block of the query
+// gradients by feature: fixed, so that every entry of a gradient is one sum in one order.
+constexpr Index kWeightTile = 256;
+constexpr Index kFeatureBlock = 1024;
+
+enum class Pass { forward, backward };
+
+// A block of rows [begin, begin + rows) of a projection.
+struct RowBlock {
+  Index begin, rows;
+};
+
+// One attention work item: query steps [query_begin, query_begin + query_rows) of batch entry
+// `batch`, head `head`, against key steps [key_begin, key_begin + key_steps).
+struct AttentionItem {
+  Index batch, head, query_begin, query_rows, key_begin, key_steps;
+  TilePosition position() const { return TilePosition{batch, head, query_begin, key_begin}; }
+};
+
+// The sparse query's statistics that strategy and scratch depend on: U_b (the distinct
+// features of batch entry b's rows) summed and at most, and the most stored values of one batch
+// entry and of one query-projection block.
+struct QueryStatistics {
+  Index distinct_total = 0, distinct_largest = 0;
+  Index batch_nonzeros_largest = 0, block_nonzeros_largest = 0;
+};
+
+template <typename Scalar, typename StorageIndex>
+QueryStatistics query_statistics(const CsrView<Scalar, StorageIndex>& csr, Index batch, Index steps,
+                                 bool count_features, std::vector<Index>& last_batch);
+
+struct AttentionPlan {
+  Pass pass = Pass::forward;
+  Index batch = 0, steps = 0, key_steps = 0;  // B, T, S
+  LayerDims dims;
+  int threads = 1;
+  bool causal = false;
+  ScoreStrategy strategy = ScoreStrategy::project_first;
+  QueryStatistics query;
+  Index query_tile = 0, query_tiles = 0;  // rows per attention tile, tiles per (b, h)
+  std::size_t worker_scratch_bytes = 0;   // each worker's stage scratch
+  Index tile_entries = 0;                 // each worker's tile buffers: entries of one score tile
+
+  bool regrouped() const { return strategy == ScoreStrategy::sparse_regrouped; }
+  Index heads() const { return dims.num_heads; }
+
+  // Attention items: (b, h, tile) in that order; one key tile each.
+  Index attention_items() const { return key_steps > 0 ? batch * heads() * query_tiles : 0; }
+  AttentionItem attention_item(Index index) const {
+    const Index tile = index % query_tiles, bh = index / query_tiles;
+    return tile_of(bh / heads(), bh % heads(), tile);
+  }
+  AttentionItem tile_of(Index b, Index h, Index tile) const {
+    const Index begin = tile * query_tile, rows = std::min(query_tile, steps - begin);
+    const Index keys = causal ? std::min(key_steps, begin + rows) : key_steps;
+    return AttentionItem{b, h, begin, rows, 0, keys};
+  }
+
+  // Row blocks of a projection over `rows` rows.
+  static Index block_count(Index rows, Index block_rows) { return (rows + block_rows - 1) / block_rows; }
+  static RowBlock block(Index index, Index rows, Index block_rows) {
+    const Index begin = index * block_rows;
+    return RowBlock{begin, std::min(block_rows, rows - begin)};
+  }
+  int workers(Index items) const { return worker_count(items, threads); }
+};
+
+// Query rows per attention tile. The regrouped kernel shares M_bh across all of a batch entry's
+// rows, so it takes them all; forward tiles are kQueryTile; backward tiles under a causal mask
+// are the forward's (whose key range they shorten), otherwise as many rows as
+// kBackwardTileEntries allows (on `seed`, S = 128: all T = 128 rows in one tile).
+inline Index plan_query_tile(Pass pass, bool regrouped, bool causal, Index steps, Index key_steps) {
+  if (regrouped) return std::max<Index>(steps, 1);
+  if (pass == Pass::forward || causal || key_steps == 0) return kQueryTile;
+  return std::max(kQueryTile, std::min(steps, kBackwardTileEntries / key_steps));
+}
+
+// The score strategy for `requested`. The cost model counts, per call, project-first's
+// 2·nnz·H·Dk sparse flops plus 2·B·H·T·S·Dk GEMM flops (about half under a causal mask, whose
+// blocked key tiles are skipped) against regrouped's 2·H·Dk·S·Σ_b U_b GEMM flops plus
+// 2·nnz·H·S sparse flops. A sparse flop is weighted as kSparseFlopCost GEMM flops: it streams a
+// row of a dense operand per stored value instead of reusing registers and cache as a GEMM does.
+inline ScoreStrategy choose_strategy(ScoreStrategy requested, const AttentionPlan& plan, Index nonzeros) {
+  if (requested != ScoreStrategy::automatic) return requested;
+  constexpr double kSparseFlopCost = 4.0;
+  const double H = double(plan.dims.num_heads), Dk = double(plan.dims.key_dim);
+  const double S = double(plan.key_steps), nnz = double(nonzeros);
+  const double B = double(plan.batch), T = double(plan.steps);
+  const double project_first = kSparseFlopCost * 2 * nnz * H * Dk + (plan.causal ? 0.5 : 1.0) * 2 * B * H * T * S * Dk;
+  const double regrouped = 2 * H * Dk * S * double(plan.query.distinct_total) + kSparseFlopCost * 2 * nnz * H * S;
+  return regrouped < project_first ? ScoreStrategy::sparse_regrouped : ScoreStrategy::project_first;
+}
+
+template <typename Scalar, typename StorageIndex>
+QueryStatistics query_statistics(const CsrView<Scalar, StorageIndex>& csr, Index batch, Index steps,
+                                 bool count_features, std::vector<Index>& last_batch) {
+  QueryStatistics statistics;
+  for (Index first = 0; first < csr.rows; first += kQueryProjectionRowBlock)
+    statistics.block_nonzeros_largest =
+        std::max(statistics.block_nonzeros_largest,
+                 csr.middle_rows(first, std::min(kQueryProjectionRowBlock, csr.rows - first)).nonzeros());
+  if (count_features) last_batch.assign(static_cast<std::size_t>(csr.cols), -1);
+  for (Index b = 0; b < batch; ++b) {
+    Index in_batch = 0, stored = 0;
+    for (Index row = b * steps; row < (b + 1) * steps; ++row) {
+      stored += csr.row_size(row);
+      if (!count_features) continue;
+      for (Index k = csr.row_begin(row); k < csr.row_end(row); ++k) {
+        Index& seen = last_batch[std::size_t(csr.column_indices[k])];
+        if (seen != b) {
+          seen = b;
+          ++in_batch;
+        }
+      }
+    }
+    statistics.distinct_total += in_batch;
+    statistics.distinct_largest = std::max(statistics.distinct_largest, in_batch);
+    statistics.batch_nonzeros_largest = std::max(statistics.batch_nonzeros_largest, stored);
+  }
+  return statistics;
+}
+
+}  // namespace sdmha::detail

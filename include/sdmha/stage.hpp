@@ -1,0 +1,77 @@
+// sdmha/stage.hpp — what every stage shares: where its tile sits, the sizes its scratch is
+// planned for, the scratch itself, and the traits the layer checks stages with.
+//
+// A stage is a functor with a nested `Arguments`, a static `can_implement(args)` that throws a
+// typed error naming the argument, and `operator()(args)`. Its backward sits beside it with the
+// same shape: `BackwardArguments`, `can_implement(backward_args)`, `backward(backward_args)`, and
+// `using differentiates = TheStage;` saying whose derivative that is. A stage derived from a
+// default one inherits the default's backward but not its claim to differentiate the derived
+// stage, so backward refuses it at compile time until it declares its own.
+#pragma once
+
+#include <cstddef>
+#include <type_traits>
+
+#include "sdmha/config.hpp"
+
+namespace sdmha {
+
+// Where one tile of the attention sits in the (B, H, T, S) problem: rows are query steps
+// query_begin …, columns key steps key_begin … of batch entry `batch`, head `head`. A
+// position-dependent stage (a relative-position bias, ALiBi, a decay) reads these.
+struct TilePosition {
+  Index batch = 0;
+  Index head = 0;
+  Index query_begin = 0;  // absolute query step of the tile's first row
+  Index key_begin = 0;    // absolute key step of the tile's first column
+};
+
+// Working memory a stage call may use as it likes: `bytes` bytes at `data`, aligned to
+// kScratchAlignment, owned by the caller's Workspace (one block per worker), valid for the call.
+struct StageScratch {
+  std::byte* data = nullptr;
+  std::size_t bytes = 0;
+};
+
+inline constexpr std::size_t kScratchAlignment = 64;
+
+// The largest tile a stage will see in one call, for its workspace_size(). The plan fills what
+// applies to the stage: rows and widths always, the sparse fields for stages that read the CSR.
+struct TileSizes {
+  Index rows = 0;               // query rows of a tile, or rows of a projection block
+  Index key_steps = 0;          // key columns of a score tile
+  Index key_dim = 0;            // Dk
+  Index value_dim = 0;          // Dv
+  Index input_width = 0;        // a projection's input width (E)
+  Index output_width = 0;       // a projection's output width (N)
+  Index features = 0;           // the query's feature width Eq
+  Index distinct_features = 0;  // the most distinct features of one batch entry's rows (U_b)
+  Index nonzeros = 0;           // the most stored values of one tile's or block's rows
+};
+
+namespace detail {
+
+// Stage::workspace_size(sizes) when the stage declares one, else 0 (a stage without scratch).
+template <typename Stage, typename = void>
+struct HasWorkspaceSize : std::false_type {};
+template <typename Stage>
+struct HasWorkspaceSize<Stage, std::void_t<decltype(Stage::workspace_size(std::declval<const TileSizes&>()))>>
+    : std::true_type {};
+
+template <typename Stage>
+std::size_t stage_workspace_size(const TileSizes& sizes) {
+  if constexpr (HasWorkspaceSize<Stage>::value)
+    return Stage::workspace_size(sizes);
+  else
+    return 0;
+}
+
+// Whether Stage brings the backward of itself (not only of a stage it derives from).
+template <typename Stage, typename = void>
+struct IsDifferentiable : std::false_type {};
+template <typename Stage>
+struct IsDifferentiable<Stage, std::void_t<typename Stage::differentiates>>
+    : std::is_same<typename Stage::differentiates, Stage> {};
+
+}  // namespace detail
+}  // namespace sdmha
