@@ -6,7 +6,8 @@
 // same shape: `BackwardArguments`, `can_implement(backward_args)`, `backward(backward_args)`, and
 // `using differentiates = TheStage;` saying whose derivative that is. A stage derived from a
 // default one inherits the default's backward but not its claim to differentiate the derived
-// stage, so backward refuses it at compile time until it declares its own.
+// stage, so backward refuses it at compile time until it declares a backward of its own (or
+// the alias, when the inherited backward is right for it, as for an additive constant bias).
 #pragma once
 
 #include <cstddef>
@@ -66,12 +67,33 @@ std::size_t stage_workspace_size(const TileSizes& sizes) {
     return 0;
 }
 
-// Whether Stage brings the backward of itself (not only of a stage it derives from).
+// Whether Stage brings the backward of itself, not only that of a stage it derives from: it
+// declares `using differentiates = Stage;`, or it declares a single (non-template) backward of
+// its own. A stage derived from a default one inherits both the default's alias and its
+// backward, so neither counts for it.
 template <typename Stage, typename = void>
-struct IsDifferentiable : std::false_type {};
+struct DeclaresDifferentiates : std::false_type {};
 template <typename Stage>
-struct IsDifferentiable<Stage, std::void_t<typename Stage::differentiates>>
+struct DeclaresDifferentiates<Stage, std::void_t<typename Stage::differentiates>>
     : std::is_same<typename Stage::differentiates, Stage> {};
+
+template <typename MemberPointer>
+struct MemberClass {
+  using type = void;
+};
+template <typename Function, typename Class>
+struct MemberClass<Function Class::*> {
+  using type = Class;
+};
+template <typename Stage, typename = void>
+struct DeclaresBackward : std::false_type {};
+template <typename Stage>
+struct DeclaresBackward<Stage, std::void_t<decltype(&Stage::backward)>>
+    : std::is_same<typename MemberClass<decltype(&Stage::backward)>::type, Stage> {};
+
+template <typename Stage>
+struct IsDifferentiable
+    : std::integral_constant<bool, DeclaresDifferentiates<Stage>::value || DeclaresBackward<Stage>::value> {};
 
 }  // namespace detail
 }  // namespace sdmha

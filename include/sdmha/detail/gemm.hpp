@@ -101,8 +101,8 @@ void gemm_with_blocking(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>&
 }
 
 // C (m × n, row-major, any outer stride) = α·A·B, or += when `accumulate`, packing in `scratch`
-// (at least gemm_workspace_size(m, n, k) bytes). A scratch too small is a planning error: debug
-// builds stop on it, release builds pack into memory of their own (same result, one allocation).
+// (at least gemm_workspace_size(m, n, k) bytes). With less (a stage called without a planned
+// workspace), it packs into memory of its own: the same result, with an allocation.
 template <typename Scalar>
 void gemm(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>& b, MatrixRef<Scalar> c, Scalar alpha,
           bool accumulate, StageScratch scratch) {
@@ -115,8 +115,7 @@ void gemm(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>& b, MatrixRef<
   ScratchCarver carver(scratch);
   Scalar* block_a = carver.take<Scalar>(sizes.mc * sizes.kc);
   Scalar* block_b = carver.take<Scalar>(sizes.kc * sizes.nc);
-  SDMHA_ASSERT(block_b != nullptr);
-  Vector<Scalar> own;  // only when the plan under-sized the scratch
+  Vector<Scalar> own;  // only when the caller's scratch is too small
   if (block_b == nullptr) {
     own.resize(Index(array_bytes<Scalar>(sizes.mc * sizes.kc) / sizeof(Scalar)) + sizes.kc * sizes.nc);
     block_a = own.data();

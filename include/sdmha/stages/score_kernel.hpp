@@ -171,12 +171,11 @@ void ScoreKernel<Scalar, StorageIndex>::operator()(const SparseArguments& args) 
   const auto& query = args.query;
   const Index width = args.query_kernel.cols(), key_steps = args.key.rows();
   const Index entries = query.nonzeros();
-  // A workspace smaller than workspace_size() (a caller's planning error, stopped in debug
-  // builds) gets memory of its own here: the same result, with an allocation.
+  // A workspace smaller than workspace_size() (a stage called on its own, without a planned
+  // workspace) gets memory of its own here: the same result, with an allocation.
   detail::ScratchBuffer own_lists, own_products;
   detail::ScratchCarver carver(args.workspace);
   if (args.workspace.bytes < 2 * detail::array_bytes<StorageIndex>(entries)) {
-    SDMHA_ASSERT(!"ScoreKernel: workspace smaller than workspace_size()");
     own_lists.reserve(2 * detail::array_bytes<StorageIndex>(entries));
     carver = detail::ScratchCarver(own_lists.view());
   }
@@ -197,7 +196,6 @@ void ScoreKernel<Scalar, StorageIndex>::operator()(const SparseArguments& args) 
                                std::max(detail::gemm_workspace_size<Scalar>(used, key_steps, width),
                                         detail::gemm_workspace_size<Scalar>(1, key_steps, width));
   if (carver.rest().bytes < products) {
-    SDMHA_ASSERT(!"ScoreKernel: workspace smaller than workspace_size()");
     own_products.reserve(products);
     carver = detail::ScratchCarver(own_products.view());
   }
