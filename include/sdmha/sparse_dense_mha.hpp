@@ -31,6 +31,8 @@ namespace sdmha {
 namespace detail {
 template <typename Layer>
 struct Backward;
+template <typename Layer>
+struct LayerInternals;
 }
 
 template <typename Scalar, typename QueryProjectionT = SparseQueryProjection<Scalar>,
@@ -48,6 +50,8 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
                 "the query projection and the score kernel must read the same CSR StorageIndex");
   template <typename Layer>
   friend struct detail::Backward;
+  template <typename Layer>
+  friend struct detail::LayerInternals;
 
  public:
   using QueryProjection = QueryProjectionT;
@@ -234,6 +238,25 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
   QueryProjection query_projection_;
 };
 
+namespace detail {
+
+// What the bench reaches of a layer to time its stages one by one over the same plan as
+// forward: the plan of a call, and the query projection pass.
+template <typename Layer>
+struct LayerInternals {
+  using Scalar = typename Layer::ScalarType;
+  static AttentionPlan plan(const Layer& layer, const typename Layer::Query& query, Index key_steps,
+                            const AttentionOptions<Scalar>& options, Pass pass, CallBuffers<Scalar>& buffers) {
+    const LayerDims dims = layer.checked_query("plan", query);
+    return layer.plan_call("plan", dims, query, key_steps, options, pass, buffers);
+  }
+  static void project_query(const Layer& layer, const AttentionPlan& plan, const typename Layer::Query& query,
+                            CallBuffers<Scalar>& buffers, RowMatrix<Scalar>& projected_query) {
+    layer.project_query(plan, query, buffers, projected_query);
+  }
+};
+
+}  // namespace detail
 }  // namespace sdmha
 
 #include "sdmha/backward.hpp"
