@@ -287,6 +287,43 @@ inline void check_bool_bytes(const char* where, const std::string& source,
   }
 }
 
+// The floating-point reads: F16, BF16, F32 and F64 into float or double (F64 into float through
+// narrow_to_float). False, with `out` untouched, for any other dtype.
+template <typename T>
+bool decode_floating(io::DType dtype, const std::uint8_t* bytes, std::size_t count, std::vector<T>& out) {
+  using io::DType;
+  switch (dtype) {
+    case DType::F16:
+      out.resize(count);
+      for (std::size_t i = 0; i < count; ++i)
+        out[i] = static_cast<T>(half_to_float(load_unaligned<std::uint16_t>(bytes + 2 * i)));
+      return true;
+    case DType::BF16:
+      out.resize(count);
+      for (std::size_t i = 0; i < count; ++i)
+        out[i] = static_cast<T>(bfloat16_to_float(load_unaligned<std::uint16_t>(bytes + 2 * i)));
+      return true;
+    case DType::F32:
+      out.resize(count);
+      if constexpr (std::is_same_v<T, float>) {
+        if (count > 0) std::memcpy(out.data(), bytes, count * sizeof(T));
+      } else {
+        for (std::size_t i = 0; i < count; ++i) out[i] = load_unaligned<float>(bytes + 4 * i);
+      }
+      return true;
+    case DType::F64:
+      out.resize(count);
+      if constexpr (std::is_same_v<T, double>) {
+        if (count > 0) std::memcpy(out.data(), bytes, count * sizeof(T));
+      } else {
+        for (std::size_t i = 0; i < count; ++i) out[i] = narrow_to_float(load_unaligned<double>(bytes + 8 * i));
+      }
+      return true;
+    default:
+      return false;
+  }
+}
+
 // Decodes `count` little-endian elements of `dtype` starting at `bytes` (any alignment) into T,
 // widening or narrowing only along the conversions the typed reads allow.
 template <typename T>
@@ -304,40 +341,7 @@ std::vector<T> decode_elements(const char* where, const std::string& source,
     }
   };
   if constexpr (std::is_floating_point_v<T>) {
-    switch (dtype) {
-      case DType::F16:
-        out.resize(count);
-        for (std::size_t i = 0; i < count; ++i) {
-          out[i] = static_cast<T>(half_to_float(load_unaligned<std::uint16_t>(bytes + 2 * i)));
-        }
-        return out;
-      case DType::BF16:
-        out.resize(count);
-        for (std::size_t i = 0; i < count; ++i) {
-          out[i] = static_cast<T>(bfloat16_to_float(load_unaligned<std::uint16_t>(bytes + 2 * i)));
-        }
-        return out;
-      case DType::F32:
-        if constexpr (std::is_same_v<T, float>) {
-          copy_same();
-        } else {
-          out.resize(count);
-          for (std::size_t i = 0; i < count; ++i) out[i] = load_unaligned<float>(bytes + 4 * i);
-        }
-        return out;
-      case DType::F64:
-        if constexpr (std::is_same_v<T, double>) {
-          copy_same();
-        } else {
-          out.resize(count);
-          for (std::size_t i = 0; i < count; ++i) {
-            out[i] = narrow_to_float(load_unaligned<double>(bytes + 8 * i));
-          }
-        }
-        return out;
-      default:
-        break;
-    }
+    if (decode_floating(dtype, bytes, count, out)) return out;
   } else if constexpr (std::is_same_v<T, std::int64_t>) {
     switch (dtype) {
       case DType::I64:
