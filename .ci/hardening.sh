@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI hardening stages (issue 7), run from .ci/run after the README's test command:
+# CI hardening stages, run from .ci/run after the README's test command:
 #   1. the whole suite in a Debug build (assertions on) under AddressSanitizer +
 #      UndefinedBehaviorSanitizer, in build-asan/;
 #   2. the threaded tests under ThreadSanitizer (clang), in build-tsan/;

@@ -10,21 +10,18 @@
 // output row for every stored value: one store per packet and stored value against one per
 // packet and row here. Rows go in the outer loop and a row's panels follow one another, so each
 // output row is written once, whole and in order, and the row's indices and values are in L1
-// for its second panel. (Panels in the outer loop, as before, measured 1.1–1.3× slower on
-// `seed`, whose 1 MB W fits in L2.) What bounds it then is reading 4·N bytes of W from L2 per
-// stored value and writing the output: on `seed` the 8 MB output is ~25 % of the time when each
-// line is first read for ownership, so for large outputs the caller can ask for streaming stores
-// (`stream`), which write whole lines without reading them (on `seed`, 1.5× faster for the
-// projection alone and 1.2× for the projection followed by a pass that reads Q back; not used
-// when W is beyond L2, where W's misses dominate and they made no measurable difference).
+// for its second panel. What bounds it then is reading 4·N bytes of W from L2 per stored value
+// and writing the output, whose lines are first read for ownership; for outputs too large to be
+// wanted in cache the caller can ask for streaming stores (`stream`), which write whole lines
+// without reading them. Not when W is beyond L2: W's misses dominate there.
 //
 // By features (csr_dense_product_by_feature). When W is far beyond L2 and the rows given share
 // features, X's rows are regrouped by feature (a CSC copy in caller-provided scratch) and, for
 // each used feature, the panels of its W row are loaded into registers one after the other and
 // added into every row that holds the feature: Y(r, panel) += x · W(f, panel), the output block
 // staying in L2. W then streams from memory once per call, row after row, instead of one random
-// row per stored value. (Panels in the outer loop, as before, read W once per panel, each pass
-// touching every page; features outer measured 1.2× faster on `bow` at 1 %.) Each output entry
+// row per stored value (panels in the outer loop would read W once per panel, each pass touching
+// every page). Each output entry
 // still accumulates its row's values in ascending feature order with one FMA each, so for rows
 // with sorted columns the result is bitwise that of the by-row kernel.
 //
@@ -104,10 +101,8 @@ inline void stream_fence() {
 }
 
 // Below this many bytes of output a call's result is left to the cache (the caller may read it
-// right away); above it, when W fits in L2, the stage asks by-row for streaming stores. On `seed`
-// (8 MB of output in 256-row blocks of 512 KB) reading each output line for ownership before
-// writing it was ~25 % of the kernel's time; streaming stores measured 1.5× faster for the
-// projection alone and 1.2× faster for the projection plus a pass reading Q back from memory.
+// right away); above it, when W fits in L2, the stage asks by-row for streaming stores, so that
+// the output's lines are written without first being read for ownership.
 constexpr double kStreamOutputBytes = 256.0 * 1024;
 
 // One row, one panel of `Packets` packets from column `first_column`: the stored values
@@ -234,9 +229,7 @@ constexpr double kCoreCacheBytes = 2.0 * 1024 * 1024;
 // (rows × N), and the rows use each feature at least twice on average. By rows, every stored
 // value touches a random row of dWq or Wq; by features, each row of dWq and Wq is touched once,
 // in order, and the random accesses go to dQ, the smaller. With fewer stored values than that,
-// each row is touched about once either way and building the CSC does not pay: on `bow` (64 MB
-// of Wq, 1024 × 512 dQ) the backward given a context measured ~1.6× faster by feature at 1 %
-// (10 stored values per feature) and ~1.1× slower at 0.1 % (1 per feature).
+// each row is touched about once either way and building the CSC does not pay.
 template <typename Scalar, typename StorageIndex>
 bool query_gradients_by_feature(const CsrView<Scalar, StorageIndex>& x, Index columns) {
   const double kernel_bytes = double(x.cols) * double(columns) * sizeof(Scalar);
