@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -13,11 +14,14 @@
 #include "sdmha/detail/attention_plan.hpp"
 #include "sdmha/detail/dropout.hpp"
 #include "sdmha/detail/finite.hpp"
+#include "sdmha/detail/gemm.hpp"
 #include "sdmha/detail/parallel.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/mask.hpp"
 #include "sdmha/options.hpp"
 #include "sdmha/stage.hpp"
+#include "sdmha/stages/attend_values.hpp"
+#include "sdmha/stages/masked_softmax.hpp"
 #include "sdmha/weights.hpp"
 #include "sdmha/workspace.hpp"
 
@@ -181,6 +185,7 @@ class AttentionCore {
     plan.dims = dims;
     plan.threads = resolve_thread_count(options.num_threads);
     plan.causal = options.use_causal_mask;
+    plan.return_scores = options.return_attention_scores;
     return plan;
   }
 
@@ -200,10 +205,14 @@ class AttentionCore {
     plan.query_tile = plan_query_tile(plan.pass, plan.regrouped(), plan.causal, plan.steps, plan.key_steps);
     plan.query_tiles = AttentionPlan::block_count(plan.steps, plan.query_tile);
     const Index rows = std::min(plan.query_tile, plan.steps);
-    plan.tile_entries = rows * plan.key_steps;
+    plan.online_softmax = plan.pass == Pass::forward && !plan.regrouped() && !plan.return_scores &&
+                          plan.key_steps > kKeyTile && std::is_same<Softmax, MaskedSoftmax<Scalar>>::value &&
+                          std::is_same<AttendValues, sdmha::AttendValues<Scalar>>::value;
+    plan.key_tile = plan.online_softmax ? kKeyTile : plan.key_steps;
+    plan.tile_entries = rows * std::max(plan.key_tile, Index(2));
     TileSizes tile;
     tile.rows = rows;
-    tile.key_steps = plan.key_steps;
+    tile.key_steps = plan.key_tile;
     tile.key_dim = plan.dims.key_dim;
     tile.value_dim = plan.dims.value_dim;
     tile.features = plan.dims.query_dim;
@@ -276,8 +285,13 @@ class AttentionCore {
     mark_finite_values(plan, context.values, buffers);
     buffers.prepare_workers(plan.workers(plan.attention_items()), plan.worker_scratch_bytes, plan.tile_entries, 2);
     parallel_for(plan.attention_items(), plan.threads, [&](Index index, int worker) {
-      attend_item(plan, plan.attention_item(index), context, options, compute_scores,
-                  buffers.workers[std::size_t(worker)], buffers, result);
+      auto& worker_buffers = buffers.workers[std::size_t(worker)];
+      if (plan.online_softmax)
+        attend_item_online(plan, plan.attention_item(index), context, options, compute_scores, worker_buffers,
+                           buffers);
+      else
+        attend_item(plan, plan.attention_item(index), context, options, compute_scores, worker_buffers, buffers,
+                    result);
     }, &buffers.pool);
     result.output.resize(B, T, plan.dims.output_dim);
     project_rows(plan, output_projection_, kProjectionRowBlock, buffers.heads, weights_->output_kernel,
@@ -331,6 +345,93 @@ class AttentionCore {
         buffers.value_is_finite[std::size_t(b * H + h)] != 0, scratch};
     AttendValues::can_implement(values_args);
     attend_values_(values_args);
+  }
+
+  // The item with an online softmax over its key tiles (the plan chose it only for the default
+  // softmax and attend-values stages). Per row t, with m_t the largest score so far and l_t the
+  // sum of exp(score − m_t) so far, each key tile j does
+  //   m' = max(m_t, max_s S_j[t, s]),  P_j[t, s] = exp(S_j[t, s] − m'),
+  //   l_t ← l_t·exp(m_t − m') + Σ_s P_j[t, s],  A[t] ← A[t]·exp(m_t − m') + dropout(P_j)[t]·V_j,
+  // and at the end A[t] /= l_t: the softmax's probabilities, normalised after the product
+  // instead of before it. A row without a key it may see keeps l_t = 0 and gets A[t] = 0.
+  template <typename ComputeScores>
+  void attend_item_online(const AttentionPlan& plan, const AttentionItem& item,
+                          const ProjectedContext<Scalar>& context, const AttentionOptions<Scalar>& options,
+                          ComputeScores& compute_scores, WorkerBuffers<Scalar>& worker,
+                          CallBuffers<Scalar>& buffers) const {
+    const Index T = plan.steps, S = plan.key_steps, H = plan.heads();
+    const Index Dk = plan.dims.key_dim, Dv = plan.dims.value_dim;
+    const Index b = item.batch, h = item.head, rows = item.query_rows;
+    auto heads = buffers.heads.block(b * T + item.query_begin, h * Dv, rows, Dv);
+    heads.setZero();
+    auto statistics = worker.tile(1, 2, rows, plan.tile_entries);  // row 0: m_t, row 1: l_t
+    statistics.row(0).setConstant(-std::numeric_limits<Scalar>::infinity());
+    statistics.row(1).setZero();
+    const DropoutMask dropout = options.training ? DropoutMask(options.dropout_rate, options.dropout_seed) : DropoutMask();
+    const bool value_is_finite = buffers.value_is_finite[std::size_t(b * H + h)] != 0;
+    const StageScratch scratch = worker.stage.view();
+    for (Index index = 0; index < plan.key_tiles(item); ++index) {
+      const AttentionItem tile = plan.key_tile_of(item, index);
+      auto scores = worker.tile(0, rows, tile.key_steps, plan.tile_entries);
+      compute_scores(tile, item_mask(tile, options, T, S),
+                     ConstMatrixRef<Scalar>(context.keys.block(b * S + tile.key_begin, h * Dk, tile.key_steps, Dk)),
+                     scratch, MatrixRef<Scalar>(scores));
+      online_softmax_update(scores, statistics, heads);
+      dropout.apply(scores, b, h, tile.query_begin, tile.key_begin);
+      typename sdmha::AttendValues<Scalar>::Arguments values_args{
+          tile.position(), scores, context.values.block(b * S + tile.key_begin, h * Dv, tile.key_steps, Dv),
+          heads, value_is_finite, scratch};
+      accumulate_values(values_args);
+    }
+    for (Index t = 0; t < rows; ++t) {
+      const Scalar sum = statistics(1, t);
+      if (sum > Scalar(0))
+        heads.row(t) *= Scalar(1) / sum;
+      else
+        heads.row(t).setZero();
+    }
+  }
+
+  // One key tile of the online softmax: scores → unnormalised probabilities exp(S − m'), with
+  // the running maximum and sum of each row updated and its partial output rescaled to m'.
+  // Probabilities below the smallest normal number are flushed to 0, as MaskedSoftmax does, so
+  // a blocked key (−∞) contributes exactly 0.
+  template <typename Tile, typename Statistics, typename Heads>
+  static void online_softmax_update(Tile& scores, Statistics& statistics, Heads& heads) {
+    constexpr Scalar minus_infinity = -std::numeric_limits<Scalar>::infinity();
+    constexpr Scalar smallest_normal = std::numeric_limits<Scalar>::min();
+    for (Index t = 0; t < scores.rows(); ++t) {
+      auto row = scores.row(t).array();
+      const Scalar previous = statistics(0, t);
+      const Scalar maximum = std::max(previous, row.maxCoeff());
+      if (maximum == minus_infinity) {  // nothing seen yet in this row
+        row.setZero();
+        continue;
+      }
+      row = (row - maximum).exp();
+      Scalar* probabilities = scores.row(t).data();
+      for (Index s = 0; s < scores.cols(); ++s)
+        probabilities[s] = probabilities[s] < smallest_normal ? Scalar(0) : probabilities[s];
+      const Scalar correction = previous == minus_infinity ? Scalar(0) : std::exp(previous - maximum);
+      statistics(1, t) = statistics(1, t) * correction + row.sum();
+      statistics(0, t) = maximum;
+      if (correction != Scalar(1)) heads.row(t) *= correction;
+    }
+  }
+
+  // heads += P_j·V_j: AttendValues' product, accumulating (a zero probability never meets a
+  // non-finite value row).
+  static void accumulate_values(const typename sdmha::AttendValues<Scalar>::Arguments& args) {
+    if (args.value_is_finite.value_or(true)) {
+      gemm<Scalar>(as_operand<Scalar>(args.probabilities), as_operand<Scalar>(args.value), args.output, Scalar(1),
+                   true, args.workspace);
+      return;
+    }
+    for (Index t = 0; t < args.probabilities.rows(); ++t)
+      for (Index s = 0; s < args.probabilities.cols(); ++s) {
+        const Scalar probability = args.probabilities(t, s);
+        if (probability != Scalar(0)) args.output.row(t).noalias() += probability * args.value.row(s);
+      }
   }
 
   // The item's block of the returned (B, H, T, S) probabilities; keys beyond the item's are 0.

@@ -7,9 +7,11 @@
 // through its workspace_size(). Work items are fixed by the problem, never by the thread count,
 // and each writes its own output: results are bitwise the same for any number of threads.
 //
-// Key tiles: the unfused softmax needs a row's every key at once, so the attention here runs one
-// key tile per row (all keys the tile's rows may see: S, or fewer under a causal mask); an
-// online-softmax pass can split the same items into several key tiles.
+// Key tiles: the softmax stage needs a row's every key at once, so by default an item has one
+// key tile (all keys its rows may see: S, or fewer under a causal mask). With more than kKeyTile
+// keys, the default softmax and attend-values stages and no scores to return, the forward runs an
+// online softmax instead (attention_core.hpp): the item's keys go in tiles of kKeyTile, the
+// probabilities are never stored, and a worker's memory no longer grows with S.
 #pragma once
 
 #include <algorithm>
@@ -33,6 +35,8 @@ constexpr Index kProjectionRowBlock = 64;
 constexpr Index kQueryProjectionRowBlock = 512;
 // Query steps per attention tile: the scores in flight are kQueryTile × S per worker.
 constexpr Index kQueryTile = 64;
+// Keys per key tile of the online-softmax forward.
+constexpr Index kKeyTile = 512;
 // Backward tiles: three tile × S matrices (P, P' and dS) of at most this many entries each stay
 // in L2 together; larger tiles waste less on packing their six small GEMMs.
 constexpr Index kBackwardTileEntries = Index(1) << 15;
@@ -75,7 +79,10 @@ struct AttentionPlan {
   bool causal = false;
   ScoreStrategy strategy = ScoreStrategy::project_first;
   QueryStatistics query;
+  bool return_scores = false;             // the (B, H, T, S) probabilities are returned
   Index query_tile = 0, query_tiles = 0;  // rows per attention tile, tiles per (b, h)
+  bool online_softmax = false;            // key tiles of key_tile, probabilities never stored
+  Index key_tile = 0;                     // keys per key tile
   std::size_t worker_scratch_bytes = 0;   // each worker's stage scratch
   Index tile_entries = 0;                 // each worker's tile buffers: entries of one score tile
 
@@ -92,6 +99,17 @@ struct AttentionPlan {
     const Index begin = tile * query_tile, rows = std::min(query_tile, steps - begin);
     const Index keys = causal ? std::min(key_steps, begin + rows) : key_steps;
     return AttentionItem{b, h, begin, rows, 0, keys};
+  }
+
+  // Key tile `index` of an item: its keys [key_begin, key_begin + key_steps) cut into key_tile.
+  Index key_tiles(const AttentionItem& item) const {
+    return key_tile > 0 ? (item.key_steps + key_tile - 1) / key_tile : 0;
+  }
+  AttentionItem key_tile_of(const AttentionItem& item, Index index) const {
+    AttentionItem tile = item;
+    tile.key_begin = item.key_begin + index * key_tile;
+    tile.key_steps = std::min(key_tile, item.key_steps - index * key_tile);
+    return tile;
   }
 
   // Row blocks of a projection over `rows` rows.

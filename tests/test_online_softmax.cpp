@@ -1,0 +1,155 @@
+// The forward's online softmax over key tiles (detail/attention_core.hpp, attend_item_online):
+// taken when an item sees more than detail::kKeyTile keys, the default softmax and attend-values
+// stages run, and no scores are returned. Checked against the float64 reference, against the
+// stored-probabilities path of the same layer (return_attention_scores forces it), across
+// thread counts, and with a position-dependent score stage whose key tiles start past key 0.
+#include <cmath>
+#include <limits>
+
+#include "test_support.hpp"
+
+namespace {
+
+using namespace sdmha_test;
+
+template <typename Scalar>
+class OnlineSoftmaxTest : public ::testing::Test {};
+TYPED_TEST_SUITE(OnlineSoftmaxTest, ScalarTypes, );
+
+// Long enough that the items have several key tiles (and, causal, a partial last one).
+Shape long_shape() {
+  Shape s;
+  s.batch = 2;
+  s.steps = 70;
+  s.key_steps = sdmha::detail::kKeyTile * 2 + 37;
+  s.query_dim = 24;
+  s.key_in_dim = 10;
+  s.value_in_dim = 10;
+  s.heads = 2;
+  s.key_dim = 4;
+  s.density = 0.2;
+  return s;
+}
+
+TYPED_TEST(OnlineSoftmaxTest, AgreesWithReferenceOverEveryMask) {
+  using Scalar = TypeParam;
+  for (int variant = 0; variant < 4; ++variant) {
+    Shape shape = long_shape();
+    shape.random_mask = variant == 1;
+    shape.key_padding = variant == 2;
+    shape.fully_blocked_rows = variant == 3;
+    if (variant == 3) shape.steps = sdmha::detail::kKeyTile + 90;  // causal: rows beyond one key tile
+    shape.causal = variant >= 2;
+    const auto c = make_case<Scalar>(shape, 40 + variant);
+    const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
+    auto options = c.options;
+    options.score_strategy = sdmha::ScoreStrategy::project_first;
+    options.num_threads = 2;
+    const auto result = layer.forward(c.query(), c.key, c.value, options);
+    const auto expected = sdmha_reference::forward(c.problem);
+    EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<Scalar>())) << "variant " << variant;
+  }
+}
+
+TYPED_TEST(OnlineSoftmaxTest, MatchesStoredProbabilitiesAndThreadCounts) {
+  using Scalar = TypeParam;
+  Shape shape = long_shape();
+  shape.key_padding = true;
+  shape.causal = true;
+  shape.steps = sdmha::detail::kKeyTile + 3;
+  const auto c = make_case<Scalar>(shape, 7);
+  const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
+  auto options = c.options;
+  options.score_strategy = sdmha::ScoreStrategy::project_first;
+  options.training = true;
+  options.dropout_rate = 0.25;
+  options.dropout_seed = 11;
+  options.num_threads = 1;
+  const auto online = layer.forward(c.query(), c.key, c.value, options);
+  options.num_threads = 3;
+  const auto online_threads = layer.forward(c.query(), c.key, c.value, options);
+  options.return_attention_scores = true;
+  const auto stored = layer.forward(c.query(), c.key, c.value, options);
+  for (Index i = 0; i < online.output.size(); ++i) {
+    ASSERT_EQ(online.output.data()[i], online_threads.output.data()[i]) << "entry " << i;
+    const double scale = 1.0 + std::abs(double(stored.output.data()[i]));
+    ASSERT_NEAR(double(online.output.data()[i]), double(stored.output.data()[i]),
+                64 * std::numeric_limits<Scalar>::epsilon() * scale)
+        << "entry " << i;
+  }
+}
+
+// A blocked value row that is not finite never reaches an output, in any key tile.
+TYPED_TEST(OnlineSoftmaxTest, BlockedNonFiniteValuesStayOut) {
+  using Scalar = TypeParam;
+  Shape shape = long_shape();
+  shape.key_padding = true;
+  auto c = make_case<Scalar>(shape, 3);
+  // Padded key steps are blocked for every query: poison their values, in every key tile.
+  Index poisoned = 0;
+  for (Index b = 0; b < shape.batch; ++b)
+    for (Index s = 0; s < shape.key_steps; ++s)
+      if (c.options.key_padding_mask(b, s)) {
+        ++poisoned;
+        for (Index e = 0; e < shape.value_in_dim; ++e) {
+          c.value(b, s, e) = std::numeric_limits<Scalar>::quiet_NaN();
+          c.problem.value[std::size_t((b * shape.key_steps + s) * shape.value_in_dim + e)] = 0.0;
+        }
+      }
+  ASSERT_GT(poisoned, sdmha::detail::kKeyTile / 10);
+  const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
+  auto options = c.options;
+  options.score_strategy = sdmha::ScoreStrategy::project_first;
+  const auto result = layer.forward(c.query(), c.key, c.value, options);
+  const auto expected = sdmha_reference::forward(c.problem);
+  EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<Scalar>()));
+}
+
+// A score stage that depends on absolute key positions sees each key tile's own key_begin.
+template <typename Scalar>
+struct KeyPositionBias : sdmha::ScoreKernel<Scalar> {
+  using Base = sdmha::ScoreKernel<Scalar>;
+  template <typename Args>
+  void operator()(const Args& args) const {
+    Base::operator()(args);
+    for (Index t = 0; t < args.scores.rows(); ++t)
+      for (Index s = 0; s < args.scores.cols(); ++s)
+        args.scores(t, s) += Scalar(0.01) * Scalar((args.key_begin + s) % 97) - Scalar(0.02) * Scalar(args.head);
+  }
+};
+
+TYPED_TEST(OnlineSoftmaxTest, PositionDependentScoreStageSeesAbsoluteKeys) {
+  using Scalar = TypeParam;
+  const auto c = make_case<Scalar>(long_shape(), 5);
+  using Layer = sdmha::SparseDenseMHA<Scalar, sdmha::SparseQueryProjection<Scalar>, KeyPositionBias<Scalar>>;
+  const Layer layer(c.config, c.weights);
+  auto options = c.options;
+  options.score_strategy = sdmha::ScoreStrategy::project_first;
+  const auto online = layer.forward(c.query(), c.key, c.value, options);
+  // The same stage over whole rows (the stored-probabilities path) and under the regrouped form.
+  options.return_attention_scores = true;
+  const auto stored = layer.forward(c.query(), c.key, c.value, options);
+  options.return_attention_scores = false;
+  options.score_strategy = sdmha::ScoreStrategy::sparse_regrouped;
+  const auto regrouped = layer.forward(c.query(), c.key, c.value, options);
+  // And against the reference with the bias written into an additive float64 mask of its own.
+  double worst = 0, worst_regrouped = 0, scale = 0;
+  for (Index i = 0; i < online.output.size(); ++i) {
+    worst = std::max(worst, std::abs(double(online.output.data()[i]) - double(stored.output.data()[i])));
+    worst_regrouped =
+        std::max(worst_regrouped, std::abs(double(online.output.data()[i]) - double(regrouped.output.data()[i])));
+    scale = std::max(scale, std::abs(double(stored.output.data()[i])));
+  }
+  EXPECT_LE(worst, 1e3 * std::numeric_limits<Scalar>::epsilon() * (1 + scale));
+  EXPECT_LE(worst_regrouped, 1e3 * std::numeric_limits<Scalar>::epsilon() * (1 + scale));
+  // The bias matters: without it the output differs.
+  const sdmha::SparseDenseMHA<Scalar> plain(c.config, c.weights);
+  options.score_strategy = sdmha::ScoreStrategy::project_first;
+  const auto unbiased = plain.forward(c.query(), c.key, c.value, options);
+  double difference = 0;
+  for (Index i = 0; i < online.output.size(); ++i)
+    difference = std::max(difference, std::abs(double(online.output.data()[i]) - double(unbiased.output.data()[i])));
+  EXPECT_GT(difference, 1e-3);
+}
+
+}  // namespace
