@@ -204,7 +204,7 @@ struct Backward {
     Layer::Softmax::can_implement(d_softmax_args);
     layer.softmax().backward(d_softmax_args);
     typename Layer::ScoreKernel::BackwardArguments d_score_args{
-        position, query_bh, key_bh, layer.score_scale(plan.dims), d_scores, d_queries,
+        position, query_bh, key_bh, Scalar(plan.scale), d_scores, d_queries,
         scratch.d_keys.block(key_row, h * Dk, keys, Dk), flags.keys_finite, stage};
     Layer::ScoreKernel::can_implement(d_score_args);
     layer.score_kernel().backward(d_score_args);
@@ -215,7 +215,7 @@ struct Backward {
                      const ConstMatrixRef<Scalar>& query_bh, const ConstMatrixRef<Scalar>& key,
                      const AttentionOptions<Scalar>& options, StageScratch stage, MatrixRef<Scalar> out) {
     const Index T = plan.steps, Dk = plan.dims.key_dim;
-    const Scalar scale = layer.score_scale(plan.dims);
+    const Scalar scale = Scalar(plan.scale);
     const BatchMask mask = item_mask(item, options, T, plan.key_steps);
     const auto& weights = layer.weights();
     using Kernel = typename Layer::ScoreKernel;

@@ -77,7 +77,7 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
     const auto& weights = this->weights();
     Core::project_rows(plan, query_projection_, detail::kQueryProjectionRowBlock, query.as_matrix(),
                        weights.query_kernel, weights.query_bias, projected_query, buffers);
-    const Scalar scale = this->score_scale(dims);
+    const Scalar scale = Scalar(plan.scale);
     const Index Dk = dims.key_dim;
     this->attend(plan, buffers.context, options, [&](const detail::AttentionItem& item, const BatchMask& mask,
                                                      const ConstMatrixRef<Scalar>& key_tile, StageScratch scratch,

@@ -18,7 +18,8 @@ namespace sdmha {
 struct BatchMask {
   const bool* attention = nullptr;    // the block's (0, 0) in a row-major mask; nullptr = none
   const bool* key_padding = nullptr;  // the block's column 0 in the (S) padding row; nullptr = none
-  bool causal = false;                // key step <= query step only
+  bool causal = false;                // key step <= query step + causal_offset only
+  Index causal_offset = 0;            // 0 (top-left alignment) or S − T (bottom-right)
   Index steps = 0;                    // rows of the block
   Index key_steps = 0;                // columns of the block
   Index first_step = 0;               // query step of row 0 (for causal)
@@ -30,7 +31,7 @@ struct BatchMask {
   Index row_stride() const { return attention_stride == 0 ? key_steps : attention_stride; }
 
   bool allowed(Index t, Index s) const {
-    if (causal && first_key_step + s > first_step + t) return false;
+    if (causal && first_key_step + s > first_step + t + causal_offset) return false;
     if (key_padding != nullptr && key_padding[s]) return false;
     return attention == nullptr || attention[t * row_stride() + s];
   }
@@ -45,8 +46,9 @@ void apply_mask(const BatchMask& mask, MatrixRef<Scalar> scores) {
   for (Index t = 0; t < scores.rows(); ++t) {
     Scalar* row = scores.row(t).data();
     const bool* allowed_row = mask.attention == nullptr ? nullptr : mask.attention + t * mask.row_stride();
-    // Causal: key steps up to the query step stay; so column s stays while s <= causal_limit.
-    const Index causal_limit = mask.first_step + t - mask.first_key_step;
+    // Causal: key steps up to the query step (plus the offset) stay; so column s stays while
+    // s <= causal_limit.
+    const Index causal_limit = mask.first_step + t + mask.causal_offset - mask.first_key_step;
     for (Index s = 0; s < scores.cols(); ++s) {
       const bool keep = (!mask.causal || s <= causal_limit) &&
                         (mask.key_padding == nullptr || !mask.key_padding[s]) &&

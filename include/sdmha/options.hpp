@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 #include <unsupported/Eigen/CXX11/Tensor>
@@ -27,13 +28,28 @@ inline const char* to_string(ScoreStrategy strategy) {
   }
 }
 
+// Which key steps a causal mask lets query step t see, for T query and S key steps:
+//  top_left      s <= t          (Keras' use_causal_mask, PyTorch's is_causal / causal_upper_left)
+//  bottom_right  s <= t + S − T  (PyTorch's causal_lower_right: the last query step sees every key,
+//                                 as when decoding T new steps against S cached ones)
+enum class CausalAlignment { top_left, bottom_right };
+
+inline const char* to_string(CausalAlignment alignment) {
+  return alignment == CausalAlignment::bottom_right ? "bottom_right" : "top_left";
+}
+
 template <typename Scalar>
 struct AttentionOptions {
   // (B, T, S), true = query step t may attend to key step s (Keras' polarity). A tensor with all
   // dimensions zero (the default) means no mask.
   Eigen::Tensor<bool, 3, Eigen::RowMajor> attention_mask;
-  // Keras' use_causal_mask: step t may attend to key steps s <= t (T and S may differ).
+  // Keras' use_causal_mask: step t may attend to key steps s <= t (T and S may differ), or
+  // s <= t + S − T with causal_alignment = bottom_right.
   bool use_causal_mask = false;
+  CausalAlignment causal_alignment = CausalAlignment::top_left;
+  // The factor on the scores, S = scale·Q·Kᵀ; unset means 1/√key_dim (Keras). PyTorch's
+  // scaled_dot_product_attention(scale=…). Must be finite.
+  std::optional<double> scale;
   // (B, S), true = padding, never attended (PyTorch's key_padding_mask polarity). All dimensions
   // zero means none. All masks are ANDed.
   Eigen::Tensor<bool, 2, Eigen::RowMajor> key_padding_mask;

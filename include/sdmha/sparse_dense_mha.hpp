@@ -207,7 +207,7 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
            const AttentionOptions<Scalar>& options, detail::CallBuffers<Scalar>& buffers,
            AttentionResult<Scalar>& result) const {
     const Index T = plan.steps, Dk = plan.dims.key_dim;
-    const Scalar scale = this->score_scale(plan.dims);
+    const Scalar scale = Scalar(plan.scale);
     const auto& weights = this->weights();
     if (plan.regrouped()) {
       this->attend(plan, context, options, [&](const detail::AttentionItem& item, const BatchMask& mask,

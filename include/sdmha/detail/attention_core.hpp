@@ -37,6 +37,7 @@ BatchMask item_mask(const AttentionItem& item, const AttentionOptions<Scalar>& o
   mask.first_step = item.query_begin;
   mask.first_key_step = item.key_begin;
   mask.causal = options.use_causal_mask;
+  mask.causal_offset = options.causal_alignment == CausalAlignment::bottom_right ? key_steps - steps : 0;
   if (options.attention_mask.size() != 0) {
     mask.attention = options.attention_mask.data() + (item.batch * steps + item.query_begin) * key_steps + item.key_begin;
     mask.attention_stride = key_steps;
@@ -177,6 +178,8 @@ class AttentionCore {
     if (options.num_threads < 0)
       fail<ConfigError>(where, "num_threads = ", options.num_threads,
                         "; expected >= 0 (0 means all hardware threads)");
+    if (options.scale.has_value() && !std::isfinite(*options.scale))
+      fail<ConfigError>(where, "scale = ", *options.scale, "; expected a finite number (or none: 1/sqrt(key_dim))");
     AttentionPlan plan;
     plan.pass = pass;
     plan.batch = batch;
@@ -185,6 +188,8 @@ class AttentionCore {
     plan.dims = dims;
     plan.threads = resolve_thread_count(options.num_threads);
     plan.causal = options.use_causal_mask;
+    plan.causal_offset = options.causal_alignment == CausalAlignment::bottom_right ? key_steps - steps : 0;
+    plan.scale = options.scale.value_or(1.0 / std::sqrt(double(dims.key_dim)));
     plan.return_scores = options.return_attention_scores;
     return plan;
   }
@@ -452,7 +457,6 @@ class AttentionCore {
                                                                   Eigen::OuterStride<>(map.cols()));
   }
 
-  Scalar score_scale(const LayerDims& dims) const { return Scalar(1.0 / std::sqrt(double(dims.key_dim))); }
 
   // A projection's bias, or an empty view when the layer has none.
   static ConstVectorRef<Scalar> bias_view(const Vector<Scalar>& bias) {

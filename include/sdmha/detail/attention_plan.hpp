@@ -77,6 +77,8 @@ struct AttentionPlan {
   LayerDims dims;
   int threads = 1;
   bool causal = false;
+  Index causal_offset = 0;  // a causal mask lets query step t see key steps s <= t + causal_offset
+  double scale = 1.0;       // S = scale·Q·Kᵀ
   ScoreStrategy strategy = ScoreStrategy::project_first;
   QueryStatistics query;
   bool return_scores = false;             // the (B, H, T, S) probabilities are returned
@@ -97,7 +99,7 @@ struct AttentionPlan {
   }
   AttentionItem tile_of(Index b, Index h, Index tile) const {
     const Index begin = tile * query_tile, rows = std::min(query_tile, steps - begin);
-    const Index keys = causal ? std::min(key_steps, begin + rows) : key_steps;
+    const Index keys = causal ? std::clamp<Index>(begin + rows + causal_offset, 0, key_steps) : key_steps;
     return AttentionItem{b, h, begin, rows, 0, keys};
   }
 
