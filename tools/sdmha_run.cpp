@@ -63,7 +63,10 @@ Precision: the run takes the dtype of the inputs' query/values: F64 runs in floa
 F32, F16 and BF16 run in float32. Every other floating tensor (weights, key, value) is
 converted to that precision (F64 to float32 rounds to nearest). output and attention_scores
 are written as F32 or F64 accordingly, with metadata num_heads, key_dim, value_dim,
-output_dim, layout, use_causal_mask, score_strategy and dtype.
+output_dim, layout, use_causal_mask, causal_alignment, scale (when set), score_strategy and
+dtype. The weights file's metadata may also carry causal_alignment (top_left, the default, or
+bottom_right: step t sees keys s <= t + S - T) and scale (a decimal number; default
+1/sqrt(key_dim)).
 
 Exit status: 0 on success; 1 for a bad, missing or inconsistent file or tensor, or a failure
 to write (one line "sdmha-run: error: ..." on stderr, no output file); 2 for bad usage.
@@ -361,6 +364,8 @@ void run(const Arguments& arguments, const sdmha::io::TensorSource& weights_sour
   sdmha::AttentionOptions<Scalar> options;
   options.attention_mask = layer_inputs.attention_mask;
   options.use_causal_mask = layer_file.use_causal_mask;
+  options.causal_alignment = layer_file.causal_alignment;
+  options.scale = layer_file.scale;
   options.return_attention_scores = arguments.return_scores;
   options.num_threads = arguments.threads;
   options.score_strategy = arguments.strategy;
@@ -392,6 +397,13 @@ void run(const Arguments& arguments, const sdmha::io::TensorSource& weights_sour
   writer.set_metadata("layout",
                       layer_file.layout == sdmha::io::WeightLayout::keras ? "keras" : "torch");
   writer.set_metadata("use_causal_mask", layer_file.use_causal_mask ? "true" : "false");
+  writer.set_metadata("causal_alignment", sdmha::to_string(layer_file.causal_alignment));
+  if (layer_file.scale) {
+    std::ostringstream scale;
+    scale.precision(17);
+    scale << *layer_file.scale;
+    writer.set_metadata("scale", scale.str());
+  }
   writer.set_metadata("score_strategy", sdmha::to_string(arguments.strategy));
   writer.set_metadata("dtype", dtype_name<Scalar>());
   writer.set_metadata("producer", "sdmha-run " + std::to_string(SDMHA_VERSION_MAJOR) + "." +

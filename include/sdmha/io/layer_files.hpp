@@ -10,9 +10,11 @@
 //   out_proj.bias (E). num_heads comes from the metadata or the caller.
 // Inputs: query/indices (nnz, 3) int64, query/values (nnz), query/dense_shape (3) int64,
 //   key (B, S, Ek) optional (Keras: key = value), value (B, S, Ev), attention_mask (B, T, S) bool.
-// __metadata__ (strings): num_heads, key_dim, value_dim, layout (keras|torch), use_causal_mask.
+// __metadata__ (strings): num_heads, key_dim, value_dim, layout (keras|torch), use_causal_mask,
+// causal_alignment (top_left|bottom_right), scale (a decimal number; absent: 1/sqrt(key_dim)).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -23,6 +25,7 @@
 #include "sdmha/errors.hpp"
 #include "sdmha/io/npy.hpp"
 #include "sdmha/io/safetensors.hpp"
+#include "sdmha/options.hpp"
 #include "sdmha/sparse_query.hpp"
 #include "sdmha/weights.hpp"
 
@@ -130,6 +133,8 @@ struct LayerFile {
   MhaWeights<Scalar> weights;
   WeightLayout layout = WeightLayout::keras;
   bool use_causal_mask = false;
+  CausalAlignment causal_alignment = CausalAlignment::top_left;
+  std::optional<double> scale;  // absent: 1/sqrt(key_dim)
 };
 
 }  // namespace sdmha::io
@@ -159,6 +164,29 @@ inline std::optional<bool> metadata_bool(const io::TensorSource& source, const c
   if (*text == "false" || *text == "False" || *text == "0") return false;
   fail<FormatError>("io", source.source(), ": metadata '", key, "' = '", *text,
                     "'; expected true or false");
+}
+
+inline std::optional<double> metadata_number(const io::TensorSource& source, const char* key) {
+  const auto text = source.metadata_value(key);
+  if (!text) return std::nullopt;
+  std::size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(*text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text->size() || text->empty() || !std::isfinite(value))
+    fail<FormatError>("io", source.source(), ": metadata '", key, "' = '", *text, "'; expected a finite decimal number");
+  return value;
+}
+
+inline CausalAlignment metadata_causal_alignment(const io::TensorSource& source) {
+  const auto text = source.metadata_value("causal_alignment");
+  if (!text || *text == "top_left") return CausalAlignment::top_left;
+  if (*text == "bottom_right") return CausalAlignment::bottom_right;
+  fail<FormatError>("io", source.source(), ": metadata 'causal_alignment' = '", *text,
+                    "'; expected top_left or bottom_right");
 }
 
 inline std::string keras_prefix(const io::TensorSource& source) {
@@ -359,6 +387,8 @@ LayerFile<Scalar> load_layer(const TensorSource& source, const LayerFileOptions&
   layer.use_causal_mask = options.use_causal_mask
                               ? *options.use_causal_mask
                               : detail::metadata_bool(source, "use_causal_mask").value_or(false);
+  layer.causal_alignment = detail::metadata_causal_alignment(source);
+  layer.scale = detail::metadata_number(source, "scale");
   layer.weights.validate(layer.config);
   return layer;
 }
