@@ -19,6 +19,7 @@
 #pragma once
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "sdmha/detail/attention_plan.hpp"
@@ -135,7 +136,7 @@ struct Backward {
       return;
     }
     const Index items = B * H;
-    buffers.prepare_workers(plan.workers(items), plan.worker_scratch_bytes, plan.tile_entries, 3);
+    buffers.prepare_workers(plan.workers(items), plan.worker_scratch_bytes, plan.tile_entries, 3, plan.query_tile);
     parallel_for(items, plan.threads, [&](Index item, int worker) {
       const Index b = item / H, h = item % H;
       const HeadFlags flags = head_flags(plan, context, scratch.d_heads, b, h);
@@ -179,7 +180,8 @@ struct Backward {
     auto probabilities = worker.tile(0, rows, keys, plan.tile_entries);
     auto d_scores = worker.tile(2, rows, keys, plan.tile_entries);
     scores(layer, plan, item, query, query_bh, key_bh, options, stage, probabilities);
-    typename Layer::Softmax::Arguments softmax_args{position, probabilities, stage};
+    const char* fully_masked = mark_fully_masked_rows(plan, probabilities, worker);
+    typename Layer::Softmax::Arguments softmax_args{position, probabilities, stage, plan.fully_masked_rows};
     Layer::Softmax::can_implement(softmax_args);
     layer.softmax()(softmax_args);
     const DropoutMask dropout = options.training ? DropoutMask(options.dropout_rate, options.dropout_seed) : DropoutMask();
@@ -200,7 +202,7 @@ struct Backward {
     layer.attend_values().backward(d_values_args);
     dropout.apply(d_scores, b, h, item.query_begin, item.key_begin);
     typename Layer::Softmax::BackwardArguments d_softmax_args{position, probabilities, d_scores,
-                                                              flags.d_probabilities_finite, stage};
+                                                              flags.d_probabilities_finite, stage, fully_masked};
     Layer::Softmax::can_implement(d_softmax_args);
     layer.softmax().backward(d_softmax_args);
     typename Layer::ScoreKernel::BackwardArguments d_score_args{
@@ -208,6 +210,18 @@ struct Backward {
         scratch.d_keys.block(key_row, h * Dk, keys, Dk), flags.keys_finite, stage};
     Layer::ScoreKernel::can_implement(d_score_args);
     layer.score_kernel().backward(d_score_args);
+  }
+
+  // Under FullyMaskedRows::uniform, which rows of the tile's scores are −∞ throughout: their
+  // probabilities are the constant 1/S and pass no gradient to the scores. Null otherwise.
+  template <typename Tile>
+  static const char* mark_fully_masked_rows(const AttentionPlan& plan, const Tile& scores,
+                                            WorkerBuffers<Scalar>& worker) {
+    if (plan.fully_masked_rows != FullyMaskedRows::uniform) return nullptr;
+    constexpr Scalar minus_infinity = -std::numeric_limits<Scalar>::infinity();
+    for (Index t = 0; t < scores.rows(); ++t)
+      worker.row_flags[std::size_t(t)] = scores.cols() == 0 || scores.row(t).maxCoeff() == minus_infinity;
+    return worker.row_flags.data();
   }
 
   // The forward's scores of one tile, by the plan's strategy.

@@ -38,6 +38,18 @@ inline const char* to_string(CausalAlignment alignment) {
   return alignment == CausalAlignment::bottom_right ? "bottom_right" : "top_left";
 }
 
+// What a query row gets when every key is blocked for it:
+//  zeros    all-zero probabilities, so its head is 0 and its output the output bias (Keras 3's
+//           explicit softmax path, PyTorch's scaled_dot_product_attention)
+//  uniform  probability 1/S on every key, as when blocked scores get a large finite negative
+//           instead of −∞ (Keras' fused dot_product_attention path, Keras 2, TF.js): the row
+//           averages every value row, including blocked ones, and passes no gradient to scores
+enum class FullyMaskedRows { zeros, uniform };
+
+inline const char* to_string(FullyMaskedRows policy) {
+  return policy == FullyMaskedRows::uniform ? "uniform" : "zeros";
+}
+
 template <typename Scalar>
 struct AttentionOptions {
   // (B, T, S), true = query step t may attend to key step s (Keras' polarity). A tensor with all
@@ -50,6 +62,7 @@ struct AttentionOptions {
   // The factor on the scores, S = scale·Q·Kᵀ; unset means 1/√key_dim (Keras). PyTorch's
   // scaled_dot_product_attention(scale=…). Must be finite.
   std::optional<double> scale;
+  FullyMaskedRows fully_masked_rows = FullyMaskedRows::zeros;
   // (B, S), true = padding, never attended (PyTorch's key_padding_mask polarity). All dimensions
   // zero means none. All masks are ANDed.
   Eigen::Tensor<bool, 2, Eigen::RowMajor> key_padding_mask;

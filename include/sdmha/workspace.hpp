@@ -35,18 +35,19 @@ namespace sdmha {
 
 namespace detail {
 
-// One worker's memory: its stages' scratch and its tile buffers (scores or P, P after dropout,
-// dP → dS), each of the plan's tile_entries.
+// One worker's memory: its stages' scratch, its tile buffers (scores or P, P after dropout,
+// dP → dS), each of the plan's tile_entries, and a flag per tile row (fully blocked rows).
 template <typename Scalar>
 struct WorkerBuffers {
   ScratchBuffer stage;
   ScratchBuffer tiles;
+  std::vector<char> row_flags;
 
   Eigen::Map<RowMatrix<Scalar>> tile(int which, Index rows, Index columns, Index tile_entries) const {
     Scalar* base = reinterpret_cast<Scalar*>(tiles.view().data) + which * tile_entries;
     return Eigen::Map<RowMatrix<Scalar>>(base, rows, columns);
   }
-  std::size_t bytes() const { return stage.bytes() + tiles.bytes(); }
+  std::size_t bytes() const { return stage.bytes() + tiles.bytes() + row_flags.capacity(); }
 };
 
 // What one backward call works in besides the forward's buffers.
@@ -81,11 +82,14 @@ struct CallBuffers {
 
   // Grows every worker's buffers to the plan's sizes, on the calling thread, before the workers
   // start: a worker never allocates.
-  void prepare_workers(int count, std::size_t stage_bytes, Index tile_entries, int tiles_per_worker) {
+  void prepare_workers(int count, std::size_t stage_bytes, Index tile_entries, int tiles_per_worker,
+                       Index flag_rows = 0) {
     if (workers.size() < static_cast<std::size_t>(count)) workers.resize(static_cast<std::size_t>(count));
     for (auto& worker : workers) {
       worker.stage.reserve(stage_bytes);
       worker.tiles.reserve(std::size_t(tiles_per_worker) * std::size_t(tile_entries) * sizeof(Scalar));
+      if (worker.row_flags.size() < static_cast<std::size_t>(flag_rows))
+        worker.row_flags.resize(static_cast<std::size_t>(flag_rows));
     }
   }
 

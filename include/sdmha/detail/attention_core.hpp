@@ -190,6 +190,7 @@ class AttentionCore {
     plan.causal = options.use_causal_mask;
     plan.causal_offset = options.causal_alignment == CausalAlignment::bottom_right ? key_steps - steps : 0;
     plan.scale = options.scale.value_or(1.0 / std::sqrt(double(dims.key_dim)));
+    plan.fully_masked_rows = options.fully_masked_rows;
     plan.return_scores = options.return_attention_scores;
     return plan;
   }
@@ -211,6 +212,7 @@ class AttentionCore {
     plan.query_tiles = AttentionPlan::block_count(plan.steps, plan.query_tile);
     const Index rows = std::min(plan.query_tile, plan.steps);
     plan.online_softmax = plan.pass == Pass::forward && !plan.regrouped() && !plan.return_scores &&
+                          plan.fully_masked_rows == FullyMaskedRows::zeros &&
                           plan.key_steps > kKeyTile && std::is_same<Softmax, MaskedSoftmax<Scalar>>::value &&
                           std::is_same<AttendValues, sdmha::AttendValues<Scalar>>::value;
     plan.key_tile = plan.online_softmax ? kKeyTile : plan.key_steps;
@@ -336,7 +338,7 @@ class AttentionCore {
     compute_scores(item, item_mask(item, options, T, S),
                    ConstMatrixRef<Scalar>(context.keys.block(b * S + item.key_begin, h * Dk, keys, Dk)), scratch,
                    MatrixRef<Scalar>(scores));
-    typename Softmax::Arguments softmax_args{position, scores, scratch};
+    typename Softmax::Arguments softmax_args{position, scores, scratch, plan.fully_masked_rows};
     Softmax::can_implement(softmax_args);
     softmax_(softmax_args);
     // Dropout acts on the probabilities that meet the values; returned scores stay before it.

@@ -79,6 +79,9 @@ struct AttentionPlan {
   bool causal = false;
   Index causal_offset = 0;  // a causal mask lets query step t see key steps s <= t + causal_offset
   double scale = 1.0;       // S = scale·Q·Kᵀ
+  // Under FullyMaskedRows::uniform a fully blocked row averages all S keys, so no item's key
+  // range is shortened by the causal mask and the online softmax is not taken.
+  FullyMaskedRows fully_masked_rows = FullyMaskedRows::zeros;
   ScoreStrategy strategy = ScoreStrategy::project_first;
   QueryStatistics query;
   bool return_scores = false;             // the (B, H, T, S) probabilities are returned
@@ -99,7 +102,8 @@ struct AttentionPlan {
   }
   AttentionItem tile_of(Index b, Index h, Index tile) const {
     const Index begin = tile * query_tile, rows = std::min(query_tile, steps - begin);
-    const Index keys = causal ? std::clamp<Index>(begin + rows + causal_offset, 0, key_steps) : key_steps;
+    const bool shorten = causal && fully_masked_rows == FullyMaskedRows::zeros;
+    const Index keys = shorten ? std::clamp<Index>(begin + rows + causal_offset, 0, key_steps) : key_steps;
     return AttentionItem{b, h, begin, rows, 0, keys};
   }
 

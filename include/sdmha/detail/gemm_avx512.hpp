@@ -57,7 +57,6 @@ inline constexpr int kNv = 2;           // 16-float vectors across a micro-tile
 inline constexpr int kNr = 16 * kNv;    // columns of a micro-tile
 inline constexpr Index kMaxKc = 256;    // depth of a packed block
 inline constexpr Index kMaxMc = 16 * kMr;  // rows of a packed A block (224)
-inline constexpr Index kMaxNc = 8 * kNr;   // columns of a packed B block (256)
 
 inline Index round_up(Index value, Index step) { return (value + step - 1) / step * step; }
 
@@ -67,7 +66,7 @@ inline Index depth_block(Index k) {
   return (k + blocks - 1) / blocks;
 }
 inline Index row_block(Index m) { return m < kMaxMc ? m : kMaxMc; }
-inline Index column_block(Index n) { return n < kMaxNc ? round_up(n, 16) : kMaxNc; }
+inline Index panel_width(Index n) { return n < kNr ? round_up(n, 16) : kNr; }
 
 // Lanes [0, count) of a 16-lane mask, count ∈ [0, 16].
 inline __mmask16 lanes(Index count) {
@@ -154,7 +153,11 @@ inline void pack_b(const View& b, Index p0, Index depth, Index j0, Index cols, f
   for (Index jr = 0; jr < cols; jr += kNr) {
     const Index w = cols - jr < kNr ? cols - jr : kNr;
     const Index wpad = round_up(w, 16);
-    if (b.col_step == 1) {  // op(B) row-major: copy kNr contiguous entries per depth step
+    if (b.col_step == 1 && w == kNr) {  // op(B) row-major, a full panel: kNr floats per depth step
+      const float* src = b.at(p0, j0 + jr);
+      for (Index p = 0; p < depth; ++p, src += b.row_step)
+        for (int v = 0; v < kNv; ++v) _mm512_storeu_ps(out + p * kNr + 16 * v, _mm512_loadu_ps(src + 16 * v));
+    } else if (b.col_step == 1) {  // the last, narrower panel: masked, zero-filled to wpad
       for (Index p = 0; p < depth; ++p) {
         const float* src = b.at(p0 + p, j0 + jr);
         for (Index v = 0; v < wpad; v += 16)
@@ -178,17 +181,36 @@ inline void pack_b(const View& b, Index p0, Index depth, Index j0, Index cols, f
   }
 }
 
+// Cache lines of an operand's source to bring into L2 while the micro-kernels run, one per depth
+// step: `rows` rows `stride` floats apart, `lines` lines from the start of each.
+struct PrefetchWalk {
+  const float* row = nullptr;
+  Index stride = 0, lines = 0, line = 0, rows = 0;
+};
+
 // The micro-kernel: C[0:MR, 0:16·NV] = α·Ã·B̃ (+ C when `add`), Ã packed [p·MR + i], B̃ packed
-// [p·16·NV + j]; the last vector of each row of C is stored under `last` (the n edge).
+// [p·16·NV + j]; the last vector of each row of C is stored under `last` (the n edge). Each
+// depth step also prefetches the next line of `walk` (the source of the next panel of B).
 template <int MR, int NV>
 void micro_kernel(Index depth, const float* a, const float* b, float* c, Index ldc, float alpha, bool add,
-                  __mmask16 last) {
+                  __mmask16 last, PrefetchWalk& walk) {
   __m512 acc[MR][NV];
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  const float* pf_row = walk.row;
+  Index pf_line = walk.line, pf_rows = walk.rows;
+  const Index pf_stride = walk.stride, pf_lines = walk.lines;
   for (Index p = 0; p < depth; ++p) {
+    if (pf_rows > 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf_row + 16 * pf_line), _MM_HINT_T1);
+      if (++pf_line == pf_lines) {
+        pf_line = 0;
+        pf_row += pf_stride;
+        --pf_rows;
+      }
+    }
     __m512 bv[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + 16 * v);
@@ -201,6 +223,9 @@ void micro_kernel(Index depth, const float* a, const float* b, float* c, Index l
     a += MR;
     b += 16 * NV;
   }
+  walk.row = pf_row;
+  walk.line = pf_line;
+  walk.rows = pf_rows;
   const __m512 scale = _mm512_set1_ps(alpha);
   if (add) {
 #pragma GCC unroll 16
@@ -222,7 +247,8 @@ void micro_kernel(Index depth, const float* a, const float* b, float* c, Index l
   }
 }
 
-using MicroKernel = void (*)(Index, const float*, const float*, float*, Index, float, bool, __mmask16);
+using MicroKernel = void (*)(Index, const float*, const float*, float*, Index, float, bool, __mmask16,
+                             PrefetchWalk&);
 
 template <int NV, int... Rows>
 constexpr std::array<MicroKernel, sizeof...(Rows)> kernel_row(std::integer_sequence<int, Rows...>) {
@@ -246,31 +272,45 @@ View view_of(const Operand& x) {
 inline std::size_t workspace_bytes(Index m, Index n, Index k) {
   if (m <= 0 || n <= 0 || k <= 0) return 0;
   const Index kc = depth_block(k);
-  return array_bytes<float>(row_block(m) * kc) + array_bytes<float>(column_block(n) * kc);
+  return array_bytes<float>(row_block(m) * kc) + array_bytes<float>(panel_width(n) * kc);
+}
+
+// The lines of op(B) that the panel of depth [p0, p0 + depth) × columns [j0, j0 + cols) reads.
+inline PrefetchWalk source_of_panel(const View& b, Index p0, Index depth, Index j0, Index cols) {
+  const float* first = b.at(p0, j0);
+  const Index misaligned = (reinterpret_cast<std::uintptr_t>(first) % 64) != 0 ? 1 : 0;
+  if (b.col_step == 1) return {first, b.row_step, (cols + 15) / 16 + misaligned, 0, depth};
+  return {first, b.col_step, (depth + 15) / 16 + misaligned, 0, cols};
 }
 
 inline void run(const View& a, const View& b, float* c, Index ldc, Index m, Index n, Index k, float alpha,
                 bool accumulate, float* block_a, float* block_b) {
-  const Index kc = depth_block(k), mc = row_block(m), nc = column_block(n);
+  const Index kc = depth_block(k), mc = row_block(m);
   for (Index ic = 0; ic < m; ic += mc) {
     const Index mb = m - ic < mc ? m - ic : mc;
     for (Index pc = 0; pc < k; pc += kc) {
       const Index kb = k - pc < kc ? k - pc : kc;
       const bool add = accumulate || pc > 0;
       pack_a(a, ic, mb, pc, kb, block_a);
-      for (Index jc = 0; jc < n; jc += nc) {
-        const Index nb = n - jc < nc ? n - jc : nc;
-        pack_b(b, pc, kb, jc, nb, block_b);
-        for (Index jr = 0; jr < nb; jr += kNr) {
-          const Index w = nb - jr < kNr ? nb - jr : kNr;
-          const Index vectors = (w + 15) / 16;
-          const __mmask16 last = lanes(w - 16 * (vectors - 1));
-          const float* panel_b = block_b + jr * kb;
-          for (Index ir = 0; ir < mb; ir += kMr) {
-            const Index h = mb - ir < kMr ? mb - ir : kMr;
-            kKernels[vectors - 1][h - 1](kb, block_a + ir * kb, panel_b, c + (ic + ir) * ldc + jc + jr, ldc,
-                                         alpha, add, last);
-          }
+      for (Index jr = 0; jr < n; jr += kNr) {
+        const Index w = n - jr < kNr ? n - jr : kNr;
+        const Index vectors = (w + 15) / 16;
+        const __mmask16 last = lanes(w - 16 * (vectors - 1));
+        pack_b(b, pc, kb, jr, w, block_b);
+        // While this panel runs, bring the next one's source into L2: the next columns, else the
+        // first columns of the next depth block, else those of the next row block.
+        PrefetchWalk walk;
+        if (jr + kNr < n) {
+          walk = source_of_panel(b, pc, kb, jr + kNr, n - jr - kNr < kNr ? n - jr - kNr : kNr);
+        } else if (pc + kb < k || ic + mb < m) {
+          const Index next_pc = pc + kb < k ? pc + kb : 0;
+          const Index next_kb = k - next_pc < kc ? k - next_pc : kc;
+          walk = source_of_panel(b, next_pc, next_kb, 0, n < kNr ? n : kNr);
+        }
+        for (Index ir = 0; ir < mb; ir += kMr) {
+          const Index h = mb - ir < kMr ? mb - ir : kMr;
+          kKernels[vectors - 1][h - 1](kb, block_a + ir * kb, block_b, c + (ic + ir) * ldc + jr, ldc, alpha, add,
+                                       last, walk);
         }
       }
     }
@@ -300,7 +340,7 @@ void gemm_avx512(const Operand& a, const Operand& b, MatrixRef<float> c, float a
   const Index kc = avx512_gemm::depth_block(k);
   ScratchCarver carver(scratch);
   float* block_a = carver.take<float>(avx512_gemm::row_block(m) * kc);
-  float* block_b = carver.take<float>(avx512_gemm::column_block(n) * kc);
+  float* block_b = carver.take<float>(avx512_gemm::panel_width(n) * kc);
   struct Free {
     void operator()(float* p) const { ::operator delete(p, std::align_val_t(kScratchAlignment)); }
   };

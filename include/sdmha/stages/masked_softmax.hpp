@@ -2,18 +2,21 @@
 // softmax's backward.
 //
 //   math:  P[t, s] = exp(S[t, s] − m_t) / Σ_s' exp(S[t, s'] − m_t), m_t = max_s S[t, s];
-//          a row whose scores are all −∞ (every key blocked) gets P[t, ·] = 0 (Keras 3)
+//          a row whose scores are all −∞ (every key blocked) gets P[t, ·] = 0 (Keras 3), or 1/keys
+//          with FullyMaskedRows::uniform
 //   pre:   blocked positions hold −∞ (ScoreKernel's convention); S is rows × keys, all keys of its rows
 //   cost:  O(rows·keys) exponentials
 //
 // Backward: dS = P ⊙ (dP − rowsum(P ⊙ dP)), exactly 0 wherever P = 0 (blocked entries, fully
-// blocked rows), in place of dP.
+// blocked rows), in place of dP; 0 on the rows flagged fully blocked (the uniform policy's rows,
+// whose P does not depend on the scores).
 #pragma once
 
 #include <limits>
 
 #include "sdmha/config.hpp"
 #include "sdmha/errors.hpp"
+#include "sdmha/options.hpp"
 #include "sdmha/stage.hpp"
 
 namespace sdmha {
@@ -26,6 +29,7 @@ struct MaskedSoftmax {
   struct Arguments : TilePosition {
     mutable MatrixRef<Scalar> scores;  // rows × keys, scores in, probabilities out
     StageScratch workspace = {};
+    FullyMaskedRows fully_masked_rows = FullyMaskedRows::zeros;  // with uniform, keys must be all S
   };
 
   struct BackwardArguments : TilePosition {
@@ -35,6 +39,7 @@ struct MaskedSoftmax {
     // entries are then set to 0 instead of multiplied.
     bool d_probabilities_are_finite = true;
     StageScratch workspace = {};
+    const char* fully_masked = nullptr;  // per row: nonzero where every key was blocked, or none
   };
 
   static void can_implement(const Arguments&) {}
@@ -61,7 +66,10 @@ struct MaskedSoftmax {
       auto row = args.scores.row(t).array();
       const Scalar row_max = columns == 0 ? minus_infinity : row.maxCoeff();
       if (row_max == minus_infinity) {
-        row.setZero();
+        if (args.fully_masked_rows == FullyMaskedRows::uniform && columns > 0)
+          row.setConstant(Scalar(1) / Scalar(columns));
+        else
+          row.setZero();
         continue;
       }
       row = (row - row_max).exp();
@@ -78,6 +86,10 @@ struct MaskedSoftmax {
     for (Index t = 0; t < args.d_scores.rows(); ++t) {
       auto p = args.probabilities.row(t).array();
       auto d = args.d_scores.row(t).array();
+      if (args.fully_masked != nullptr && args.fully_masked[t]) {
+        d.setZero();
+        continue;
+      }
       if (args.d_probabilities_are_finite) {
         const Scalar weighted = (p * d).sum();
         d = p * (d - weighted);
