@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Installs what building, testing and benchmarking sdmha needs on Debian 12 (plus any packages
 # named as arguments), and nothing when it is all there already. Runs apt-get through sudo when
-# not root.
+# not root. The Python package (python/, docs/python.md) needs python3-dev and pybind11-dev to
+# build, numpy, torch and pytest to run and test; Debian's python3-torch needs an OpenBLAS.
 set -euo pipefail
 packages=(cmake g++ make pkg-config libeigen3-dev libgtest-dev libbenchmark-dev
-          nlohmann-json3-dev libzip-dev "$@")
+          nlohmann-json3-dev libzip-dev
+          python3-dev pybind11-dev python3-numpy python3-torch libopenblas0-pthread python3-pytest
+          "$@")
 missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")

@@ -63,10 +63,11 @@ Precision: the run takes the dtype of the inputs' query/values: F64 runs in floa
 F32, F16 and BF16 run in float32. Every other floating tensor (weights, key, value) is
 converted to that precision (F64 to float32 rounds to nearest). output and attention_scores
 are written as F32 or F64 accordingly, with metadata num_heads, key_dim, value_dim,
-output_dim, layout, use_causal_mask, causal_alignment, scale (when set), score_strategy and
-dtype. The weights file's metadata may also carry causal_alignment (top_left, the default, or
-bottom_right: step t sees keys s <= t + S - T) and scale (a decimal number; default
-1/sqrt(key_dim)).
+output_dim, layout, use_causal_mask, causal_alignment, fully_masked_rows, scale (when set),
+score_strategy and dtype. The weights file's metadata may also carry causal_alignment (top_left,
+the default, or bottom_right: step t sees keys s <= t + S - T), scale (a decimal number; default
+1/sqrt(key_dim)) and fully_masked_rows (zeros, the default, or uniform: 1/S on every key of a
+row whose keys are all blocked).
 
 Exit status: 0 on success; 1 for a bad, missing or inconsistent file or tensor, or a failure
 to write (one line "sdmha-run: error: ..." on stderr, no output file); 2 for bad usage.
@@ -366,6 +367,7 @@ void run(const Arguments& arguments, const sdmha::io::TensorSource& weights_sour
   options.use_causal_mask = layer_file.use_causal_mask;
   options.causal_alignment = layer_file.causal_alignment;
   options.scale = layer_file.scale;
+  options.fully_masked_rows = layer_file.fully_masked_rows;
   options.return_attention_scores = arguments.return_scores;
   options.num_threads = arguments.threads;
   options.score_strategy = arguments.strategy;
@@ -398,6 +400,7 @@ void run(const Arguments& arguments, const sdmha::io::TensorSource& weights_sour
                       layer_file.layout == sdmha::io::WeightLayout::keras ? "keras" : "torch");
   writer.set_metadata("use_causal_mask", layer_file.use_causal_mask ? "true" : "false");
   writer.set_metadata("causal_alignment", sdmha::to_string(layer_file.causal_alignment));
+  writer.set_metadata("fully_masked_rows", sdmha::to_string(layer_file.fully_masked_rows));
   if (layer_file.scale) {
     std::ostringstream scale;
     scale.precision(17);

@@ -11,7 +11,8 @@
 // Inputs: query/indices (nnz, 3) int64, query/values (nnz), query/dense_shape (3) int64,
 //   key (B, S, Ek) optional (Keras: key = value), value (B, S, Ev), attention_mask (B, T, S) bool.
 // __metadata__ (strings): num_heads, key_dim, value_dim, layout (keras|torch), use_causal_mask,
-// causal_alignment (top_left|bottom_right), scale (a decimal number; absent: 1/sqrt(key_dim)).
+// causal_alignment (top_left|bottom_right), scale (a decimal number; absent: 1/sqrt(key_dim)),
+// fully_masked_rows (zeros|uniform).
 #pragma once
 
 #include <cmath>
@@ -135,6 +136,7 @@ struct LayerFile {
   bool use_causal_mask = false;
   CausalAlignment causal_alignment = CausalAlignment::top_left;
   std::optional<double> scale;  // absent: 1/sqrt(key_dim)
+  FullyMaskedRows fully_masked_rows = FullyMaskedRows::zeros;
 };
 
 }  // namespace sdmha::io
@@ -187,6 +189,13 @@ inline CausalAlignment metadata_causal_alignment(const io::TensorSource& source)
   if (*text == "bottom_right") return CausalAlignment::bottom_right;
   fail<FormatError>("io", source.source(), ": metadata 'causal_alignment' = '", *text,
                     "'; expected top_left or bottom_right");
+}
+
+inline FullyMaskedRows metadata_fully_masked_rows(const io::TensorSource& source) {
+  const auto text = source.metadata_value("fully_masked_rows");
+  if (!text || *text == "zeros") return FullyMaskedRows::zeros;
+  if (*text == "uniform") return FullyMaskedRows::uniform;
+  fail<FormatError>("io", source.source(), ": metadata 'fully_masked_rows' = '", *text, "'; expected zeros or uniform");
 }
 
 inline std::string keras_prefix(const io::TensorSource& source) {
@@ -389,6 +398,7 @@ LayerFile<Scalar> load_layer(const TensorSource& source, const LayerFileOptions&
                               : detail::metadata_bool(source, "use_causal_mask").value_or(false);
   layer.causal_alignment = detail::metadata_causal_alignment(source);
   layer.scale = detail::metadata_number(source, "scale");
+  layer.fully_masked_rows = detail::metadata_fully_masked_rows(source);
   layer.weights.validate(layer.config);
   return layer;
 }
