@@ -64,7 +64,7 @@ F32, F16 and BF16 run in float32. Every other floating tensor (weights, key, val
 converted to that precision (F64 to float32 rounds to nearest). output and attention_scores
 are written as F32 or F64 accordingly, with metadata num_heads, key_dim, value_dim,
 output_dim, layout, use_causal_mask, causal_alignment, fully_masked_rows, scale (when set),
-score_strategy and dtype. The weights file's metadata may also carry causal_alignment (top_left,
+score_strategy and dtype. The weights file's metadata (else the inputs file's) may also carry causal_alignment (top_left,
 the default, or bottom_right: step t sees keys s <= t + S - T), scale (a decimal number; default
 1/sqrt(key_dim)) and fully_masked_rows (zeros, the default, or uniform: 1/S on every key of a
 row whose keys are all blocked).
@@ -364,10 +364,17 @@ void run(const Arguments& arguments, const sdmha::io::TensorSource& weights_sour
   const sdmha::SparseDenseMHA<Scalar> layer(layer_file.config, layer_file.weights);
   sdmha::AttentionOptions<Scalar> options;
   options.attention_mask = layer_inputs.attention_mask;
-  options.use_causal_mask = layer_file.use_causal_mask;
-  options.causal_alignment = layer_file.causal_alignment;
-  options.scale = layer_file.scale;
-  options.fully_masked_rows = layer_file.fully_masked_rows;
+  // The attention's semantics: the weights file's metadata, else the inputs file's.
+  const auto from = [&](const char* key) -> const sdmha::io::TensorSource& {
+    return weights_source.metadata_value(key) ? weights_source : inputs_source;
+  };
+  options.use_causal_mask =
+      arguments.layer_options.use_causal_mask || weights_source.metadata_value("use_causal_mask")
+          ? layer_file.use_causal_mask
+          : sdmha::detail::metadata_bool(inputs_source, "use_causal_mask").value_or(false);
+  options.causal_alignment = sdmha::detail::metadata_causal_alignment(from("causal_alignment"));
+  options.scale = sdmha::detail::metadata_number(from("scale"), "scale");
+  options.fully_masked_rows = sdmha::detail::metadata_fully_masked_rows(from("fully_masked_rows"));
   options.return_attention_scores = arguments.return_scores;
   options.num_threads = arguments.threads;
   options.score_strategy = arguments.strategy;
@@ -398,13 +405,13 @@ void run(const Arguments& arguments, const sdmha::io::TensorSource& weights_sour
   writer.set_metadata("output_dim", std::to_string(dims.output_dim));
   writer.set_metadata("layout",
                       layer_file.layout == sdmha::io::WeightLayout::keras ? "keras" : "torch");
-  writer.set_metadata("use_causal_mask", layer_file.use_causal_mask ? "true" : "false");
-  writer.set_metadata("causal_alignment", sdmha::to_string(layer_file.causal_alignment));
-  writer.set_metadata("fully_masked_rows", sdmha::to_string(layer_file.fully_masked_rows));
-  if (layer_file.scale) {
+  writer.set_metadata("use_causal_mask", options.use_causal_mask ? "true" : "false");
+  writer.set_metadata("causal_alignment", sdmha::to_string(options.causal_alignment));
+  writer.set_metadata("fully_masked_rows", sdmha::to_string(options.fully_masked_rows));
+  if (options.scale) {
     std::ostringstream scale;
     scale.precision(17);
-    scale << *layer_file.scale;
+    scale << *options.scale;
     writer.set_metadata("scale", scale.str());
   }
   writer.set_metadata("score_strategy", sdmha::to_string(arguments.strategy));
