@@ -25,6 +25,9 @@ struct Problem {
   std::vector<char> attention_mask;    // B·T·S, 1 = may attend; empty = none
   std::vector<char> key_padding_mask;  // B·S, 1 = padding; empty = none
   bool causal = false;
+  long causal_offset = 0;              // causal: s <= t + causal_offset (bottom-right: S − T)
+  double scale = 0.0;                  // the scores' factor; 0 means 1/sqrt(key_dim)
+  bool uniform_fully_masked = false;   // a row with every key blocked: 1/S on every key
 };
 
 struct Result {
@@ -52,7 +55,7 @@ inline std::vector<double> project(const std::vector<double>& input, long rows, 
 }
 
 inline bool allowed(const Problem& p, long b, long t, long s) {
-  if (p.causal && s > t) return false;
+  if (p.causal && s > t + p.causal_offset) return false;
   if (!p.key_padding_mask.empty() && p.key_padding_mask[b * p.key_steps + s]) return false;
   if (!p.attention_mask.empty() && !p.attention_mask[(b * p.steps + t) * p.key_steps + s]) return false;
   return true;
@@ -65,7 +68,7 @@ inline Result forward(const Problem& p) {
   r.query = project(p.query, B * T, p.query_dim, p.query_kernel, p.query_bias, H * Dk);
   r.key = project(p.key, B * S, p.key_in_dim, p.key_kernel, p.key_bias, H * Dk);
   r.value = project(p.value, B * S, p.value_in_dim, p.value_kernel, p.value_bias, H * Dv);
-  const double scale = 1.0 / std::sqrt(double(Dk));
+  const double scale = p.scale != 0.0 ? p.scale : 1.0 / std::sqrt(double(Dk));
   const double minus_infinity = -std::numeric_limits<double>::infinity();
   r.scores.assign(static_cast<std::size_t>(B * H * T * S), 0.0);
   r.probabilities.assign(r.scores.size(), 0.0);
@@ -88,13 +91,17 @@ inline Result forward(const Problem& p) {
           score[s] = dot;
           if (dot > row_max) row_max = dot;
         }
-        if (row_max == minus_infinity) continue;  // every key blocked: probabilities stay 0
-        double total = 0.0;
-        for (long s = 0; s < S; ++s) {
-          probability[s] = score[s] == minus_infinity ? 0.0 : std::exp(score[s] - row_max);
-          total += probability[s];
+        if (row_max == minus_infinity && !p.uniform_fully_masked) continue;  // probabilities stay 0
+        if (row_max == minus_infinity) {
+          for (long s = 0; s < S; ++s) probability[s] = 1.0 / double(S);
+        } else {
+          double total = 0.0;
+          for (long s = 0; s < S; ++s) {
+            probability[s] = score[s] == minus_infinity ? 0.0 : std::exp(score[s] - row_max);
+            total += probability[s];
+          }
+          for (long s = 0; s < S; ++s) probability[s] /= total;
         }
-        for (long s = 0; s < S; ++s) probability[s] /= total;
         for (long d = 0; d < Dv; ++d) {
           double sum = 0.0;
           for (long s = 0; s < S; ++s)
