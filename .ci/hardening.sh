@@ -24,8 +24,9 @@ readonly STAGES=" ${SDMHA_HARDENING_STAGES:-asan tsan fuzz} "
 wanted() { [[ $STAGES == *" $1 "* ]]; }
 launcher=()
 if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
-# Only the library, its tests and sdmha-run (the tool tests run it): no bench.
-common=(-DSDMHA_BUILD_BENCH=OFF -DSDMHA_INSTALL=OFF "${launcher[@]}")
+# Only the library, its tests and sdmha-run (the tool tests run it): no bench, and no Python
+# module (an instrumented extension cannot be loaded into an uninstrumented interpreter).
+common=(-DSDMHA_BUILD_BENCH=OFF -DSDMHA_BUILD_PYTHON=OFF -DSDMHA_INSTALL=OFF "${launcher[@]}")
 
 stage_start=0
 banner() {
