@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -18,7 +20,9 @@ int main() {
   config.num_heads = 8;
   config.key_dim = 64;
   config.output_dim = width;
-  const auto weights = sdmha::MhaWeights<float>::glorot_uniform(config, vocabulary, width, width, 3);
+  // One set of weights (Wq alone is 32768 × 512), shared by both layers: no copy.
+  const auto weights = std::make_shared<sdmha::MhaWeights<float>>(
+      sdmha::MhaWeights<float>::glorot_uniform(config, vocabulary, width, width, 3));
   const sdmha::SparseDenseMHA<float> layer(config, weights);
   const sdmha::DenseMHA<float> baseline(config, weights);
 
@@ -26,7 +30,8 @@ int main() {
   std::mt19937 random(11);
   std::vector<std::int64_t> words(static_cast<std::size_t>(vocabulary));
   std::iota(words.begin(), words.end(), 0);
-  Eigen::Matrix<std::int64_t, Eigen::Dynamic, 3, Eigen::RowMajor> indices(batch * steps * words_per_step, 3);
+  Eigen::Matrix<std::int64_t, Eigen::Dynamic, 3, Eigen::RowMajor> indices(
+      batch * steps * words_per_step, 3);
   Eigen::VectorXf counts(indices.rows());
   std::uniform_int_distribution<int> count(1, 3);
   for (Eigen::Index row = 0; row < batch * steps; ++row) {
@@ -43,25 +48,31 @@ int main() {
   options.num_threads = 1;
 
   using Clock = std::chrono::steady_clock;
-  auto milliseconds = [](Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
+  auto milliseconds = [](Clock::duration d) {
+    return std::chrono::duration<double, std::milli>(d).count();
+  };
   const auto sparse_start = Clock::now();
   const auto sparse = layer.forward(query, context, options);
   const double sparse_ms = milliseconds(Clock::now() - sparse_start);
 
   const auto dense_start = Clock::now();
   const sdmha::RowMatrix<float> dense = query.to_dense();
-  Eigen::TensorMap<const Eigen::Tensor<const float, 3, Eigen::RowMajor>> dense_query(dense.data(), batch, steps, vocabulary);
+  Eigen::TensorMap<const Eigen::Tensor<const float, 3, Eigen::RowMajor>> dense_query(
+      dense.data(), batch, steps, vocabulary);
   const auto reference = baseline.forward(dense_query, context, options);
   const double dense_ms = milliseconds(Clock::now() - dense_start);
 
-  const double csr_bytes = double(query.nonzeros()) * (sizeof(float) + sizeof(int)) + double(batch * steps + 1) * sizeof(int);
+  const double csr_bytes = double(query.nonzeros()) * (sizeof(float) + sizeof(int)) +
+                           double(batch * steps + 1) * sizeof(int);
   const double dense_bytes = double(batch * steps * vocabulary) * sizeof(float);
-  const Eigen::Tensor<float, 0, Eigen::RowMajor> difference = (sparse.output - reference.output).abs().maximum();
-  std::printf("bag of words: B=%ld T=%ld vocabulary=%ld, %ld words per step, S=%ld, one thread\n", long(batch),
-              long(steps), long(vocabulary), long(words_per_step), long(key_steps));
+  const Eigen::Tensor<float, 0, Eigen::RowMajor> difference =
+      (sparse.output - reference.output).abs().maximum();
+  std::printf("bag of words: B=%ld T=%ld vocabulary=%ld, %ld words per step, S=%ld, one thread\n",
+              long(batch), long(steps), long(vocabulary), long(words_per_step), long(key_steps));
   std::printf("sparse layer:       %8.2f ms   query %8.2f MB (CSR)\n", sparse_ms, csr_bytes / 1e6);
-  std::printf("densify + dense:    %8.2f ms   query %8.2f MB (dense)\n", dense_ms, dense_bytes / 1e6);
-  std::printf("speedup %.1fx, query memory %.0fx smaller, max |sparse - dense| = %.3g\n", dense_ms / sparse_ms,
-              dense_bytes / csr_bytes, double(difference()));
+  std::printf("densify + dense:    %8.2f ms   query %8.2f MB (dense)\n", dense_ms,
+              dense_bytes / 1e6);
+  std::printf("speedup %.1fx, query memory %.0fx smaller, max |sparse - dense| = %.3g\n",
+              dense_ms / sparse_ms, dense_bytes / csr_bytes, double(difference()));
   return difference() < 1e-3f ? 0 : 1;
 }

@@ -26,15 +26,16 @@ int main(int argc, char** argv) {
 
     std::printf("layer: %ld heads, key_dim %ld, query (%ld, %ld, %ld) with %ld stored values\n",
                 long(layer_file.config.num_heads), long(layer_file.config.key_dim),
-                long(inputs.query.batch()), long(inputs.query.steps()), long(inputs.query.features()),
-                long(inputs.query.nonzeros()));
+                long(inputs.query.batch()), long(inputs.query.steps()),
+                long(inputs.query.features()), long(inputs.query.nonzeros()));
     std::printf("output[0, 0, 0:4] = %.8f %.8f %.8f %.8f\n", result.output(0, 0, 0),
                 result.output(0, 0, 1), result.output(0, 0, 2), result.output(0, 0, 3));
     if (source.contains("expected/output")) {
       const auto expected = source.read<double>("expected/output");
       double worst = 0;
       for (std::size_t i = 0; i < expected.size(); ++i)
-        worst = std::max(worst, std::abs(result.output.data()[i] - expected[i]) / (1 + std::abs(expected[i])));
+        worst = std::max(
+            worst, std::abs(result.output.data()[i] - expected[i]) / (1 + std::abs(expected[i])));
       std::printf("max relative difference from Keras: %.3g\n", worst);
       return worst <= 1e-10 ? 0 : 1;
     }

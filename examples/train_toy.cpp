@@ -1,4 +1,5 @@
-// train_toy.cpp — training the layer from scratch: SparseDenseMHA::backward and a few lines of Adam.
+// train_toy.cpp — training the layer from scratch: SparseDenseMHA::backward and a few lines of
+// Adam.
 //
 // The task is retrieval. Each example holds 8 slots; a slot's key is an object described by two
 // attributes, a colour and a shape (two-hot over 8 + 8 features, the pairs distinct within an
@@ -14,8 +15,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <numeric>
+#include <memory>
 #include <random>
-#include <sdmha/backward.hpp>
 #include <sdmha/sdmha.hpp>
 #include <vector>
 
@@ -138,8 +139,10 @@ int main() {
   config.num_heads = 2;
   config.key_dim = 8;
   config.output_dim = kClasses;
-  auto weights =
-      sdmha::MhaWeights<float>::glorot_uniform(config, kQueryFeatures, kKeyFeatures, kClasses, 7);
+  // The layer is made once and shares its weights with the loop, which updates them in place.
+  auto weights = std::make_shared<sdmha::MhaWeights<float>>(
+      sdmha::MhaWeights<float>::glorot_uniform(config, kQueryFeatures, kKeyFeatures, kClasses, 7));
+  sdmha::SparseDenseMHA<float> layer(config, weights);
 
   sdmha::AttentionOptions<float> options;
   options.num_threads = 1;
@@ -155,8 +158,6 @@ int main() {
   sdmha::MhaGradients<float> gradients;
   for (int step = 1; step <= kSteps; ++step) {
     const Batch batch = make_batch(kBatch, generator);
-    // The layer holds its weights; a small one is cheap to rebuild from the updated weights.
-    const sdmha::SparseDenseMHA<float> layer(config, weights);
     // K and V are projected once, for the forward and the backward both.
     const auto context = layer.project_context(batch.key, batch.value, options.num_threads);
     layer.forward(batch.query, context, options, workspace, forward_result);
@@ -165,15 +166,16 @@ int main() {
     running_loss += cross_entropy(forward_result.output, batch.answers, correct, &d_logits);
     layer.backward(batch.query, batch.key, batch.value, context, d_logits, options, workspace,
                    gradients);
+    // In place, through the shared handle: the next forward sees the new weights.
     ++adam.step;
-    adam.update(0, weights.query_kernel, gradients.query_kernel);
-    adam.update(1, weights.query_bias, gradients.query_bias);
-    adam.update(2, weights.key_kernel, gradients.key_kernel);
-    adam.update(3, weights.key_bias, gradients.key_bias);
-    adam.update(4, weights.value_kernel, gradients.value_kernel);
-    adam.update(5, weights.value_bias, gradients.value_bias);
-    adam.update(6, weights.output_kernel, gradients.output_kernel);
-    adam.update(7, weights.output_bias, gradients.output_bias);
+    adam.update(0, weights->query_kernel, gradients.query_kernel);
+    adam.update(1, weights->query_bias, gradients.query_bias);
+    adam.update(2, weights->key_kernel, gradients.key_kernel);
+    adam.update(3, weights->key_bias, gradients.key_bias);
+    adam.update(4, weights->value_kernel, gradients.value_kernel);
+    adam.update(5, weights->value_bias, gradients.value_bias);
+    adam.update(6, weights->output_kernel, gradients.output_kernel);
+    adam.update(7, weights->output_bias, gradients.output_bias);
     if (step % 50 == 0) {
       std::printf("step %3d  loss %.4f\n", step, running_loss / 50.0);
       running_loss = 0.0;
@@ -183,7 +185,6 @@ int main() {
   // Held-out examples, never trained on.
   std::mt19937_64 held_out_generator(99);
   const Batch test = make_batch(1000, held_out_generator);
-  const sdmha::SparseDenseMHA<float> layer(config, weights);
   const auto logits = layer.forward(test.query, test.key, test.value, options).output;
   Index correct = 0;
   const double test_loss = cross_entropy(logits, test.answers, correct, nullptr);
