@@ -94,6 +94,15 @@ class AttentionCore {
   // Projects key (B, S, Ek) and value (B, S, Ev) once, for forward and backward calls that reuse them.
   ProjectedContext<Scalar> project_context(const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
                                            int num_threads = 0) const {
+    Workspace<Scalar> workspace;
+    ProjectedContext<Scalar> context;
+    project_context(key, value, workspace, context, num_threads);
+    return context;
+  }
+  // The same into `context`, working in `workspace`: a training loop that keeps both allocates
+  // nothing and starts no threads after its first step.
+  void project_context(const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value, Workspace<Scalar>& workspace,
+                       ProjectedContext<Scalar>& context, int num_threads = 0) const {
     constexpr const char* where = "project_context";
     const LayerDims dims = this->dims();
     check_context(where, dims, key.dimension(0), key, value);
@@ -105,12 +114,8 @@ class AttentionCore {
     plan.key_steps = key.dimension(1);
     plan.threads = resolve_thread_count(num_threads);
     plan.worker_scratch_bytes = context_scratch_bytes(plan);
-    Workspace<Scalar> workspace;
     const typename Workspace<Scalar>::Lease lease(workspace, where);
-    auto& buffers = lease.buffers();
-    ProjectedContext<Scalar> context;
-    project_context_into(plan, key, value, buffers, context);
-    return context;
+    project_context_into(plan, key, value, lease.buffers(), context);
   }
 
  protected:
