@@ -5,7 +5,7 @@
 # build, numpy, torch and pytest to run and test; Debian's python3-torch needs an OpenBLAS.
 set -euo pipefail
 packages=(cmake g++ make pkg-config libeigen3-dev libgtest-dev libbenchmark-dev
-          nlohmann-json3-dev libzip-dev
+          nlohmann-json3-dev libzip-dev libhdf5-dev
           python3-dev pybind11-dev python3-numpy python3-torch libopenblas0-pthread python3-pytest
           "$@")
 missing=()
