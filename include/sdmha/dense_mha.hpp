@@ -38,6 +38,7 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
   DenseMHA(const MhaConfig& config, std::shared_ptr<MhaWeights<Scalar>> weights) : Core(config, std::move(weights)) {}
 
   QueryProjection& query_projection() { return query_projection_; }
+  const QueryProjection& query_projection() const { return query_projection_; }
 
   // query (B, T, Eq) dense; key (B, S, Ek); value (B, S, Ev) → output (B, T, O). Thread-safe.
   // options.score_strategy is ignored: a dense query has only the project-first form.

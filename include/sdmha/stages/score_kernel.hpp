@@ -64,8 +64,8 @@ struct ScoreKernel {
   };
 
   // Packing for the project-first product and both gradient products (sizes.rows × sizes.key_steps
-  // × sizes.key_dim), and for the regrouped form its feature list, entry positions, gathered Wq
-  // rows and M (sizes.nonzeros, sizes.distinct_features) besides.
+  // × sizes.key_dim), and for the regrouped form its feature table (sizes.features), distinct
+  // features, gathered Wq rows and M (sizes.nonzeros, sizes.distinct_features) besides.
   static std::size_t workspace_size(const TileSizes& sizes) {
     const Index rows = sizes.rows, keys = sizes.key_steps, width = sizes.key_dim;
     const Index used = sizes.distinct_features, entries = sizes.nonzeros;
@@ -74,7 +74,8 @@ struct ScoreKernel {
                                         detail::gemm_workspace_size<Scalar>(keys, width, rows)});
     if (used == 0) return dense;
     const std::size_t regrouped =
-        2 * detail::array_bytes<StorageIndex>(entries) + detail::array_bytes<Scalar>(used * width) +
+        detail::array_bytes<StorageIndex>(sizes.features) + detail::array_bytes<StorageIndex>(entries) +
+        detail::array_bytes<Scalar>(used * width) +
         detail::array_bytes<Scalar>(used * keys) +
         std::max(detail::gemm_workspace_size<Scalar>(used, keys, width),
                  detail::gemm_workspace_size<Scalar>(1, keys, width));
@@ -170,27 +171,31 @@ template <typename Scalar, typename StorageIndex>
 void ScoreKernel<Scalar, StorageIndex>::operator()(const SparseArguments& args) const {
   const auto& query = args.query;
   const Index width = args.query_kernel.cols(), key_steps = args.key.rows();
-  const Index entries = query.nonzeros();
+  const Index entries = query.nonzeros(), features_count = query.cols;
   // A workspace smaller than workspace_size() (a stage called on its own, without a planned
   // workspace) gets memory of its own here: the same result, with an allocation.
   detail::ScratchBuffer own_lists, own_products;
   detail::ScratchCarver carver(args.workspace);
-  if (args.workspace.bytes < 2 * detail::array_bytes<StorageIndex>(entries)) {
-    own_lists.reserve(2 * detail::array_bytes<StorageIndex>(entries));
+  const std::size_t lists = detail::array_bytes<StorageIndex>(features_count) + detail::array_bytes<StorageIndex>(entries);
+  if (args.workspace.bytes < lists) {
+    own_lists.reserve(lists);
     carver = detail::ScratchCarver(own_lists.view());
   }
-  StorageIndex* features = carver.take<StorageIndex>(entries);
-  StorageIndex* entry_rows = carver.take<StorageIndex>(entries);  // each entry's row of M
-  Index count = 0;
+  // position[f]: feature f's row in M, or −1: O(Eq) to clear, then O(1) per stored value.
+  StorageIndex* position = carver.take<StorageIndex>(features_count);
+  StorageIndex* features = carver.take<StorageIndex>(entries);  // the distinct ones, U ≤ entries
+  std::fill(position, position + features_count, StorageIndex(-1));
+  Index used = 0;
   for (Index row = 0; row < query.rows; ++row)
-    for (Index k = query.row_begin(row); k < query.row_end(row); ++k) features[count++] = query.column_indices[k];
-  std::sort(features, features + count);
-  const Index used = Index(std::unique(features, features + count) - features);
-  count = 0;
-  for (Index row = 0; row < query.rows; ++row)
-    for (Index k = query.row_begin(row); k < query.row_end(row); ++k)
-      entry_rows[count++] =
-          StorageIndex(std::lower_bound(features, features + used, query.column_indices[k]) - features);
+    for (Index k = query.row_begin(row); k < query.row_end(row); ++k) {
+      StorageIndex& seen = position[std::size_t(query.column_indices[k])];
+      if (seen < 0) {
+        seen = 0;
+        features[used++] = query.column_indices[k];
+      }
+    }
+  std::sort(features, features + used);  // M's rows in feature order: Wq is read in order
+  for (Index i = 0; i < used; ++i) position[std::size_t(features[i])] = StorageIndex(i);
 
   const std::size_t products = detail::array_bytes<Scalar>(used * width) + detail::array_bytes<Scalar>(used * key_steps) +
                                std::max(detail::gemm_workspace_size<Scalar>(used, key_steps, width),
@@ -214,11 +219,10 @@ void ScoreKernel<Scalar, StorageIndex>::operator()(const SparseArguments& args) 
   } else {
     args.scores.setZero();
   }
-  count = 0;
   for (Index row = 0; row < query.rows; ++row) {
     auto out = args.scores.row(row);
     for (Index k = query.row_begin(row); k < query.row_end(row); ++k)
-      out.noalias() += query.values[k] * regrouped.row(entry_rows[count++]);
+      out.noalias() += query.values[k] * regrouped.row(position[std::size_t(query.column_indices[k])]);
   }
   apply_mask<Scalar>(args.mask, args.scores);
 }
