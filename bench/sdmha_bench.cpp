@@ -11,6 +11,8 @@
 // Every case builds its inputs once outside timing, runs once untimed to measure the peak heap
 // bytes of one call and to check its result against the dense path's (relative tolerance), and
 // only then is timed. A disagreement skips the case with an error and makes the exit code 1.
+// The stage cases walk the layer's own plan of a forward call (detail::LayerInternals: its
+// attention items, row blocks, threads and per-worker scratch), never a split of their own.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -68,6 +70,140 @@ std::string compare(const char* what, const sdmha::ConstMatrixRef<float>& actual
   return message.str();
 }
 
+using Layer = sdmha::SparseDenseMHA<float>;
+using Internals = sdmha::detail::LayerInternals<Layer>;
+using sdmha::detail::AttentionItem;
+using sdmha::detail::AttentionPlan;
+using sdmha::detail::RowBlock;
+
+// ---- The layer's own plan of a forward call, walked stage by stage ----
+//
+// A LayerPlan asks the layer for the plan of one forward call (LayerInternals::plan: the same
+// validation, strategy, tiles and worker scratch as forward's) and keeps the Workspace it was
+// made in, whose workers and threads every stage case then runs on. Planned once per problem,
+// thread count and strategy, outside timing; a timed call only takes the workspace's lease,
+// grows nothing (sized by the checked call) and walks the plan's items:
+//  - attention items (b, h, query tile, key tile) for the score, softmax and attend stages;
+//  - row blocks of kProjectionRowBlock (key, value, output projections) or
+//    kQueryProjectionRowBlock (query projection) rows;
+// each stage call getting its worker's planned scratch, as the layer gives it.
+//
+// Timing the stages one by one needs the probabilities stored between them, so the plan asked
+// for is the one forward makes when it returns the scores: one key tile of all the keys an item
+// may see. Without returned scores, forward runs an online softmax over key tiles of kKeyTile
+// instead where S > kKeyTile (long: S = 2048), fusing softmax and attend values; that path has
+// no stage-by-stage counterpart here, and the forward/sparse row is the one that times it.
+class LayerPlan {
+ public:
+  LayerPlan(const Layer& layer, const sdmha::SparseQuery<float>& query, Index key_steps,
+            int threads, sdmha::ScoreStrategy strategy) {
+    options_.num_threads = threads;
+    options_.score_strategy = strategy;
+    options_.return_attention_scores = true;  // the stored-probabilities plan (see above)
+    const Lease lease(workspace_, "bench");
+    plan_ = Internals::plan(layer, query, key_steps, options_, sdmha::detail::Pass::forward,
+                            lease.buffers());
+    if (plan_.strategy != strategy)
+      throw std::logic_error(std::string("the layer planned ") + sdmha::to_string(plan_.strategy) +
+                             " for " + sdmha::to_string(strategy));
+    if (plan_.online_softmax || plan_.key_tile != plan_.key_steps)
+      throw std::logic_error(
+          "the layer planned key tiles; the stage cases need one key tile per item");
+  }
+  LayerPlan(const LayerPlan&) = delete;
+  LayerPlan& operator=(const LayerPlan&) = delete;
+
+  const AttentionPlan& plan() const { return plan_; }
+  const sdmha::AttentionOptions<float>& options() const { return options_; }
+
+  // The mask of an item, as the layer's forward makes it from the call's options.
+  sdmha::BatchMask mask(const AttentionItem& item) const {
+    return sdmha::detail::item_mask(item, options_, plan_.steps, plan_.key_steps);
+  }
+
+  // body(item, scratch) for every attention item of the plan, on the plan's threads.
+  template <typename Body>
+  void for_attention_items(Body&& body) {
+    const Lease lease(workspace_, "bench");
+    auto& buffers = lease.buffers();
+    const Index items = plan_.attention_items();
+    buffers.prepare_workers(plan_.workers(items), plan_.worker_scratch_bytes, plan_.tile_entries,
+                            2);
+    sdmha::detail::parallel_for(
+        items, plan_.threads,
+        [&](Index index, int worker) {
+          body(plan_.attention_item(index), buffers.workers[std::size_t(worker)].stage.view());
+        },
+        &buffers.pool);
+  }
+
+  // body(block, scratch) for every block of `block_rows` of `rows` rows, on the plan's threads.
+  // `stage_bytes`: each worker's scratch, the plan's unless a stage outside the layer needs more.
+  template <typename Body>
+  void for_row_blocks(Index rows, Index block_rows, Body&& body, std::size_t stage_bytes = 0) {
+    const Lease lease(workspace_, "bench");
+    auto& buffers = lease.buffers();
+    const Index blocks = AttentionPlan::block_count(rows, block_rows);
+    buffers.prepare_workers(plan_.workers(blocks),
+                            std::max(stage_bytes, plan_.worker_scratch_bytes), 0, 0);
+    sdmha::detail::parallel_for(
+        blocks, plan_.threads,
+        [&](Index index, int worker) {
+          body(AttentionPlan::block(index, rows, block_rows),
+               buffers.workers[std::size_t(worker)].stage.view());
+        },
+        &buffers.pool);
+  }
+
+  // Whether V_bh is finite, once per (b, h) as the layer's forward finds it (not once per tile),
+  // then body(item, scratch, value_is_finite) for every attention item.
+  template <typename Body>
+  void for_attention_items_with_values(const Matrix& values, Body&& body) {
+    const Lease lease(workspace_, "bench");
+    auto& buffers = lease.buffers();
+    const Index H = plan_.heads(), S = plan_.key_steps, Dv = plan_.dims.value_dim;
+    buffers.value_is_finite.assign(static_cast<std::size_t>(plan_.batch * H), 0);
+    if (S > 0)
+      sdmha::detail::parallel_for(
+          plan_.batch * H, plan_.threads,
+          [&](Index bh, int) {
+            buffers.value_is_finite[std::size_t(bh)] =
+                sdmha::detail::all_finite<float>(values.block((bh / H) * S, (bh % H) * Dv, S, Dv));
+          },
+          &buffers.pool);
+    const Index items = plan_.attention_items();
+    buffers.prepare_workers(plan_.workers(items), plan_.worker_scratch_bytes, plan_.tile_entries,
+                            2);
+    sdmha::detail::parallel_for(
+        items, plan_.threads,
+        [&](Index index, int worker) {
+          const AttentionItem item = plan_.attention_item(index);
+          body(item, buffers.workers[std::size_t(worker)].stage.view(),
+               buffers.value_is_finite[std::size_t(item.batch * H + item.head)] != 0);
+        },
+        &buffers.pool);
+  }
+
+  // Q = X·Wq + bq by the layer's own query projection pass (its blocks, its stage, its scratch).
+  void project_query(const Layer& layer, const sdmha::SparseQuery<float>& query,
+                     Matrix& projected_query) {
+    const Lease lease(workspace_, "bench");
+    Internals::project_query(layer, plan_, query, lease.buffers(), projected_query);
+  }
+
+ private:
+  using Lease = sdmha::Workspace<float>::Lease;
+  sdmha::Workspace<float> workspace_;
+  sdmha::AttentionOptions<float> options_;
+  AttentionPlan plan_;
+};
+
+// The plans of one problem at one thread count: project-first (the layer's default tiles, which
+// the shared stages walk too) and, where it is timed, sparse_regrouped (one tile of all T rows).
+struct StagePlans {
+  std::unique_ptr<LayerPlan> project_first, regrouped;
+};
+
 // One workload at one density: the inputs, both layers, the dense path's intermediates (the
 // references every case is checked against) and the output buffers of the stage cases.
 class Problem {
@@ -85,7 +221,8 @@ class Problem {
                                                               workload.context_dim, kWeightSeed)),
         dense_layer(workload.config(), sparse_layer.weights()),
         flops(flop_counts(workload, query.nonzeros())),
-        d_output(make_dense_input(workload.batch, workload.steps, workload.output_dim, kOutputGradientSeed)) {
+        d_output(make_dense_input(workload.batch, workload.steps, workload.output_dim,
+                                  kOutputGradientSeed)) {
     build_references();
   }
 
@@ -96,11 +233,25 @@ class Problem {
     return sdmha::TensorRef3<float>(dense.data(), shape.batch, shape.steps, shape.query_dim);
   }
 
+  // The layer's plans at `threads`, made on first use and kept with the problem.
+  StagePlans& plans(int threads) {
+    std::unique_ptr<StagePlans>& plans = stage_plans_[threads];
+    if (!plans) {
+      plans = std::make_unique<StagePlans>();
+      plans->project_first = std::make_unique<LayerPlan>(
+          sparse_layer, query, shape.key_steps, threads, sdmha::ScoreStrategy::project_first);
+      if (regrouped_is_timed(shape, density))
+        plans->regrouped = std::make_unique<LayerPlan>(
+            sparse_layer, query, shape.key_steps, threads, sdmha::ScoreStrategy::sparse_regrouped);
+    }
+    return *plans;
+  }
+
   const WorkloadShape shape;
   const double density;
   const sdmha::SparseQuery<float> query;
   const Tensor3 key, value;
-  const sdmha::SparseDenseMHA<float> sparse_layer;
+  const Layer sparse_layer;
   const sdmha::DenseMHA<float> dense_layer;
   const FlopCounts flops;
   // ∂loss/∂output for the backward case.
@@ -123,178 +274,202 @@ class Problem {
 
  private:
   void build_references();
+  std::map<int, std::unique_ptr<StagePlans>> stage_plans_;
 };
 
-// ---- The stages, over the whole problem, split over threads exactly as the layer splits them:
-// projections in fixed blocks of rows, the attention stages by (batch, head, tile of query
-// steps). Each stage alone reads and writes whole tensors; the layer instead keeps one tile's
-// scores in a per-worker scratch between the score, softmax and attend stages. ----
+// ---- The stages, over the whole problem, walking the layer's plan (LayerPlan) with the
+// layer's own stage objects (score_kernel(), softmax(), ...). Each stage alone reads and writes
+// whole tensors; the layer instead keeps one tile's scores in a
+// per-worker tile buffer between the score, softmax and attend stages. The scores of (b, h)
+// are rows (b·H + h)·T … of a (B·H·T × S) matrix, the layout of attention_scores. ----
 
-// Calls body(first, count) for blocks of `block_rows` rows: kProjectionRowBlock for the dense
-// projections, kQueryProjectionRowBlock for the sparse query projection, as the layers use them.
-template <typename Body>
-void for_row_blocks(Index rows, Index block_rows, int threads, Body&& body) {
-  const Index blocks = (rows + block_rows - 1) / block_rows;
-  sdmha::detail::parallel_for(blocks, threads, [&](Index block, int) {
-    const Index first = block * block_rows;
-    body(first, std::min(block_rows, rows - first));
-  });
+// An attention item's block of a (B·H·T × S) scores matrix.
+template <typename MatrixType>
+auto score_tile(MatrixType& scores, const AttentionPlan& plan, const AttentionItem& item) {
+  return scores.block((item.batch * plan.heads() + item.head) * plan.steps + item.query_begin,
+                      item.key_begin, item.query_rows, item.key_steps);
+}
+// Its rows of head h's block of a (B·T × H·D) matrix (Q or the concatenated heads).
+template <typename MatrixType>
+auto query_tile(MatrixType& matrix, const AttentionPlan& plan, const AttentionItem& item,
+                Index width) {
+  return matrix.block(item.batch * plan.steps + item.query_begin, item.head * width,
+                      item.query_rows, width);
+}
+// Its key steps of head h's block of a (B·S × H·D) matrix (K or V).
+template <typename MatrixType>
+auto key_tile(MatrixType& matrix, const AttentionPlan& plan, const AttentionItem& item,
+              Index width) {
+  return matrix.block(item.batch * plan.key_steps + item.key_begin, item.head * width,
+                      item.key_steps, width);
 }
 
+// input (rows × E) · kernel + bias → output in the plan's blocks of kProjectionRowBlock rows,
+// as the layer's key, value and output projections go.
 template <typename Projection>
-void project_rows(const sdmha::ConstMatrixRef<float>& input, const Matrix& kernel,
-                  const sdmha::Vector<float>& bias, Matrix& output, int threads) {
-  const Projection projection;
-  for_row_blocks(input.rows(), sdmha::detail::kProjectionRowBlock, threads,
-                 [&](Index first, Index count) {
-                   typename Projection::Arguments args{input.middleRows(first, count), kernel, bias,
-                                                       output.middleRows(first, count)};
-                   Projection::can_implement(args);
-                   projection(args);
-                 });
+void project_rows(LayerPlan& plan, const Projection& projection,
+                  const sdmha::ConstMatrixRef<float>& input, const Matrix& kernel,
+                  const sdmha::Vector<float>& bias, Matrix& output) {
+  plan.for_row_blocks(input.rows(), sdmha::detail::kProjectionRowBlock,
+                      [&](const RowBlock& block, sdmha::StageScratch scratch) {
+                        typename Projection::Arguments args{
+                            input.middleRows(block.begin, block.rows), kernel, bias,
+                            output.middleRows(block.begin, block.rows), scratch};
+                        Projection::can_implement(args);
+                        projection(args);
+                      });
 }
 
-void sparse_query_projection(const Problem& p, int threads, Matrix& output) {
-  using Projection = sdmha::SparseQueryProjection<float>;
+// The dense baseline's query projection: DenseProjection of the dense query in blocks of
+// kQueryProjectionRowBlock rows, as DenseMHA::forward goes. DenseMHA has no LayerInternals, so
+// the scratch of its query stage is sized here from the TileSizes DenseMHA::forward gives it
+// (and its query_projection() has no const accessor: a default stage object stands in).
+void dense_query_projection(const Problem& p, LayerPlan& plan, const Matrix& dense_query,
+                            Matrix& output) {
+  using Projection = sdmha::DenseMHA<float>::QueryProjection;
   const Projection projection;
-  for_row_blocks(p.rows(), sdmha::detail::kQueryProjectionRowBlock, threads,
-                 [&](Index first, Index count) {
-                   Projection::Arguments args{p.query.csr().middle_rows(first, count),
-                                              p.weights().query_kernel, p.weights().query_bias,
-                                              output.middleRows(first, count)};
-                   Projection::can_implement(args);
-                   projection(args);
-                 });
+  sdmha::TileSizes block;
+  block.rows = sdmha::detail::kQueryProjectionRowBlock;
+  block.input_width = p.shape.query_dim;
+  block.output_width = p.shape.heads * p.shape.head_dim;
+  const auto& weights = p.weights();
+  plan.for_row_blocks(
+      dense_query.rows(), sdmha::detail::kQueryProjectionRowBlock,
+      [&](const RowBlock& rows, sdmha::StageScratch scratch) {
+        Projection::Arguments args{dense_query.middleRows(rows.begin, rows.rows),
+                                   weights.query_kernel, weights.query_bias,
+                                   output.middleRows(rows.begin, rows.rows), scratch};
+        Projection::can_implement(args);
+        projection(args);
+      },
+      sdmha::detail::stage_workspace_size<Projection>(block));
 }
 
-// The reference row: Eigen's own CSR × row-major dense product on the same arrays.
-void eigen_query_projection(const Problem& p, int threads, Matrix& output) {
+// The reference row: Eigen's own CSR × row-major dense product on the same arrays, in the plan's
+// blocks of the query projection.
+void eigen_query_projection(const Problem& p, LayerPlan& plan, Matrix& output) {
   const auto& csr = p.query.csr();
   const Eigen::Map<const Eigen::SparseMatrix<float, Eigen::RowMajor, int>> sparse(
       csr.rows, csr.cols, csr.nonzeros(), csr.row_offsets, csr.column_indices, csr.values);
   const auto& weights = p.weights();
-  for_row_blocks(p.rows(), sdmha::detail::kQueryProjectionRowBlock, threads,
-                 [&](Index first, Index count) {
-                   auto block = output.middleRows(first, count);
-                   block.noalias() = sparse.middleRows(first, count) * weights.query_kernel;
-                   if (weights.query_bias.size() != 0)
-                     block.rowwise() += weights.query_bias.transpose();
-                 });
+  plan.for_row_blocks(p.rows(), sdmha::detail::kQueryProjectionRowBlock,
+                      [&](const RowBlock& rows, sdmha::StageScratch) {
+                        auto block = output.middleRows(rows.begin, rows.rows);
+                        block.noalias() =
+                            sparse.middleRows(rows.begin, rows.rows) * weights.query_kernel;
+                        if (weights.query_bias.size() != 0)
+                          block.rowwise() += weights.query_bias.transpose();
+                      });
 }
 
-void key_value_projection(const Problem& p, int threads, Matrix& keys, Matrix& values) {
-  project_rows<sdmha::DenseProjection<float>>(as_matrix(p.key), p.weights().key_kernel,
-                                              p.weights().key_bias, keys, threads);
-  project_rows<sdmha::DenseProjection<float>>(as_matrix(p.value), p.weights().value_kernel,
-                                              p.weights().value_bias, values, threads);
+void key_value_projection(const Problem& p, LayerPlan& plan, Matrix& keys, Matrix& values) {
+  const auto& projection = p.sparse_layer.context_projection();
+  project_rows(plan, projection, as_matrix(p.key), p.weights().key_kernel, p.weights().key_bias,
+               keys);
+  project_rows(plan, projection, as_matrix(p.value), p.weights().value_kernel,
+               p.weights().value_bias, values);
 }
 
-// Calls body(b, h, first_step, rows) for every (batch, head) and tile of `tile` query steps, as
-// the layer's attend() does. The scores of (b, h) are rows (b·H + h)·T … of a (B·H·T × S)
-// matrix, the layout of attention_scores.
-template <typename Body>
-void for_attention_tiles(const Problem& p, int threads, Index tile, Body&& body) {
-  const Index H = p.shape.heads, T = p.shape.steps, tiles = (T + tile - 1) / tile;
-  sdmha::detail::parallel_for(p.shape.batch * H * tiles, threads, [&](Index item, int) {
-    const Index b = item / (H * tiles), h = (item / tiles) % H, first_step = (item % tiles) * tile;
-    body(b, h, first_step, std::min(tile, T - first_step));
-  });
-}
-
-void project_first_scores(const Problem& p, int threads, const Matrix& projected_query,
+void project_first_scores(const Problem& p, LayerPlan& plan, const Matrix& projected_query,
                           const Matrix& keys, Matrix& scores) {
-  using Kernel = sdmha::ScoreKernel<float>;
-  const Kernel kernel;
-  const Index T = p.shape.steps, S = p.shape.key_steps, D = p.shape.head_dim;
-  const Index H = p.shape.heads;
-  for_attention_tiles(
-      p, threads, sdmha::detail::kQueryTile, [&](Index b, Index h, Index first, Index rows) {
-        Kernel::Arguments args{projected_query.block(b * T + first, h * D, rows, D),
-                               keys.block(b * S, h * D, S, D), p.score_scale(), sdmha::BatchMask{},
-                               scores.middleRows((b * H + h) * T + first, rows)};
-        Kernel::can_implement(args);
-        kernel(args);
-      });
-}
-
-void regrouped_scores(const Problem& p, int threads, const Matrix& keys, Matrix& scores) {
-  using Kernel = sdmha::ScoreKernel<float>;
-  const Kernel kernel;
-  const Index T = p.shape.steps, S = p.shape.key_steps, D = p.shape.head_dim;
-  const auto& weights = p.weights();
-  const sdmha::Vector<float> no_bias;
-  const Index H = p.shape.heads;
-  // One tile of all T steps, as the layer does: M_bh is shared by all rows of batch entry b.
-  for_attention_tiles(p, threads, T, [&](Index b, Index h, Index, Index) {
-    const sdmha::ConstVectorRef<float> bias =
-        weights.query_bias.size() != 0
-            ? sdmha::ConstVectorRef<float>(weights.query_bias.segment(h * D, D))
-            : sdmha::ConstVectorRef<float>(no_bias);
-    Kernel::SparseArguments args{p.query.batch_rows(b),
-                                 weights.query_kernel.middleCols(h * D, D),
-                                 bias,
-                                 keys.block(b * S, h * D, S, D),
-                                 p.score_scale(),
-                                 sdmha::BatchMask{},
-                                 scores.middleRows((b * H + h) * T, T)};
+  using Kernel = Layer::ScoreKernel;
+  const Kernel& kernel = p.sparse_layer.score_kernel();
+  const AttentionPlan& walk = plan.plan();
+  const Index D = p.shape.head_dim;
+  plan.for_attention_items([&](const AttentionItem& item, sdmha::StageScratch scratch) {
+    Kernel::Arguments args{item.position(),
+                           query_tile(projected_query, walk, item, D),
+                           key_tile(keys, walk, item, D),
+                           float(walk.scale),
+                           plan.mask(item),
+                           score_tile(scores, walk, item),
+                           scratch};
     Kernel::can_implement(args);
     kernel(args);
   });
 }
 
-void softmax(const Problem& p, int threads, Matrix& scores) {
-  using Softmax = sdmha::MaskedSoftmax<float>;
-  const Softmax stage;
-  const Index T = p.shape.steps, H = p.shape.heads;
-  for_attention_tiles(p, threads, sdmha::detail::kQueryTile,
-                      [&](Index b, Index h, Index first, Index rows) {
-                        Softmax::Arguments args{scores.middleRows((b * H + h) * T + first, rows)};
-                        Softmax::can_implement(args);
-                        stage(args);
-                      });
+// On the regrouped plan: one tile of all T steps per (b, h), M_bh shared by all of b's rows.
+void regrouped_scores(const Problem& p, LayerPlan& plan, const Matrix& keys, Matrix& scores) {
+  using Kernel = Layer::ScoreKernel;
+  const Kernel& kernel = p.sparse_layer.score_kernel();
+  const AttentionPlan& walk = plan.plan();
+  const Index D = p.shape.head_dim;
+  const auto& weights = p.weights();
+  const sdmha::Vector<float> no_bias;
+  plan.for_attention_items([&](const AttentionItem& item, sdmha::StageScratch scratch) {
+    const sdmha::ConstVectorRef<float> bias =
+        weights.query_bias.size() != 0
+            ? sdmha::ConstVectorRef<float>(weights.query_bias.segment(item.head * D, D))
+            : sdmha::ConstVectorRef<float>(no_bias);
+    Kernel::SparseArguments args{
+        item.position(),
+        p.query.csr().middle_rows(item.batch * walk.steps + item.query_begin, item.query_rows),
+        weights.query_kernel.middleCols(item.head * D, D),
+        bias,
+        key_tile(keys, walk, item, D),
+        float(walk.scale),
+        plan.mask(item),
+        score_tile(scores, walk, item),
+        scratch};
+    Kernel::can_implement(args);
+    kernel(args);
+  });
 }
 
-void attend_values(const Problem& p, int threads, const Matrix& probabilities, const Matrix& values,
-                   Matrix& heads) {
-  using Attend = sdmha::AttendValues<float>;
-  const Attend stage;
-  const Index T = p.shape.steps, S = p.shape.key_steps, D = p.shape.head_dim;
-  const Index H = p.shape.heads;
-  // V_bh's finiteness once per (batch, head), as the layer finds it, not once per tile.
-  std::vector<char> finite(static_cast<std::size_t>(p.shape.batch * H));
-  sdmha::detail::parallel_for(p.shape.batch * H, threads, [&](Index item, int) {
-    finite[std::size_t(item)] = values.block((item / H) * S, (item % H) * D, S, D).allFinite();
+void softmax(const Problem& p, LayerPlan& plan, Matrix& scores) {
+  using Softmax = Layer::Softmax;
+  const Softmax& stage = p.sparse_layer.softmax();
+  plan.for_attention_items([&](const AttentionItem& item, sdmha::StageScratch scratch) {
+    Softmax::Arguments args{item.position(), score_tile(scores, plan.plan(), item), scratch,
+                            plan.plan().fully_masked_rows};
+    Softmax::can_implement(args);
+    stage(args);
   });
-  for_attention_tiles(
-      p, threads, sdmha::detail::kQueryTile, [&](Index b, Index h, Index first, Index rows) {
-        Attend::Arguments args{probabilities.middleRows((b * H + h) * T + first, rows),
-                               values.block(b * S, h * D, S, D),
-                               heads.block(b * T + first, h * D, rows, D), finite[std::size_t(b * H + h)] != 0};
+}
+
+void attend_values(const Problem& p, LayerPlan& plan, const Matrix& probabilities,
+                   const Matrix& values, Matrix& heads) {
+  using Attend = Layer::AttendValues;
+  const Attend& stage = p.sparse_layer.attend_values();
+  const AttentionPlan& walk = plan.plan();
+  const Index D = p.shape.head_dim;
+  plan.for_attention_items_with_values(
+      values, [&](const AttentionItem& item, sdmha::StageScratch scratch, bool value_is_finite) {
+        Attend::Arguments args{item.position(),
+                               score_tile(probabilities, walk, item),
+                               key_tile(values, walk, item, D),
+                               query_tile(heads, walk, item, D),
+                               value_is_finite,
+                               scratch};
         Attend::can_implement(args);
         stage(args);
       });
 }
 
-// Plain Eigen products of the score and attend stages' sizes, tile by tile over the same
-// memory: the yardstick for those stages' GFLOP/s (no scale, no mask, no finiteness check).
-void plain_score_gemms(const Problem& p, int threads, Matrix& scores) {
-  const Index T = p.shape.steps, S = p.shape.key_steps, D = p.shape.head_dim, H = p.shape.heads;
-  for_attention_tiles(p, threads, sdmha::detail::kQueryTile, [&](Index b, Index h, Index first, Index rows) {
-    scores.middleRows((b * H + h) * T + first, rows).noalias() =
-        p.projected_query.block(b * T + first, h * D, rows, D) * p.keys.block(b * S, h * D, S, D).transpose();
+// Plain Eigen products of the score and attend stages' sizes, item by item of the same plan over
+// the same memory: the yardstick for those stages' GFLOP/s (no scale, no mask, no finiteness
+// check, Eigen's own packing memory).
+void plain_score_gemms(const Problem& p, LayerPlan& plan, Matrix& scores) {
+  const AttentionPlan& walk = plan.plan();
+  const Index D = p.shape.head_dim;
+  plan.for_attention_items([&](const AttentionItem& item, sdmha::StageScratch) {
+    score_tile(scores, walk, item).noalias() =
+        query_tile(p.projected_query, walk, item, D) * key_tile(p.keys, walk, item, D).transpose();
   });
 }
-void plain_attend_gemms(const Problem& p, int threads, Matrix& heads) {
-  const Index T = p.shape.steps, S = p.shape.key_steps, D = p.shape.head_dim, H = p.shape.heads;
-  for_attention_tiles(p, threads, sdmha::detail::kQueryTile, [&](Index b, Index h, Index first, Index rows) {
-    heads.block(b * T + first, h * D, rows, D).noalias() =
-        p.probabilities.middleRows((b * H + h) * T + first, rows) * p.values.block(b * S, h * D, S, D);
+void plain_attend_gemms(const Problem& p, LayerPlan& plan, Matrix& heads) {
+  const AttentionPlan& walk = plan.plan();
+  const Index D = p.shape.head_dim;
+  plan.for_attention_items([&](const AttentionItem& item, sdmha::StageScratch) {
+    query_tile(heads, walk, item, D).noalias() =
+        score_tile(p.probabilities, walk, item) * key_tile(p.values, walk, item, D);
   });
 }
 
-void output_projection(const Problem& p, int threads, const Matrix& heads, Matrix& output) {
-  project_rows<sdmha::OutputProjection<float>>(heads, p.weights().output_kernel,
-                                               p.weights().output_bias, output, threads);
+void output_projection(const Problem& p, LayerPlan& plan, const Matrix& heads, Matrix& output) {
+  project_rows(plan, p.sparse_layer.output_projection(), heads, p.weights().output_kernel,
+               p.weights().output_bias, output);
 }
 
 void Problem::build_references() {
@@ -309,14 +484,17 @@ void Problem::build_references() {
   scores.resize(B * H * T, S);
   heads.resize(rows(), hd);
   output.resize(rows(), shape.output_dim);
-  project_rows<sdmha::DenseProjection<float>>(dense_query, weights().query_kernel,
-                                              weights().query_bias, projected_query, 1);
-  key_value_projection(*this, 1, keys, values);
-  project_first_scores(*this, 1, projected_query, keys, scores);
+  LayerPlan& plan = *plans(1).project_first;
+  const AttentionPlan& walk = plan.plan();
+  if (walk.query_tile != sdmha::detail::kQueryTile || walk.attention_items() == 0)
+    throw std::logic_error("the layer's forward plan has no kQueryTile attention tiles");
+  dense_query_projection(*this, plan, dense_query, projected_query);
+  key_value_projection(*this, plan, keys, values);
+  project_first_scores(*this, plan, projected_query, keys, scores);
   probabilities = scores;
-  softmax(*this, 1, probabilities);
-  attend_values(*this, 1, probabilities, values, heads);
-  output_projection(*this, 1, heads, output);
+  softmax(*this, plan, probabilities);
+  attend_values(*this, plan, probabilities, values, heads);
+  output_projection(*this, plan, heads, output);
 
   // The stages as wired here must be the layer: its own forward has to agree.
   sdmha::AttentionOptions<float> options;
@@ -377,24 +555,25 @@ std::vector<Case> make_cases(Problem& p, int threads) {
   // The whole layer. "dense" is what a user without sdmha runs: densify, then the dense layer.
   cases.push_back({"forward", "sparse", f.sparse_total(), csr, 0, 0, fresh(p.sparse_workspace),
                    [&p, o = options(sdmha::ScoreStrategy::project_first)] {
-                     p.sparse_layer.forward(p.query, p.key, p.value, o, p.sparse_workspace, p.forward_result);
+                     p.sparse_layer.forward(p.query, p.key, p.value, o, p.sparse_workspace,
+                                            p.forward_result);
                    },
                    check_forward});
   if (regrouped)
-    cases.push_back({"forward", "sparse_regrouped", f.sparse_total(), csr, 0, 0, fresh(p.regrouped_workspace),
+    cases.push_back({"forward", "sparse_regrouped", f.sparse_total(), csr, 0, 0,
+                     fresh(p.regrouped_workspace),
                      [&p, o = options(sdmha::ScoreStrategy::sparse_regrouped)] {
                        p.sparse_layer.forward(p.query, p.key, p.value, o, p.regrouped_workspace,
                                               p.forward_result);
                      },
                      check_forward});
-  cases.push_back(
-      {"forward", "dense", f.dense_total(), dense, 0, 0, fresh(p.dense_workspace),
-       [&p, o = options(sdmha::ScoreStrategy::project_first)] {
-         const Matrix densified = p.query.to_dense();
-         p.dense_layer.forward(p.dense_query_tensor(densified), p.key, p.value, o, p.dense_workspace,
-                               p.forward_result);
-       },
-       check_forward});
+  cases.push_back({"forward", "dense", f.dense_total(), dense, 0, 0, fresh(p.dense_workspace),
+                   [&p, o = options(sdmha::ScoreStrategy::project_first)] {
+                     const Matrix densified = p.query.to_dense();
+                     p.dense_layer.forward(p.dense_query_tensor(densified), p.key, p.value, o,
+                                           p.dense_workspace, p.forward_result);
+                   },
+                   check_forward});
   // The training pass (it recomputes the forward it needs). Checked by an identity of the
   // gradients: ∂loss/∂bo = Σ over rows of ∂loss/∂Y, and everything finite.
   auto check_backward = [&p] {
@@ -411,8 +590,8 @@ std::vector<Case> make_cases(Problem& p, int threads) {
   };
   cases.push_back({"backward", "sparse", 0, csr, 0, 0, fresh_backward,
                    [&p, o = options(sdmha::ScoreStrategy::automatic)] {
-                     p.sparse_layer.backward(p.query, p.key, p.value, p.d_output, o, p.backward_workspace,
-                                             p.gradients);
+                     p.sparse_layer.backward(p.query, p.key, p.value, p.d_output, o,
+                                             p.backward_workspace, p.gradients);
                    },
                    check_backward});
   // The same reusing the K and V that the training step's forward projected (its
@@ -423,33 +602,34 @@ std::vector<Case> make_cases(Problem& p, int threads) {
                      fresh_backward();
                    },
                    [&p, o = options(sdmha::ScoreStrategy::automatic)] {
-                     p.sparse_layer.backward(p.query, p.key, p.value, p.saved_context, p.d_output, o,
-                                             p.backward_workspace, p.gradients);
+                     p.sparse_layer.backward(p.query, p.key, p.value, p.saved_context, p.d_output,
+                                             o, p.backward_workspace, p.gradients);
                    },
                    check_backward});
 
-  // Stage by stage.
+  // Stage by stage, each walking the layer's own plan at this thread count (LayerPlan).
+  StagePlans& plans = p.plans(threads);
+  LayerPlan* plan = plans.project_first.get();
+  LayerPlan* regrouped_plan = plans.regrouped.get();
   cases.push_back({"densify", "dense", 0, csr, 0, dense, nullptr,
                    [&p] { p.densified = p.query.to_dense(); },
                    [&p] { return compare("densified query", p.densified, p.dense_query); }});
   auto check_projected_query = [&p] {
     return compare("projected query", p.projected_query_out, p.projected_query);
   };
-  cases.push_back({"query_projection", "sparse", f.query_projection_sparse, csr, 0, 0, nullptr,
-                   [&p, threads] { sparse_query_projection(p, threads, p.projected_query_out); },
-                   check_projected_query});
-  cases.push_back({"query_projection", "dense", f.query_projection_dense, dense, 0, 0, nullptr,
-                   [&p, threads] {
-                     project_rows<sdmha::DenseProjection<float>>(
-                         p.dense_query, p.weights().query_kernel, p.weights().query_bias,
-                         p.projected_query_out, threads);
-                   },
-                   check_projected_query});
+  cases.push_back(
+      {"query_projection", "sparse", f.query_projection_sparse, csr, 0, 0, nullptr,
+       [&p, plan] { plan->project_query(p.sparse_layer, p.query, p.projected_query_out); },
+       check_projected_query});
+  cases.push_back(
+      {"query_projection", "dense", f.query_projection_dense, dense, 0, 0, nullptr,
+       [&p, plan] { dense_query_projection(p, *plan, p.dense_query, p.projected_query_out); },
+       check_projected_query});
   cases.push_back({"query_projection", "eigen_csr", f.query_projection_sparse, csr, 0, 0, nullptr,
-                   [&p, threads] { eigen_query_projection(p, threads, p.projected_query_out); },
+                   [&p, plan] { eigen_query_projection(p, *plan, p.projected_query_out); },
                    check_projected_query});
   cases.push_back({"key_value_projection", "shared", f.key_value_projection, 0, 0, 0, nullptr,
-                   [&p, threads] { key_value_projection(p, threads, p.keys_out, p.values_out); },
+                   [&p, plan] { key_value_projection(p, *plan, p.keys_out, p.values_out); },
                    [&p] {
                      std::string error = compare("projected key", p.keys_out, p.keys);
                      return error.empty() ? compare("projected value", p.values_out, p.values)
@@ -458,43 +638,45 @@ std::vector<Case> make_cases(Problem& p, int threads) {
   auto check_scores = [&p] { return compare("scores", p.scores_out, p.scores); };
   cases.push_back(
       {"scores", "shared", f.scores, 0, 0, 0, nullptr,
-       [&p, threads] { project_first_scores(p, threads, p.projected_query, p.keys, p.scores_out); },
+       [&p, plan] { project_first_scores(p, *plan, p.projected_query, p.keys, p.scores_out); },
        check_scores});
   // The regrouped kernel reads the CSR rows and the query kernel: it does the query
   // projection's job too, so its useful work is both stages'.
-  if (regrouped)
-    cases.push_back({"scores", "sparse_regrouped", f.query_projection_sparse + f.scores, csr, 0, 0,
-                     nullptr, [&p, threads] { regrouped_scores(p, threads, p.keys, p.scores_out); },
-                     check_scores});
+  if (regrouped) {
+    if (regrouped_plan == nullptr)
+      throw std::logic_error("no regrouped plan for a timed regrouped case");
+    cases.push_back(
+        {"scores", "sparse_regrouped", f.query_projection_sparse + f.scores, csr, 0, 0, nullptr,
+         [&p, regrouped_plan] { regrouped_scores(p, *regrouped_plan, p.keys, p.scores_out); },
+         check_scores});
+  }
   // In place: the checked call turns a copy of the scores into probabilities; the timed calls
   // that follow rerun it on its own output, which costs the same.
   cases.push_back({"softmax", "shared", 0, 0, double(p.scores.size()), 0,
                    [&p] { p.scores_out = p.scores; },
-                   [&p, threads] { softmax(p, threads, p.scores_out); },
+                   [&p, plan] { softmax(p, *plan, p.scores_out); },
                    [&p] { return compare("probabilities", p.scores_out, p.probabilities); }});
-  cases.push_back(
-      {"attend_values", "shared", f.attend_values, 0, 0, 0, nullptr,
-       [&p, threads] { attend_values(p, threads, p.probabilities, p.values, p.heads_out); },
-       [&p] { return compare("attended heads", p.heads_out, p.heads); }});
+  cases.push_back({"attend_values", "shared", f.attend_values, 0, 0, 0, nullptr,
+                   [&p, plan] { attend_values(p, *plan, p.probabilities, p.values, p.heads_out); },
+                   [&p] { return compare("attended heads", p.heads_out, p.heads); }});
   cases.push_back({"output_projection", "shared", f.output_projection, 0, 0, 0, nullptr,
-                   [&p, threads] { output_projection(p, threads, p.heads, p.output_out); },
+                   [&p, plan] { output_projection(p, *plan, p.heads, p.output_out); },
                    [&p] { return compare("output", p.output_out, p.output); }});
   // The yardstick of the dense stages: one plain Eigen GEMM of the key projection's size,
   // (B·S × Ek)·(Ek × H·Dk) in a single call on one thread (whatever the row's thread count), as
   // Eigen runs it by itself.
   cases.push_back({"gemm", "eigen", f.key_value_projection / 2, 0, 0, 0, nullptr,
-                     [&p] { p.gemm_out.noalias() = as_matrix(p.key) * p.weights().key_kernel; },
-                     [&p] {
-                       const Matrix expected = p.keys.rowwise() - p.weights().key_bias.transpose();
-                       return compare("plain GEMM", p.gemm_out, expected);
-                     }});
-  cases.push_back({"gemm", "eigen_scores_size", f.scores, 0, 0, 0, nullptr,
-                   [&p, threads] { plain_score_gemms(p, threads, p.scores_out); },
+                   [&p] { p.gemm_out.noalias() = as_matrix(p.key) * p.weights().key_kernel; },
                    [&p] {
-                     return compare("plain score GEMMs", p.scores_out * p.score_scale(), p.scores);
+                     const Matrix expected = p.keys.rowwise() - p.weights().key_bias.transpose();
+                     return compare("plain GEMM", p.gemm_out, expected);
                    }});
+  cases.push_back(
+      {"gemm", "eigen_scores_size", f.scores, 0, 0, 0, nullptr,
+       [&p, plan] { plain_score_gemms(p, *plan, p.scores_out); },
+       [&p] { return compare("plain score GEMMs", p.scores_out * p.score_scale(), p.scores); }});
   cases.push_back({"gemm", "eigen_attend_size", f.attend_values, 0, 0, 0, nullptr,
-                   [&p, threads] { plain_attend_gemms(p, threads, p.heads_out); },
+                   [&p, plan] { plain_attend_gemms(p, *plan, p.heads_out); },
                    [&p] { return compare("plain attend GEMMs", p.heads_out, p.heads); }});
   return cases;
 }
@@ -505,8 +687,9 @@ std::vector<std::string> case_names(const WorkloadShape& shape, double density) 
   std::vector<std::string> names = {"forward/sparse"};
   if (regrouped) names.push_back("forward/sparse_regrouped");
   for (const char* name :
-       {"forward/dense", "backward/sparse", "backward/sparse_saved_context", "densify/dense", "query_projection/sparse", "query_projection/dense",
-        "query_projection/eigen_csr", "key_value_projection/shared", "scores/shared"})
+       {"forward/dense", "backward/sparse", "backward/sparse_saved_context", "densify/dense",
+        "query_projection/sparse", "query_projection/dense", "query_projection/eigen_csr",
+        "key_value_projection/shared", "scores/shared"})
     names.push_back(name);
   if (regrouped) names.push_back("scores/sparse_regrouped");
   for (const char* name : {"softmax/shared", "attend_values/shared", "output_projection/shared"})
@@ -752,6 +935,11 @@ struct ConfigResult {
     const CaseResult* c = find(name);
     return c == nullptr ? -1 : c->steady_allocations;
   }
+  // The most that one more backward call takes, with or without the saved context.
+  std::int64_t steady_backward_allocations() const {
+    return std::max(steady_allocations("backward/sparse"),
+                    steady_allocations("backward/sparse_saved_context"));
+  }
 };
 
 double median(std::vector<double> values) {
@@ -837,13 +1025,14 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
 
   char line[512];
   const char* header =
-      "%-5s %7s %3s %7s | %9s %9s | %8s %9s | %7s %6s | %8s %8s %6s | %8s %8s | %6s | %9s %7s %9s %7s\n";
+      "%-5s %7s %3s %7s | %9s %9s | %8s %9s | %7s %6s | %8s %8s %6s | %8s %8s | %7s | %9s %7s %9s "
+      "%7s\n";
   std::snprintf(line, sizeof line, header, "work", "density", "thr", "nnz/row", "sparse", "regroup",
                 "densify", "dense", "speedup", "ideal", "peak MB", "peak MB", "mem", "query MB",
                 "query MB", "allocs", "backward", "bwd/", "bwd ctx", "ctx/");
   out << line;
   std::snprintf(line, sizeof line, header, "", "", "", "", "ms", "ms", "ms", "ms", "", "", "sparse",
-                "dense", "ratio", "CSR", "dense", "/call", "ms", "fwd", "ms", "fwd");
+                "dense", "ratio", "CSR", "dense", "fwd/bwd", "ms", "fwd", "ms", "fwd");
   out << line;
   for (const ConfigResult& r : results) {
     const std::int64_t sparse_peak = r.peak_bytes("forward/sparse");
@@ -851,26 +1040,34 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
     const std::string ratio = sparse_peak > 0 && dense_peak >= 0
                                   ? format("%.1fx", double(dense_peak) / double(sparse_peak))
                                   : "n/a";
-    const std::int64_t allocations = r.steady_allocations("forward/sparse");
+    const std::int64_t forward_allocations = r.steady_allocations("forward/sparse");
+    const std::int64_t backward_allocations = r.steady_backward_allocations();
+    auto count_text = [](std::int64_t count) {
+      return count < 0 ? std::string("n/a") : std::to_string(count);
+    };
+    const std::string allocations =
+        count_text(forward_allocations) + "/" + count_text(backward_allocations);
     const double backward_ms = r.ms("backward/sparse");
     const double context_backward_ms = r.ms("backward/sparse_saved_context");
-    std::snprintf(
-        line, sizeof line,
-        "%-5s %7g %3d %7ld | %9s %9s | %8s %9s | %6.2fx %6.2f | %8s %8s %6s | %8.2f %8.2f | %6s | %9s %6.2fx %9s "
-        "%6.2fx\n",
-        r.shape.name.c_str(), r.density, r.threads, long(r.nonzeros_per_row),
-        milliseconds_text(r.ms("forward/sparse")).c_str(),
-        milliseconds_text(r.ms("forward/sparse_regrouped")).c_str(),
-        milliseconds_text(r.ms("densify/dense")).c_str(),
-        milliseconds_text(r.ms("forward/dense")).c_str(), r.speedup(), r.flops.ideal_speedup(),
-        megabytes(sparse_peak).c_str(), megabytes(dense_peak).c_str(), ratio.c_str(),
-        r.csr_bytes / 1e6, r.dense_bytes / 1e6,
-        allocations < 0 ? "n/a" : std::to_string(allocations).c_str(),
-        milliseconds_text(backward_ms).c_str(), backward_ms / r.ms("forward/sparse"),
-        milliseconds_text(context_backward_ms).c_str(), context_backward_ms / r.ms("forward/sparse"));
+    std::snprintf(line, sizeof line,
+                  "%-5s %7g %3d %7ld | %9s %9s | %8s %9s | %6.2fx %6.2f | %8s %8s %6s | %8.2f "
+                  "%8.2f | %7s | %9s %6.2fx %9s "
+                  "%6.2fx\n",
+                  r.shape.name.c_str(), r.density, r.threads, long(r.nonzeros_per_row),
+                  milliseconds_text(r.ms("forward/sparse")).c_str(),
+                  milliseconds_text(r.ms("forward/sparse_regrouped")).c_str(),
+                  milliseconds_text(r.ms("densify/dense")).c_str(),
+                  milliseconds_text(r.ms("forward/dense")).c_str(), r.speedup(),
+                  r.flops.ideal_speedup(), megabytes(sparse_peak).c_str(),
+                  megabytes(dense_peak).c_str(), ratio.c_str(), r.csr_bytes / 1e6,
+                  r.dense_bytes / 1e6, allocations.c_str(), milliseconds_text(backward_ms).c_str(),
+                  backward_ms / r.ms("forward/sparse"),
+                  milliseconds_text(context_backward_ms).c_str(),
+                  context_backward_ms / r.ms("forward/sparse"));
     out << line;
   }
-  out << "\nsparse = SparseDenseMHA::forward (project_first) with a Workspace and result kept between\n"
+  out << "\nsparse = SparseDenseMHA::forward (project_first) with a Workspace and result kept "
+         "between\n"
          "calls; regroup = the same with sparse_regrouped\n"
          "scores (\"-\": not timed where it costs more FLOPs than the dense layer); dense =\n"
          "SparseQuery::to_dense + DenseMHA::forward, densify included (and shown alone); speedup "
@@ -880,15 +1077,18 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
          "dense\n"
          "call's include its densified query; the first call with a fresh Workspace); query MB = "
          "the\n"
-         "query's own bytes (CSR: values, column indices, row offsets); allocs/call = heap blocks "
+         "query's own bytes (CSR: values, column indices, row offsets); allocs fwd/bwd = heap "
+         "blocks "
          "one\n"
-         "more sparse forward call takes after the timed ones (the steady state); backward =\n"
+         "more sparse forward / backward call (the more of both backward rows) takes after the "
+         "timed\n"
+         "ones (the steady state); backward =\n"
          "SparseDenseMHA::backward with a Workspace and MhaGradients kept (automatic strategy;\n"
          "it recomputes the forward, K and V included); bwd ctx = the same given the\n"
          "ProjectedContext that the training step's forward made (only Q, P and A are\n"
          "recomputed); bwd/fwd and ctx/fwd = those / sparse.\n";
 
-  out << "\nstages alone, ms (GFLOP/s), split over threads as the layer splits them:\n";
+  out << "\nstages alone, ms (GFLOP/s), each walking the layer's own plan of a forward call:\n";
   const char* stage_header =
       "%-5s %7s %3s | %8s %14s %14s %14s | %14s %14s %14s | %7s %14s %14s | %14s %14s %14s\n";
   std::snprintf(line, sizeof line, stage_header, "work", "density", "thr", "densify",
@@ -905,16 +1105,15 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
       std::snprintf(text, sizeof text, "%.2f (%.0f)", ms, c->flops / ms * 1e-6);
       return std::string(text);
     };
-    std::snprintf(line, sizeof line, stage_header, r.shape.name.c_str(),
-                  format("%g", r.density).c_str(), std::to_string(r.threads).c_str(),
-                  cell("densify/dense").c_str(), cell("query_projection/sparse").c_str(),
-                  cell("query_projection/dense").c_str(),
-                  cell("query_projection/eigen_csr").c_str(),
-                  cell("key_value_projection/shared").c_str(), cell("scores/shared").c_str(),
-                  cell("scores/sparse_regrouped").c_str(), cell("softmax/shared").c_str(),
-                  cell("attend_values/shared").c_str(), cell("output_projection/shared").c_str(),
-                  cell("gemm/eigen").c_str(), cell("gemm/eigen_scores_size").c_str(),
-                  cell("gemm/eigen_attend_size").c_str());
+    std::snprintf(
+        line, sizeof line, stage_header, r.shape.name.c_str(), format("%g", r.density).c_str(),
+        std::to_string(r.threads).c_str(), cell("densify/dense").c_str(),
+        cell("query_projection/sparse").c_str(), cell("query_projection/dense").c_str(),
+        cell("query_projection/eigen_csr").c_str(), cell("key_value_projection/shared").c_str(),
+        cell("scores/shared").c_str(), cell("scores/sparse_regrouped").c_str(),
+        cell("softmax/shared").c_str(), cell("attend_values/shared").c_str(),
+        cell("output_projection/shared").c_str(), cell("gemm/eigen").c_str(),
+        cell("gemm/eigen_scores_size").c_str(), cell("gemm/eigen_attend_size").c_str());
     out << line;
   }
   out << "(scores regroup includes the query projection, which it replaces; softmax and densify do "
@@ -925,7 +1124,12 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
          "on one\n"
          "thread; GEMM scores / attend = plain Eigen products of the score and attend stages' tile "
          "sizes,\n"
-         "tile by tile: the yardsticks of the dense stages' GFLOP/s.)\n";
+         "tile by tile: the yardsticks of the dense stages' GFLOP/s. Scores, softmax and attend "
+         "values\n"
+         "walk the plan forward makes when it returns the scores, probabilities stored; where S > "
+         "kKeyTile\n"
+         "(long) forward itself runs an online softmax over key tiles instead, timed only "
+         "whole.)\n";
 }
 
 std::string json_string(const std::string& text) {
@@ -990,7 +1194,9 @@ void write_json(const std::string& path, const std::vector<ConfigResult>& result
         << "},\n";
     out << "     \"backward_ms\": " << ms("backward/sparse")
         << ", \"backward_saved_context_ms\": " << ms("backward/sparse_saved_context")
-        << ", \"steady_state_allocations_per_call\": " << r.steady_allocations("forward/sparse") << ",\n";
+        << ", \"steady_state_allocations_per_call\": " << r.steady_allocations("forward/sparse")
+        << ", \"steady_state_allocations_per_backward_call\": " << r.steady_backward_allocations()
+        << ",\n";
     // Stage times per path; the shared stages are timed once and listed on every path.
     out << "     \"stages_ms\": {\n"
         << "       \"sparse\": {\"query_projection\": " << ms("query_projection/sparse")
@@ -1090,7 +1296,7 @@ int main(int argc, char** argv) {
   bool summary = false, quick = false;
   std::string json_path;
   int repetitions = 0;
-  std::vector<std::string> workload_names;  // --workload: only these (all when empty)
+  std::vector<std::string> workload_names;   // --workload: only these (all when empty)
   std::vector<char*> passed_on = {argv[0]};  // what Google Benchmark gets
   for (int i = 1; i < argc; ++i) {
     const std::string argument = argv[i];
@@ -1117,7 +1323,8 @@ int main(int argc, char** argv) {
   std::vector<WorkloadShape> shapes = quick ? quick_workloads() : canonical_workloads();
   if (!workload_names.empty()) {
     for (const std::string& name : workload_names)
-      if (std::none_of(shapes.begin(), shapes.end(), [&](const WorkloadShape& w) { return w.name == name; })) {
+      if (std::none_of(shapes.begin(), shapes.end(),
+                       [&](const WorkloadShape& w) { return w.name == name; })) {
         std::cerr << "sdmha_bench: unknown workload " << name << " (expected one of";
         for (const WorkloadShape& w : shapes) std::cerr << " " << w.name;
         std::cerr << ")\n";
@@ -1146,9 +1353,9 @@ int main(int argc, char** argv) {
     }
   }
   if (!json_path.empty() || repetitions != 0 || !workload_names.empty()) {
-    std::cerr
-        << "sdmha_bench: --json, --repetitions and --workload go with --summary; Google Benchmark's own are "
-           "--benchmark_out=FILE and --benchmark_repetitions=N\n";
+    std::cerr << "sdmha_bench: --json, --repetitions and --workload go with --summary; Google "
+                 "Benchmark's own are "
+                 "--benchmark_out=FILE and --benchmark_repetitions=N\n";
     return 2;
   }
 
