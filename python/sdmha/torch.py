@@ -1,0 +1,494 @@
+"""PyTorch front end of sdmha: ``SparseQueryMultiheadAttention``, an ``nn.Module`` that trains.
+
+The layer is Keras' MultiHeadAttention on a sparse query (a torch sparse COO tensor (B, T, Eq),
+or a sparse CSR tensor (B*T, Eq)) and dense key (B, S, Ek) and value (B, S, Ev); forward and
+backward run in sdmha's C++ (``sdmha._sdmha``) through one ``torch.autograd.Function``, with the
+GIL released. Gradients reach the eight parameters, key, value and the query's stored values:
+a query built as ``torch.sparse_coo_tensor(indices, values, size)`` from ``values`` that require
+grad gets ``values.grad`` (duplicates each get their coordinate's gradient). Only the stored
+positions of the query have a gradient: its sparsity pattern is not differentiable.
+
+How the weights reach C++ (the choice, and why). The C++ layer holds its weights as a
+``std::shared_ptr<sdmha::MhaWeights>``, Eigen matrices it owns; they cannot map torch's memory.
+Rather than copying every parameter into them before each call (64 MB for the 32768-feature
+query kernel of the ``bow`` workload, every training step, since every step changes every
+weight), the module goes the other way: its ``nn.Parameter`` s *are* views of the C++ weights'
+memory (``torch.from_numpy`` over ``Layer.weight(name)``). An optimizer's in-place update, a
+``load_state_dict`` (in-place ``copy_``) or DDP's initial broadcast (in place) write straight
+into the weights the next call reads: no copy, and nothing to compare. When a parameter no
+longer shares that memory (``param.data = ...``, ``module.double()``, ``copy.deepcopy``,
+unpickling), the next forward copies it in once and points the parameter back at the C++ memory
+(a new C++ layer first when the dtype or a shape changed). The ``autograd.Function`` itself
+compares data pointers only: a weight tensor that is not the layer's memory (the functional
+form, gradcheck) is copied in before the call and again before its backward.
+"""
+
+import math
+import os
+
+import numpy as np
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from . import WEIGHT_NAMES, ShapeError, _sdmha, dtype_name, load_keras_layer
+
+__all__ = ["SparseQueryMultiheadAttention", "sparse_query_attention"]
+
+_INT32_MAX = 2**31 - 1
+_SCORE_STRATEGIES = ("automatic", "project_first", "sparse_regrouped")
+
+
+def _check_dtype(dtype):
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"sdmha: dtype {dtype} is not supported; expected torch.float32 or torch.float64")
+    return dtype
+
+
+class _Binding:
+    """A C++ layer (sdmha::SparseDenseMHA over shared MhaWeights) and its Workspace.
+
+    ``tensors[name]`` are torch views of the C++ weights' memory. The workspace serves one call
+    at a time: calling one module from several threads at once raises ConfigError.
+    """
+
+    def __init__(self, dtype, num_heads, key_dim, query_dim, key_in_dim, value_in_dim, value_dim,
+                 output_dim, use_bias):
+        name = dtype_name(dtype)
+        self.dtype = dtype
+        self.layer = getattr(_sdmha, f"Layer_{name}")(num_heads, key_dim, query_dim, key_in_dim,
+                                                      value_in_dim, value_dim, output_dim, use_bias)
+        self.workspace = getattr(_sdmha, f"Workspace_{name}")()
+        self.query_class = getattr(_sdmha, f"SparseQuery_{name}")
+        self.key = (dtype, num_heads, key_dim, query_dim, key_in_dim, value_in_dim, value_dim,
+                    output_dim, use_bias)
+        self.tensors = {}
+        self.pointers = {}
+        for weight in WEIGHT_NAMES:
+            array = self.layer.weight(weight)
+            if array is not None:
+                self.tensors[weight] = torch.from_numpy(array)
+                self.pointers[weight] = array.__array_interface__["data"][0]
+
+    def shares(self, name, tensor):
+        """Whether `tensor` is exactly this layer's weight `name` (same memory, shape, layout)."""
+        mine = self.tensors[name]
+        return (tensor.data_ptr() == self.pointers[name] and tensor.dtype == self.dtype
+                and tensor.shape == mine.shape and tensor.stride() == mine.stride())
+
+    def load(self, weights):
+        """Copies into the C++ weights each tensor of {name: tensor} that is not already them."""
+        for name, tensor in weights.items():
+            if tensor is None:
+                continue
+            if not self.shares(name, tensor):
+                self.layer.set_weight(name, _array(name, tensor, self.dtype))
+
+
+def _array(name, tensor, dtype):
+    """A CPU tensor as a NumPy array over the same memory (a copy only if not contiguous)."""
+    if tensor.device.type != "cpu":
+        raise TypeError(f"sdmha: {name} is on {tensor.device}; sdmha runs on the CPU")
+    if tensor.dtype != dtype:
+        raise TypeError(f"sdmha: {name} has dtype {tensor.dtype}; expected {dtype} (the layer's)")
+    return tensor.detach().contiguous().numpy()
+
+
+class _Call:
+    """What one call passes from forward to backward, besides tensors."""
+
+    __slots__ = ("batch", "steps", "features", "options", "value_is_key", "save_context",
+                 "num_threads")
+
+    def __init__(self, batch, steps, features, options, value_is_key, save_context, num_threads):
+        self.batch, self.steps, self.features = batch, steps, features
+        self.options = options
+        self.value_is_key = value_is_key
+        self.save_context = save_context
+        self.num_threads = num_threads
+
+
+class _SparseQueryAttention(torch.autograd.Function):
+    """sdmha's forward and backward as one autograd node.
+
+    Inputs: (binding, call, indptr, columns, query_values, key, value, *eight weights (None for
+    absent biases)). Outputs: output (B, T, O) and, when asked, the attention scores (B, H, T, S),
+    which are not differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, binding, call, indptr, columns, query_values, key, value, *weights):
+        weights = dict(zip(WEIGHT_NAMES, weights))
+        binding.load(weights)
+        dtype = binding.dtype
+        query = binding.query_class.from_csr(call.batch, call.steps, call.features, indptr.numpy(),
+                                             columns.numpy(), _array("query values", query_values, dtype))
+        key_array = _array("key", key, dtype)
+        value_array = key_array if call.value_is_key else _array("value", value, dtype)
+        context = None
+        if call.save_context:
+            # K and V projected once, for the forward and again for the backward.
+            context = binding.layer.project_context(key_array, value_array, call.num_threads,
+                                                    workspace=binding.workspace)
+        output, scores = binding.layer.forward(query, key_array, value_array, workspace=binding.workspace,
+                                               context=context, **call.options)
+        ctx.binding, ctx.call, ctx.query, ctx.context = binding, call, query, context
+        ctx.arrays = (key_array, value_array)
+        # Saved for autograd's version check: a weight or input changed in place between
+        # forward and backward raises instead of giving a gradient of something else.
+        ctx.save_for_backward(query_values, key, value, *weights.values())
+        output = torch.from_numpy(output)
+        if scores is None:
+            return output
+        scores = torch.from_numpy(scores)
+        ctx.mark_non_differentiable(scores)
+        return output, scores
+
+    @staticmethod
+    @once_differentiable  # the C++ backward is not itself differentiable: double backward raises
+    def backward(ctx, d_output, *unused):
+        saved = ctx.saved_tensors
+        binding, call = ctx.binding, ctx.call
+        binding.load(dict(zip(WEIGHT_NAMES, saved[3:])))  # no copy for a module's own parameters
+        d_output = _array("d_output", d_output, binding.dtype)
+        key_array, value_array = ctx.arrays
+        grads = binding.layer.backward(ctx.query, key_array, value_array, d_output,
+                                       workspace=binding.workspace, context=ctx.context, **call.options)
+        needs = ctx.needs_input_grad
+
+        def tensor(name, index):
+            array = grads[name]
+            return torch.from_numpy(array) if needs[index] and array is not None else None
+
+        return (None, None, None, None, tensor("query_values", 4), tensor("key", 5), tensor("value", 6),
+                *(tensor(name, 7 + i) for i, name in enumerate(WEIGHT_NAMES)))
+
+
+# ---- inputs ---------------------------------------------------------------------------------------
+
+
+def _csr_parts(query, batch_hint, dtype):
+    """(B, T, Eq, indptr int32, columns int32, values) of a sparse COO (B, T, Eq) or CSR (B*T, Eq)
+    query; `values` stays connected to the query's autograd graph (COO: through coalesce)."""
+    if not isinstance(query, torch.Tensor):
+        raise TypeError(f"sdmha: query is a {type(query).__name__}; expected a torch sparse tensor")
+    if query.device.type != "cpu":
+        raise TypeError(f"sdmha: query is on {query.device}; sdmha runs on the CPU")
+    if query.dtype != dtype:
+        raise TypeError(f"sdmha: query has dtype {query.dtype}; expected {dtype} (the module's)")
+    if query.layout == torch.sparse_coo:
+        if query.dim() != 3 or query.sparse_dim() != 3:
+            raise ShapeError(
+                f"sdmha: query has {query.sparse_dim()} sparse and {query.dense_dim()} dense dimensions; "
+                "expected a sparse COO tensor (B, T, Eq) with 3 sparse dimensions")
+        batch, steps, features = query.shape
+        coalesced = query.coalesce()  # differentiable: values.grad maps back through it
+        indices, values = coalesced.indices(), coalesced.values()
+        _check_int32(batch * steps, features, values.numel())
+        rows = indices[0] * steps + indices[1]
+        indptr = torch.zeros(batch * steps + 1, dtype=torch.int32)
+        if rows.numel():
+            indptr[1:] = torch.cumsum(torch.bincount(rows, minlength=batch * steps), 0)
+        columns = indices[2].to(torch.int32)
+        return batch, steps, features, indptr, columns, values
+    if query.layout == torch.sparse_csr:
+        if query.dim() != 2:
+            raise ShapeError(f"sdmha: query is a sparse CSR tensor of {query.dim()} dimensions; expected (B*T, Eq)")
+        rows, features = query.shape
+        if batch_hint <= 0 or rows % batch_hint:
+            raise ShapeError(f"sdmha: the CSR query has {rows} rows; expected B*T rows for the key's batch B = "
+                             f"{batch_hint}")
+        values = query.values()
+        _check_int32(rows, features, values.numel())
+        indptr = query.crow_indices().to(torch.int32)
+        columns = query.col_indices().to(torch.int32)
+        return batch_hint, rows // batch_hint, features, indptr, columns, values
+    raise TypeError(
+        f"sdmha: query has layout {query.layout}; expected a sparse COO tensor (B, T, Eq) or a sparse CSR "
+        "tensor (B*T, Eq). A dense query would get no gradient at its zeros: convert it with "
+        "query.to_sparse() only if that is what you mean")
+
+
+def _check_int32(rows, features, nonzeros):
+    for name, value in (("B*T", rows), ("Eq", features), ("the query's nonzeros", nonzeros)):
+        if value > _INT32_MAX:
+            raise ShapeError(f"sdmha: {name} = {value} does not fit sdmha's int index type; expected <= {_INT32_MAX}")
+
+
+def _dense(name, tensor, dtype):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"sdmha: {name} is a {type(tensor).__name__}; expected a torch.Tensor")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"sdmha: {name} has layout {tensor.layout}; expected a dense tensor")
+    if tensor.device.type != "cpu":
+        raise TypeError(f"sdmha: {name} is on {tensor.device}; sdmha runs on the CPU")
+    if tensor.dtype != dtype:
+        raise TypeError(f"sdmha: {name} has dtype {tensor.dtype}; expected {dtype} (the module's)")
+    if tensor.dim() != 3:
+        raise ShapeError(f"sdmha: {name} has shape {tuple(tensor.shape)}; expected 3 dimensions (B, S, E)")
+    return tensor.contiguous()
+
+
+def _mask(name, mask, rank):
+    if mask is None:
+        return None
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != torch.bool:
+            raise TypeError(f"sdmha: {name} has dtype {mask.dtype}; expected torch.bool")
+        mask = mask.detach().cpu().contiguous().numpy()
+    else:
+        mask = np.asarray(mask)
+        if mask.dtype != np.bool_:
+            raise TypeError(f"sdmha: {name} has dtype {mask.dtype}; expected bool")
+    if mask.ndim != rank:
+        raise ShapeError(f"sdmha: {name} has shape {mask.shape}; expected {rank} dimensions")
+    return mask
+
+
+def _options(attention_mask, key_padding_mask, use_causal_mask, return_attention_scores, num_threads,
+             score_strategy, dropout, training):
+    options = {
+        "use_causal_mask": bool(use_causal_mask),
+        "return_attention_scores": bool(return_attention_scores),
+        "num_threads": int(num_threads),
+        "score_strategy": score_strategy,
+    }
+    mask = _mask("attention_mask", attention_mask, 3)
+    if mask is not None:
+        options["attention_mask"] = mask
+    padding = _mask("key_padding_mask", key_padding_mask, 2)
+    if padding is not None:
+        options["key_padding_mask"] = padding
+    if training and dropout > 0:
+        # A fresh seed per call from torch's generator: reproducible under torch.manual_seed,
+        # and the backward (same options) drops the same entries.
+        seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+        options.update(training=True, dropout_rate=float(dropout), dropout_seed=seed)
+    return options
+
+
+def _apply(binding, query, key, value, weights, options, num_threads):
+    dtype = binding.dtype
+    value_is_key = value is None or value is key
+    key = _dense("key", key, dtype)
+    value = key if value_is_key else _dense("value", value, dtype)
+    batch, steps, features, indptr, columns, values = _csr_parts(query, key.shape[0], dtype)
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.shape[0] != batch:  # before project_context, whose message would speak of a context
+            raise ShapeError(f"sdmha: SparseDenseMHA::forward: {name} has batch {tensor.shape[0]}; expected the "
+                             f"query's batch {batch}")
+    needs_grad = torch.is_grad_enabled() and (
+        values.requires_grad or key.requires_grad or value.requires_grad
+        or any(w is not None and w.requires_grad for w in weights))
+    call = _Call(batch, steps, features, options, value_is_key, needs_grad, num_threads)
+    return _SparseQueryAttention.apply(binding, call, indptr, columns, values, key, value, *weights)
+
+
+# ---- the module -----------------------------------------------------------------------------------
+
+
+class SparseQueryMultiheadAttention(nn.Module):
+    """Keras' MultiHeadAttention with a sparse query, on sdmha (CPU, float32 or float64).
+
+    Parameters, in Keras' layout flattened (H heads, Dk = key_dim, Dv = value_dim, O = output_dim):
+    query_kernel (Eq, H*Dk), query_bias (H*Dk), key_kernel (Ek, H*Dk), key_bias (H*Dk),
+    value_kernel (Ev, H*Dv), value_bias (H*Dv), output_kernel (H*Dv, O), output_bias (O); the
+    biases are None when use_bias is False. Initialised like Keras: Glorot uniform with Keras'
+    fans for an (E, H, D) kernel (limit sqrt(6 / (E*H + E*D)); output kernel (H, Dv, O):
+    sqrt(6 / (H*Dv + H*O))), biases zero, drawn from torch's generator.
+
+    ``dropout`` applies to the attention probabilities in training mode (Keras' dropout), with a
+    fresh seed per call from torch's generator. ``num_threads`` (0 = all hardware threads) and
+    ``score_strategy`` ('automatic', 'project_first', 'sparse_regrouped') go to sdmha as they are.
+    """
+
+    def __init__(self, num_heads, key_dim, query_features, key_features, value_features, value_dim=None,
+                 output_dim=None, use_bias=True, dropout=0.0, dtype=torch.float32, *, num_threads=0,
+                 score_strategy="automatic"):
+        super().__init__()
+        _check_dtype(dtype)
+        if not 0.0 <= float(dropout) < 1.0:
+            raise _sdmha.ConfigError(f"sdmha: dropout = {dropout}; expected 0 <= dropout < 1")
+        if score_strategy not in _SCORE_STRATEGIES:
+            raise _sdmha.ConfigError(f"sdmha: score_strategy = {score_strategy!r}; expected one of {_SCORE_STRATEGIES}")
+        if int(num_threads) < 0:
+            raise _sdmha.ConfigError(f"sdmha: num_threads = {num_threads}; expected >= 0 (0 = all hardware threads)")
+        self.num_heads = int(num_heads)
+        self.key_dim = int(key_dim)
+        self.value_dim = int(value_dim) if value_dim else self.key_dim
+        self.query_features = int(query_features)
+        self.key_features = int(key_features)
+        self.value_features = int(value_features)
+        self.output_dim = int(output_dim) if output_dim else self.query_features
+        self.use_bias = bool(use_bias)
+        self.dropout = float(dropout)
+        self.num_threads = int(num_threads)
+        self.score_strategy = score_strategy
+        #: use_causal_mask from a loaded file's metadata (from_keras / from_torch); forward's
+        #: use_causal_mask is what applies.
+        self.file_use_causal_mask = False
+        binding = _Binding(dtype, self.num_heads, self.key_dim, self.query_features, self.key_features,
+                           self.value_features, self.value_dim, self.output_dim, self.use_bias)
+        self._binding = binding
+        for name in WEIGHT_NAMES:
+            if name in binding.tensors:
+                self.register_parameter(name, nn.Parameter(binding.tensors[name]))  # shares memory
+            else:
+                self.register_parameter(name, None)
+        self.reset_parameters()
+
+    def _limits(self):
+        heads, key_dim, value_dim = self.num_heads, self.key_dim, self.value_dim
+        eq, ek, ev, out = self.query_features, self.key_features, self.value_features, self.output_dim
+
+        def glorot(fan_in, fan_out):
+            return math.sqrt(6.0 / (fan_in + fan_out))
+
+        return {
+            "query_kernel": glorot(eq * heads, eq * key_dim),
+            "key_kernel": glorot(ek * heads, ek * key_dim),
+            "value_kernel": glorot(ev * heads, ev * value_dim),
+            "output_kernel": glorot(heads * value_dim, heads * out),
+        }
+
+    def reset_parameters(self):
+        """Keras' initialisation: kernels Glorot uniform (Keras' fans), biases zero."""
+        with torch.no_grad():
+            for name, limit in self._limits().items():
+                getattr(self, name).uniform_(-limit, limit)
+            for name in WEIGHT_NAMES[1::2]:
+                bias = getattr(self, name)
+                if bias is not None:
+                    bias.zero_()
+
+    def _weights(self):
+        return [getattr(self, name) for name in WEIGHT_NAMES]
+
+    def _bound(self):
+        """The C++ layer for the parameters as they are now (see the module docstring)."""
+        weights = dict(zip(WEIGHT_NAMES, self._weights()))
+        kernel = weights["query_kernel"]
+        dtype = _check_dtype(kernel.dtype)
+        for name, tensor in weights.items():
+            if tensor is not None and tensor.device.type != "cpu":
+                raise TypeError(f"sdmha: parameter {name} is on {tensor.device}; sdmha runs on the CPU")
+        key = (dtype, self.num_heads, self.key_dim, kernel.shape[0], weights["key_kernel"].shape[0],
+               weights["value_kernel"].shape[0], self.value_dim, self.output_dim, self.use_bias)
+        binding = self.__dict__.get("_binding")
+        if binding is None or binding.key != key:
+            binding = _Binding(*key)
+            self._binding = binding
+        for name, tensor in weights.items():
+            if tensor is not None and not binding.shares(name, tensor):
+                binding.layer.set_weight(name, _array(name, tensor, dtype))
+                tensor.data = binding.tensors[name]  # the parameter is the C++ memory again
+        return binding
+
+    def forward(self, query, key, value=None, attention_mask=None, use_causal_mask=False,
+                return_attention_scores=False, key_padding_mask=None):
+        """query: sparse COO (B, T, Eq) or sparse CSR (B*T, Eq); key (B, S, Ek); value (B, S, Ev),
+        None meaning key; attention_mask bool (B, T, S), True = may attend (Keras);
+        key_padding_mask bool (B, S), True = padding (PyTorch). Returns output (B, T, O), and
+        with return_attention_scores the probabilities (B, H, T, S) (not differentiable) too."""
+        binding = self._bound()
+        options = _options(attention_mask, key_padding_mask, use_causal_mask, return_attention_scores,
+                           self.num_threads, self.score_strategy, self.dropout, self.training)
+        return _apply(binding, query, key, value, self._weights(), options, self.num_threads)
+
+    def extra_repr(self):
+        text = (f"num_heads={self.num_heads}, key_dim={self.key_dim}, query_features={self.query_features}, "
+                f"key_features={self.key_features}, value_features={self.value_features}")
+        if self.value_dim != self.key_dim:
+            text += f", value_dim={self.value_dim}"
+        if self.output_dim != self.query_features:
+            text += f", output_dim={self.output_dim}"
+        if not self.use_bias:
+            text += ", use_bias=False"
+        if self.dropout:
+            text += f", dropout={self.dropout}"
+        return text + f", dtype={self.query_kernel.dtype}"
+
+    def __getstate__(self):
+        # The C++ layer is not picklable; the parameters are, and the next forward rebinds.
+        state = self.__dict__.copy()
+        state["_binding"] = None
+        return state
+
+    # ---- loading -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_keras(cls, path, dtype=torch.float32, prefix=None, layer_name="", **kwargs):
+        """A module with the weights of a Keras MultiHeadAttention.
+
+        From a Keras 3 file — ``model.save``'s .keras (or its unzipped directory) or
+        ``model.save_weights``' .weights.h5, read by sdmha::io::load_keras_layer; layer_name picks
+        the layer (a Keras layer name or an HDF5 group path; "" for the file's only one) — or from
+        safetensors / .npz in the names query/kernel (Eq, H, Dk) ... attention_output/bias (O),
+        optionally under a layer `prefix` (tools/sdmha_export.py's export_keras writes them),
+        read by sdmha::io::load_layer."""
+        text = os.fspath(path)
+        if os.path.isdir(text) or text.endswith((".keras", ".h5")):
+            _check_dtype(dtype)
+            loaded = load_keras_layer(text, dtype_name(dtype), layer_name)
+            return cls._from_layer(loaded["layer"], dtype, False, kwargs)
+        return cls._from_file(path, dtype, "keras", None, prefix, kwargs)
+
+    @classmethod
+    def from_torch(cls, path, num_heads=None, dtype=torch.float32, **kwargs):
+        """A module with the weights of a torch.nn.MultiheadAttention saved in safetensors or .npz
+        (in_proj_weight or q/k/v_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias;
+        tools/sdmha_export.py's export_torch writes them). num_heads is needed when the file's
+        metadata lacks it. The result equals the torch module on the densified query (batch_first,
+        attn_mask polarity inverted)."""
+        return cls._from_file(path, dtype, "torch", num_heads, None, kwargs)
+
+    @classmethod
+    def _from_file(cls, path, dtype, layout, num_heads, prefix, kwargs):
+        _check_dtype(dtype)
+        loaded = _sdmha.load_layer(os.fspath(path), dtype_name(dtype), num_heads, layout, prefix, None)
+        return cls._from_layer(loaded["layer"], dtype, bool(loaded["use_causal_mask"]), kwargs)
+
+    @classmethod
+    def _from_layer(cls, layer, dtype, use_causal_mask, kwargs):
+        module = cls(layer.num_heads, layer.key_dim, layer.query_dim, layer.key_in_dim, layer.value_in_dim,
+                     value_dim=layer.value_dim, output_dim=layer.output_dim, use_bias=layer.use_bias,
+                     dtype=dtype, **kwargs)
+        with torch.no_grad():
+            for name, parameter in zip(WEIGHT_NAMES, module._weights()):
+                if parameter is not None:
+                    parameter.copy_(torch.from_numpy(layer.weight(name)))
+        module.file_use_causal_mask = use_causal_mask
+        return module
+
+
+def sparse_query_attention(query, key, value, query_kernel, query_bias, key_kernel, key_bias, value_kernel,
+                           value_bias, output_kernel, output_bias, num_heads, attention_mask=None,
+                           use_causal_mask=False, return_attention_scores=False, key_padding_mask=None,
+                           dropout=0.0, training=False, dropout_seed=None, num_threads=0,
+                           score_strategy="automatic"):
+    """The layer as a function of its weights (Keras' layout, biases None without bias).
+
+    Builds a C++ layer per call and copies the weights into it (the module avoids both);
+    differentiable in every tensor argument. key_dim, value_dim and the widths are read off the
+    kernels. dropout_seed fixes the dropout mask (default: drawn from torch's generator).
+    """
+    dtype = _check_dtype(query_kernel.dtype)
+    heads = int(num_heads)
+    if query_kernel.dim() != 2 or query_kernel.shape[1] % heads or value_kernel.dim() != 2 \
+            or value_kernel.shape[1] % heads or output_kernel.dim() != 2:
+        raise ShapeError(
+            f"sdmha: kernels of shapes {tuple(query_kernel.shape)}, {tuple(value_kernel.shape)}, "
+            f"{tuple(output_kernel.shape)} do not give num_heads = {heads} heads; expected (Eq, H*Dk), "
+            "(Ev, H*Dv), (H*Dv, O)")
+    use_bias = query_bias is not None
+    biases = (query_bias, key_bias, value_bias, output_bias)
+    if any((bias is not None) != use_bias for bias in biases):
+        raise ShapeError("sdmha: some biases are None and others not; expected all four or none")
+    binding = _Binding(dtype, heads, query_kernel.shape[1] // heads, query_kernel.shape[0], key_kernel.shape[0],
+                       value_kernel.shape[0], value_kernel.shape[1] // heads, output_kernel.shape[1], use_bias)
+    options = _options(attention_mask, key_padding_mask, use_causal_mask, return_attention_scores, num_threads,
+                       score_strategy, dropout, training)
+    if training and dropout > 0 and dropout_seed is not None:
+        options["dropout_seed"] = int(dropout_seed)
+    weights = [query_kernel, query_bias, key_kernel, key_bias, value_kernel, value_bias, output_kernel, output_bias]
+    return _apply(binding, query, key, value, weights, options, num_threads)

@@ -1,0 +1,903 @@
+// python/src/sdmha_python.cpp — the _sdmha extension module: sdmha's SparseDenseMHA on NumPy
+// arrays, in float32 and float64 (classes Layer_float32 / Layer_float64 and their companions).
+//
+// Memory:
+//  - inputs: C-contiguous arrays of the layer's dtype are read in place (TensorRef3 over the
+//    NumPy buffer, SparseQuery::view_csr over the CSR arrays); anything else is converted once.
+//  - weights: the layer holds a std::shared_ptr<MhaWeights<Scalar>>; weight(name) returns a
+//    writable NumPy view of that memory, never a copy, kept alive by the Python layer object.
+//    sdmha.torch makes its nn.Parameters views of it, so an optimizer's in-place step updates the
+//    C++ weights directly (python/sdmha/torch.py explains the choice).
+//  - results: output, scores and gradients are fresh C++ objects each call, handed to NumPy
+//    without a copy (the array's base owns the C++ object).
+// Every call releases the GIL while it computes. sdmha's exceptions become Python exceptions of
+// the same names, all subclasses of sdmha.Error (itself a ValueError), carrying the C++ message.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <sdmha/sdmha.hpp>
+#if SDMHA_PYTHON_WITH_IO
+#include <sdmha/io/layer_files.hpp>
+#if __has_include(<sdmha/io/keras_file.hpp>)
+#include <sdmha/io/keras_file.hpp>
+#define SDMHA_PYTHON_WITH_KERAS_FILES 1
+#endif
+#endif
+#ifndef SDMHA_PYTHON_WITH_KERAS_FILES
+#define SDMHA_PYTHON_WITH_KERAS_FILES 0
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+using sdmha::Index;
+
+template <typename Scalar>
+constexpr const char* dtype_name() {
+  return sizeof(Scalar) == 4 ? "float32" : "float64";
+}
+
+template <typename Scalar>
+using InArray = py::array_t<Scalar, py::array::c_style | py::array::forcecast>;
+using Int64Array = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>;
+using BoolArray = py::array_t<bool, py::array::c_style | py::array::forcecast>;
+
+// ---- exceptions ---------------------------------------------------------------------------------
+
+struct PythonErrors {
+  PyObject* error = nullptr;
+  PyObject* shape = nullptr;
+  PyObject* index = nullptr;
+  PyObject* config = nullptr;
+  PyObject* format = nullptr;
+  PyObject* io = nullptr;
+};
+PythonErrors python_errors;
+
+PyObject* new_exception(py::module_& module, const char* name, PyObject* bases, const char* doc) {
+  const std::string qualified = std::string("sdmha._sdmha.") + name;
+  PyObject* type = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, bases, nullptr);
+  if (type == nullptr) throw py::error_already_set();
+  module.add_object(name, py::handle(type));  // the module keeps its own reference
+  return type;
+}
+
+template <typename Error, typename... Parts>
+[[noreturn]] void fail(const char* where, Parts&&... parts) {
+  sdmha::detail::fail<Error>(where, std::forward<Parts>(parts)...);
+}
+
+// ---- arrays over C++ memory ---------------------------------------------------------------------
+
+// A capsule that owns a shared_ptr: the base of NumPy arrays viewing the object's memory.
+template <typename Holder>
+py::capsule owner_of(std::shared_ptr<Holder> holder) {
+  return py::capsule(new std::shared_ptr<Holder>(std::move(holder)),
+                     [](void* pointer) { delete static_cast<std::shared_ptr<Holder>*>(pointer); });
+}
+
+// A C-contiguous array over `data`, without a copy; `base` keeps the memory alive.
+template <typename Scalar>
+py::array_t<Scalar> view(const Scalar* data, std::vector<py::ssize_t> shape, py::handle base) {
+  py::ssize_t size = 1;
+  for (const auto extent : shape) size *= extent;
+  if (size == 0) return py::array_t<Scalar>(shape);  // nothing to share (and data may be null)
+  return py::array_t<Scalar>(std::move(shape), data, base);
+}
+
+// ---- recycled result buffers
+// ----------------------------------------------------------------------
+
+// A free list of result buffers of one kind (one Eigen matrix, vector or tensor per call). Every
+// array that a call returns owns its buffer; when Python frees the array, the buffer comes back
+// here, and the next call writes into that memory instead of fresh pages. Fresh pages are not
+// free: a training step's query-kernel gradient alone is 64 MB on the bow workload, and faulting
+// in 64 MB took 0.8 s on the loaded 2-core test machine. A buffer is reused only once no array
+// shows it any more, so results never alias.
+template <typename Buffer>
+class Recycler : public std::enable_shared_from_this<Recycler<Buffer>> {
+ public:
+  using Scalar = typename Buffer::Scalar;
+  static constexpr std::size_t kKept = 2;  // free buffers kept, at most
+
+  // Swaps a free buffer, if there is one, into `target` (an empty buffer to be filled).
+  void lend(Buffer& target) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (free_.empty()) return;
+    std::swap(target, free_.back());
+    free_.pop_back();
+  }
+
+  // An array of `shape` over `buffer` (moved in), which comes back here when the array dies.
+  py::object adopt(Buffer&& buffer, std::vector<py::ssize_t> shape) {
+    struct Owned {
+      std::shared_ptr<Recycler> home;
+      Buffer buffer;
+    };
+    auto* owned = new Owned{this->shared_from_this(), std::move(buffer)};
+    const py::capsule base(owned, [](void* pointer) {
+      auto* dead = static_cast<Owned*>(pointer);
+      dead->home->give_back(std::move(dead->buffer));
+      delete dead;
+    });
+    return view<Scalar>(owned->buffer.data(), std::move(shape), base);
+  }
+
+ private:
+  void give_back(Buffer&& buffer) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (free_.size() < kKept) free_.push_back(std::move(buffer));
+  }
+
+  std::mutex mutex_;
+  std::vector<Buffer> free_;
+};
+
+template <typename Buffer>
+std::shared_ptr<Recycler<Buffer>> recycler() {
+  return std::make_shared<Recycler<Buffer>>();
+}
+
+// ---- inputs -------------------------------------------------------------------------------------
+
+// "(2, 3)", "(5,)": an array's shape as Python prints it.
+std::string shape_text(const py::array& array) {
+  std::string text = "(";
+  for (py::ssize_t i = 0; i < array.ndim(); ++i)
+    text += (i ? ", " : "") + std::to_string(array.shape(i));
+  return text + (array.ndim() == 1 ? ",)" : ")");
+}
+
+template <typename Scalar>
+sdmha::TensorRef3<Scalar> tensor3(const char* where, const char* name,
+                                  const InArray<Scalar>& array) {
+  if (array.ndim() != 3)
+    fail<sdmha::ShapeError>(where, name, " has ", array.ndim(),
+                            " dimensions; expected 3 (batch, steps, width)");
+  return sdmha::TensorRef3<Scalar>(array.data(), array.shape(0), array.shape(1), array.shape(2));
+}
+
+// A 1-D integer array as int (sdmha's CSR index type): viewed when it already is C-contiguous
+// int32, otherwise converted with a range check into `storage`.
+const int* int_indices(const char* where, const char* name, const py::array& array,
+                       std::vector<int>& storage, py::object& keep) {
+  if (array.ndim() != 1)
+    fail<sdmha::ShapeError>(where, name, " has ", array.ndim(), " dimensions; expected 1");
+  const char kind = array.dtype().kind();
+  if (kind != 'i' && kind != 'u')
+    throw py::type_error(std::string("sdmha: ") + where + ": " + name + " has dtype " +
+                         std::string(py::str(array.dtype())) + "; expected an integer array");
+  if (array.dtype().is(py::dtype::of<int>()) && (array.flags() & py::array::c_style)) {
+    keep = array;
+    return static_cast<const int*>(array.data());
+  }
+  const Int64Array wide = Int64Array::ensure(array);
+  if (!wide) throw py::error_already_set();
+  storage.resize(std::size_t(wide.size()));
+  const std::int64_t* data = wide.data();
+  for (py::ssize_t i = 0; i < wide.size(); ++i) {
+    if (data[i] < 0 || data[i] > std::int64_t(std::numeric_limits<int>::max()))
+      fail<sdmha::IndexError>(where, name, "[", i, "] = ", data[i],
+                              " does not fit sdmha's int index type; expected 0 <= value <= ",
+                              std::numeric_limits<int>::max());
+    storage[std::size_t(i)] = int(data[i]);
+  }
+  return storage.data();
+}
+
+// The query of a call: a SparseQuery and whatever memory its view needs.
+template <typename Scalar>
+struct PyQuery {
+  sdmha::SparseQuery<Scalar> query;
+  std::vector<int> offsets_storage, columns_storage;
+  py::object keep_offsets, keep_columns, keep_values;  // the caller's arrays that `query` views
+  bool coo_entries = false;  // made by from_coo: gradients per input entry
+
+  static std::shared_ptr<PyQuery> from_csr(Index batch, Index steps, Index features,
+                                           const py::array& indptr, const py::array& indices,
+                                           const InArray<Scalar>& values) {
+    constexpr const char* where = "SparseQuery.from_csr";
+    auto holder = std::make_shared<PyQuery>();
+    if (values.ndim() != 1)
+      fail<sdmha::ShapeError>(where, "values has ", values.ndim(), " dimensions; expected 1");
+    const int* offsets =
+        int_indices(where, "indptr", indptr, holder->offsets_storage, holder->keep_offsets);
+    const int* columns =
+        int_indices(where, "indices", indices, holder->columns_storage, holder->keep_columns);
+    if (indices.size() != values.size())
+      fail<sdmha::ShapeError>(where, "indices has ", indices.size(), " entries but values has ",
+                              values.size(), "; expected equal lengths");
+    holder->keep_values = values;
+    holder->query = sdmha::SparseQuery<Scalar>::view_csr(
+        batch, steps, features, offsets, indptr.size(), columns, values.data(), values.size());
+    return holder;
+  }
+
+  static std::shared_ptr<PyQuery> from_coo(Index batch, Index steps, Index features,
+                                           const Int64Array& indices,
+                                           const InArray<Scalar>& values) {
+    constexpr const char* where = "SparseQuery.from_coo";
+    if (indices.ndim() != 2 || indices.shape(1) != 3)
+      fail<sdmha::ShapeError>(where, "indices has shape ", shape_text(indices),
+                              "; expected (nnz, 3) (batch, step, feature)");
+    if (values.ndim() != 1)
+      fail<sdmha::ShapeError>(where, "values has ", values.ndim(), " dimensions; expected 1");
+    using Coo = typename sdmha::SparseQuery<Scalar>::CooIndices;
+    auto holder = std::make_shared<PyQuery>();
+    const Eigen::Map<const Coo> coordinates(indices.data(), indices.shape(0), 3);
+    const Eigen::Map<const sdmha::Vector<Scalar>> entries(values.data(), values.size());
+    {
+      py::gil_scoped_release release;
+      holder->query =
+          sdmha::SparseQuery<Scalar>::from_coo(batch, steps, features, coordinates, entries);
+    }
+    holder->coo_entries = true;
+    return holder;
+  }
+};
+
+// Options and the per-call objects, from keyword arguments.
+template <typename Scalar>
+struct CallArguments {
+  sdmha::AttentionOptions<Scalar> options;
+  sdmha::Workspace<Scalar>* workspace = nullptr;
+  std::shared_ptr<sdmha::ProjectedContext<Scalar>> context;
+  py::object keep_workspace;
+};
+
+inline sdmha::ScoreStrategy strategy_from(const std::string& name) {
+  if (name == "automatic") return sdmha::ScoreStrategy::automatic;
+  if (name == "project_first") return sdmha::ScoreStrategy::project_first;
+  if (name == "sparse_regrouped") return sdmha::ScoreStrategy::sparse_regrouped;
+  fail<sdmha::ConfigError>("options", "score_strategy = '", name,
+                           "'; expected 'automatic', 'project_first' or 'sparse_regrouped'");
+}
+
+template <typename Scalar>
+CallArguments<Scalar> call_arguments(const char* where, const py::dict& kwargs) {
+  CallArguments<Scalar> call;
+  auto& options = call.options;
+  for (const auto& item : kwargs) {
+    const std::string key = py::str(item.first);
+    const py::handle value = item.second;
+    try {
+      if (key == "attention_mask") {
+        if (value.is_none()) continue;
+        const BoolArray mask = BoolArray::ensure(value);
+        if (!mask) throw py::error_already_set();
+        if (mask.ndim() != 3)
+          fail<sdmha::ShapeError>(where, "attention_mask has ", mask.ndim(),
+                                  " dimensions; expected 3 (B, T, S)");
+        options.attention_mask.resize(mask.shape(0), mask.shape(1), mask.shape(2));
+        std::copy(mask.data(), mask.data() + mask.size(), options.attention_mask.data());
+      } else if (key == "key_padding_mask") {
+        if (value.is_none()) continue;
+        const BoolArray mask = BoolArray::ensure(value);
+        if (!mask) throw py::error_already_set();
+        if (mask.ndim() != 2)
+          fail<sdmha::ShapeError>(where, "key_padding_mask has ", mask.ndim(),
+                                  " dimensions; expected 2 (B, S)");
+        options.key_padding_mask.resize(mask.shape(0), mask.shape(1));
+        std::copy(mask.data(), mask.data() + mask.size(), options.key_padding_mask.data());
+      } else if (key == "use_causal_mask") {
+        options.use_causal_mask = value.cast<bool>();
+      } else if (key == "return_attention_scores") {
+        options.return_attention_scores = value.cast<bool>();
+      } else if (key == "num_threads") {
+        options.num_threads = value.cast<int>();
+      } else if (key == "training") {
+        options.training = value.cast<bool>();
+      } else if (key == "dropout_rate") {
+        options.dropout_rate = value.cast<double>();
+      } else if (key == "dropout_seed") {
+        options.dropout_seed = value.cast<std::uint64_t>();
+      } else if (key == "score_strategy") {
+        options.score_strategy = strategy_from(value.cast<std::string>());
+      } else if (key == "workspace") {
+        if (value.is_none()) continue;
+        if (!py::isinstance<sdmha::Workspace<Scalar>>(value))
+          throw py::type_error(std::string("sdmha: ") + where + ": workspace is a " +
+                               std::string(py::str(py::type::of(value).attr("__name__"))) +
+                               "; expected a Workspace of the layer's dtype (" +
+                               dtype_name<Scalar>() + ")");
+        call.workspace = &value.cast<sdmha::Workspace<Scalar>&>();
+        call.keep_workspace = py::reinterpret_borrow<py::object>(value);
+      } else if (key == "context") {
+        if (value.is_none()) continue;
+        if (!py::isinstance<sdmha::ProjectedContext<Scalar>>(value))
+          throw py::type_error(
+              std::string("sdmha: ") + where + ": context is not a Context of the layer's dtype (" +
+              dtype_name<Scalar>() +
+              "); expected the result of this layer's project_context(key, value)");
+        call.context = value.cast<std::shared_ptr<sdmha::ProjectedContext<Scalar>>>();
+      } else {
+        throw py::type_error(std::string("sdmha: ") + where + ": unexpected keyword argument '" +
+                             key + "'");
+      }
+    } catch (const py::cast_error&) {
+      throw py::type_error(std::string("sdmha: ") + where + ": keyword argument '" + key +
+                           "' has the wrong type (" +
+                           std::string(py::str(py::type::of(value).attr("__name__"))) + ")");
+    }
+  }
+  return call;
+}
+
+template <typename Scalar>
+const PyQuery<Scalar>& query_of(const char* where, const py::handle& query) {
+  if (!py::isinstance<PyQuery<Scalar>>(query))
+    throw py::type_error(std::string("sdmha: ") + where + ": query is a " +
+                         std::string(py::str(py::type::of(query).attr("__name__"))) +
+                         "; expected a SparseQuery_" + dtype_name<Scalar>() +
+                         " (sdmha.csr_query / sdmha.coo_query with the layer's dtype)");
+  return query.cast<const PyQuery<Scalar>&>();
+}
+
+// ---- the layer ----------------------------------------------------------------------------------
+
+template <typename Scalar>
+sdmha::MhaWeights<Scalar> zero_weights(const sdmha::MhaConfig& config, Index query_dim,
+                                       Index key_in_dim, Index value_in_dim) {
+  // glorot_uniform checks the configuration and the widths with its own messages; the zeros
+  // then cost nothing more than the draw.
+  auto weights =
+      sdmha::MhaWeights<Scalar>::glorot_uniform(config, query_dim, key_in_dim, value_in_dim, 0);
+  for (auto* kernel :
+       {&weights.query_kernel, &weights.key_kernel, &weights.value_kernel, &weights.output_kernel})
+    kernel->setZero();
+  return weights;
+}
+
+template <typename Scalar>
+class PyLayer {
+ public:
+  using Layer = sdmha::SparseDenseMHA<Scalar>;
+  static constexpr const char* weight_names[8] = {"query_kernel",  "query_bias",   "key_kernel",
+                                                  "key_bias",      "value_kernel", "value_bias",
+                                                  "output_kernel", "output_bias"};
+
+  PyLayer(const sdmha::MhaConfig& config, std::shared_ptr<sdmha::MhaWeights<Scalar>> weights)
+      : weights_(std::move(weights)), layer_(config, weights_) {}
+
+  const Layer& layer() const { return layer_; }
+  const sdmha::MhaConfig& config() const { return layer_.config(); }
+  sdmha::LayerDims dims() const { return layer_.weights().validate(layer_.config()); }
+
+  // The weight `name` as (data, shape) of the shared MhaWeights.
+  std::pair<Scalar*, std::vector<py::ssize_t>> weight(const std::string& name) const {
+    auto& w = *weights_;
+    auto matrix = [](auto& m) {
+      return std::make_pair(m.data(), std::vector<py::ssize_t>{m.rows(), m.cols()});
+    };
+    auto vector = [](auto& v) {
+      return std::make_pair(v.data(), std::vector<py::ssize_t>{v.size()});
+    };
+    if (name == "query_kernel") return matrix(w.query_kernel);
+    if (name == "key_kernel") return matrix(w.key_kernel);
+    if (name == "value_kernel") return matrix(w.value_kernel);
+    if (name == "output_kernel") return matrix(w.output_kernel);
+    if (name == "query_bias") return vector(w.query_bias);
+    if (name == "key_bias") return vector(w.key_bias);
+    if (name == "value_bias") return vector(w.value_bias);
+    if (name == "output_bias") return vector(w.output_bias);
+    throw py::key_error(
+        "sdmha: Layer: no weight named '" + name +
+        "'; expected query_kernel, query_bias, key_kernel, key_bias, value_kernel, value_bias, "
+        "output_kernel or output_bias");
+  }
+
+  void set_weight(const std::string& name, const InArray<Scalar>& array) {
+    const auto [data, shape] = weight(name);
+    bool same = array.ndim() == py::ssize_t(shape.size());
+    for (std::size_t i = 0; same && i < shape.size(); ++i)
+      same = array.shape(py::ssize_t(i)) == shape[i];
+    if (!same) {
+      std::string expected = "(";
+      for (std::size_t i = 0; i < shape.size(); ++i)
+        expected += (i ? ", " : "") + std::to_string(shape[i]);
+      fail<sdmha::ShapeError>("Layer.set_weight", name, " has shape ", shape_text(array),
+                              "; expected ", expected, shape.size() == 1 ? ",)" : ")");
+    }
+    if (array.size() > 0 && array.data() != data)
+      std::copy(array.data(), array.data() + array.size(), data);
+  }
+
+  py::tuple forward(const py::object& query_object, const InArray<Scalar>& key,
+                    const py::object& value_object, const py::kwargs& kwargs) const {
+    constexpr const char* where = "Layer.forward";
+    const PyQuery<Scalar>& query = query_of<Scalar>(where, query_object);
+    auto call = call_arguments<Scalar>(where, kwargs);
+    const InArray<Scalar> value =
+        value_object.is_none() ? key : value_object.cast<InArray<Scalar>>();
+    const auto key_ref = tensor3<Scalar>(where, "key", key);
+    const auto value_ref = tensor3<Scalar>(where, "value", value);
+    sdmha::AttentionResult<Scalar> result;
+    recycled_.output->lend(result.output);
+    const bool scores_wanted = call.options.return_attention_scores;
+    if (scores_wanted) recycled_.scores->lend(result.attention_scores);
+    {
+      py::gil_scoped_release release;
+      std::optional<sdmha::Workspace<Scalar>> local;
+      sdmha::Workspace<Scalar>& workspace = call.workspace ? *call.workspace : local.emplace();
+      if (call.context)
+        layer_.forward(query.query, *call.context, call.options, workspace, result);
+      else
+        layer_.forward(query.query, key_ref, value_ref, call.options, workspace, result);
+    }
+    auto& out = result.output;
+    const std::vector<py::ssize_t> output_shape{out.dimension(0), out.dimension(1),
+                                                out.dimension(2)};
+    py::object output = recycled_.output->adopt(std::move(out), output_shape);
+    py::object scores = py::none();
+    if (scores_wanted) {
+      auto& s = result.attention_scores;
+      const std::vector<py::ssize_t> shape{s.dimension(0), s.dimension(1), s.dimension(2),
+                                           s.dimension(3)};
+      scores = recycled_.scores->adopt(std::move(s), shape);
+    }
+    return py::make_tuple(output, scores);
+  }
+
+  py::dict backward(const py::object& query_object, const InArray<Scalar>& key,
+                    const py::object& value_object, const InArray<Scalar>& d_output,
+                    const py::kwargs& kwargs) const {
+    constexpr const char* where = "Layer.backward";
+    const PyQuery<Scalar>& query = query_of<Scalar>(where, query_object);
+    auto call = call_arguments<Scalar>(where, kwargs);
+    const InArray<Scalar> value =
+        value_object.is_none() ? key : value_object.cast<InArray<Scalar>>();
+    const auto key_ref = tensor3<Scalar>(where, "key", key);
+    const auto value_ref = tensor3<Scalar>(where, "value", value);
+    const auto d_output_ref = tensor3<Scalar>(where, "d_output", d_output);
+    sdmha::MhaGradients<Scalar> g;
+    const bool bias = config().use_bias;
+    RowMatrix* kernels[4] = {&g.query_kernel, &g.key_kernel, &g.value_kernel, &g.output_kernel};
+    Vector* biases[4] = {&g.query_bias, &g.key_bias, &g.value_bias, &g.output_bias};
+    for (int i = 0; i < 4; ++i) {
+      recycled_.kernels[i]->lend(*kernels[i]);
+      if (bias) recycled_.biases[i]->lend(*biases[i]);
+    }
+    recycled_.query_values->lend(g.query_values);
+    recycled_.key->lend(g.key);
+    recycled_.value->lend(g.value);
+    {
+      py::gil_scoped_release release;
+      std::optional<sdmha::Workspace<Scalar>> local;
+      sdmha::Workspace<Scalar>& workspace = call.workspace ? *call.workspace : local.emplace();
+      if (call.context)
+        layer_.backward(query.query, key_ref, value_ref, *call.context, d_output_ref, call.options,
+                        workspace, g);
+      else
+        layer_.backward(query.query, key_ref, value_ref, d_output_ref, call.options, workspace, g);
+    }
+    auto tensor = [](Recycler<Tensor3>& home, Tensor3& t) {
+      const std::vector<py::ssize_t> shape{t.dimension(0), t.dimension(1), t.dimension(2)};
+      return home.adopt(std::move(t), shape);
+    };
+    py::dict result;
+    for (int i = 0; i < 4; ++i) {
+      RowMatrix& kernel = *kernels[i];
+      const std::vector<py::ssize_t> shape{kernel.rows(), kernel.cols()};
+      result[kKernelNames[i]] = recycled_.kernels[i]->adopt(std::move(kernel), shape);
+      Vector& b = *biases[i];
+      const std::vector<py::ssize_t> length{b.size()};
+      result[kBiasNames[i]] = bias ? recycled_.biases[i]->adopt(std::move(b), length) : py::none();
+    }
+    const std::vector<py::ssize_t> nonzeros{g.query_values.size()};
+    result["query_values"] = recycled_.query_values->adopt(std::move(g.query_values), nonzeros);
+    result["key"] = tensor(*recycled_.key, g.key);
+    result["value"] = tensor(*recycled_.value, g.value);
+    return result;
+  }
+
+  // K and V into a context of the layer's pool: one that no Python object holds any more (the
+  // same memory again), or a new one. With a workspace, no thread is started either.
+  std::shared_ptr<sdmha::ProjectedContext<Scalar>> project_context(
+      const InArray<Scalar>& key, const py::object& value_object, int num_threads,
+      const py::object& workspace_object) {
+    constexpr const char* where = "Layer.project_context";
+    const InArray<Scalar> value =
+        value_object.is_none() ? key : value_object.cast<InArray<Scalar>>();
+    const auto key_ref = tensor3<Scalar>(where, "key", key);
+    const auto value_ref = tensor3<Scalar>(where, "value", value);
+    py::dict options;
+    options["workspace"] = workspace_object;
+    auto call = call_arguments<Scalar>(where, options);
+    std::shared_ptr<sdmha::ProjectedContext<Scalar>> context;
+    {
+      // Under the GIL: Python objects hold the other references, and they change only under it.
+      const std::lock_guard<std::mutex> lock(contexts_mutex_);
+      for (const auto& pooled : contexts_)
+        if (pooled.use_count() == 1) context = pooled;
+      if (!context) {
+        context = std::make_shared<sdmha::ProjectedContext<Scalar>>();
+        if (contexts_.size() < 2) contexts_.push_back(context);
+      }
+    }
+    py::gil_scoped_release release;
+    std::optional<sdmha::Workspace<Scalar>> local;
+    sdmha::Workspace<Scalar>& workspace = call.workspace ? *call.workspace : local.emplace();
+    layer_.project_context(key_ref, value_ref, workspace, *context, num_threads);
+    return context;
+  }
+
+ private:
+  using RowMatrix = sdmha::RowMatrix<Scalar>;
+  using Vector = sdmha::Vector<Scalar>;
+  using Tensor3 = Eigen::Tensor<Scalar, 3, Eigen::RowMajor>;
+  using Tensor4 = Eigen::Tensor<Scalar, 4, Eigen::RowMajor>;
+  static constexpr const char* kKernelNames[4] = {"query_kernel", "key_kernel", "value_kernel",
+                                                  "output_kernel"};
+  static constexpr const char* kBiasNames[4] = {"query_bias", "key_bias", "value_bias",
+                                                "output_bias"};
+
+  // One free list per result, so that each buffer comes back to a call of the same shape.
+  struct Recycled {
+    std::shared_ptr<Recycler<RowMatrix>> kernels[4] = {
+        recycler<RowMatrix>(), recycler<RowMatrix>(), recycler<RowMatrix>(), recycler<RowMatrix>()};
+    std::shared_ptr<Recycler<Vector>> biases[4] = {recycler<Vector>(), recycler<Vector>(),
+                                                   recycler<Vector>(), recycler<Vector>()};
+    std::shared_ptr<Recycler<Vector>> query_values = recycler<Vector>();
+    std::shared_ptr<Recycler<Tensor3>> key = recycler<Tensor3>(), value = recycler<Tensor3>();
+    std::shared_ptr<Recycler<Tensor3>> output = recycler<Tensor3>();
+    std::shared_ptr<Recycler<Tensor4>> scores = recycler<Tensor4>();
+  };
+
+  std::shared_ptr<sdmha::MhaWeights<Scalar>> weights_;
+  Layer layer_;
+  Recycled recycled_;
+  std::mutex contexts_mutex_;
+  std::vector<std::shared_ptr<sdmha::ProjectedContext<Scalar>>> contexts_;  // at most 2 kept
+};
+
+template <typename Scalar>
+std::shared_ptr<PyLayer<Scalar>> make_layer(Index num_heads, Index key_dim, Index query_dim,
+                                            Index key_in_dim, Index value_in_dim, Index value_dim,
+                                            Index output_dim, bool use_bias,
+                                            const std::optional<std::uint64_t>& seed) {
+  sdmha::MhaConfig config;
+  config.num_heads = num_heads;
+  config.key_dim = key_dim;
+  config.value_dim = value_dim;
+  config.output_dim = output_dim;
+  config.use_bias = use_bias;
+  auto weights = std::make_shared<sdmha::MhaWeights<Scalar>>(
+      seed ? sdmha::MhaWeights<Scalar>::glorot_uniform(config, query_dim, key_in_dim, value_in_dim,
+                                                       *seed)
+           : zero_weights<Scalar>(config, query_dim, key_in_dim, value_in_dim));
+  return std::make_shared<PyLayer<Scalar>>(config, std::move(weights));
+}
+
+template <typename Scalar>
+void bind_dtype(py::module_& m) {
+  const std::string suffix = std::string("_") + dtype_name<Scalar>();
+
+  py::class_<sdmha::Workspace<Scalar>>(
+      m, ("Workspace" + suffix).c_str(),
+      "Per-call memory and worker threads kept between calls (sdmha::Workspace). "
+      "Serves one call at a time: a concurrent second user gets ConfigError.")
+      .def(py::init<>())
+      .def_property_readonly("bytes", &sdmha::Workspace<Scalar>::bytes,
+                             "bytes held, all buffers included")
+      .def_property_readonly("threads", &sdmha::Workspace<Scalar>::threads,
+                             "worker threads started so far")
+      .def_property_readonly("dtype",
+                             [](const sdmha::Workspace<Scalar>&) { return dtype_name<Scalar>(); });
+
+  py::class_<sdmha::ProjectedContext<Scalar>, std::shared_ptr<sdmha::ProjectedContext<Scalar>>>(
+      m, ("Context" + suffix).c_str(),
+      "K and V projected once by Layer.project_context (sdmha::ProjectedContext)")
+      .def_property_readonly("batch",
+                             [](const sdmha::ProjectedContext<Scalar>& c) { return c.batch; })
+      .def_property_readonly("key_steps",
+                             [](const sdmha::ProjectedContext<Scalar>& c) { return c.key_steps; })
+      .def_property_readonly(
+          "dtype", [](const sdmha::ProjectedContext<Scalar>&) { return dtype_name<Scalar>(); });
+
+  py::class_<PyQuery<Scalar>, std::shared_ptr<PyQuery<Scalar>>>(
+      m, ("SparseQuery" + suffix).c_str(),
+      "The sparse query (B, T, Eq) as B*T CSR rows (sdmha::SparseQuery)")
+      .def_static("from_csr", &PyQuery<Scalar>::from_csr, py::arg("batch"), py::arg("steps"),
+                  py::arg("features"), py::arg("indptr"), py::arg("indices"), py::arg("values"),
+                  "Views CSR arrays for batch*steps rows without copying them (int32 indices are "
+                  "viewed, other "
+                  "integer types converted once); the query keeps the arrays alive.")
+      .def_static("from_coo", &PyQuery<Scalar>::from_coo, py::arg("batch"), py::arg("steps"),
+                  py::arg("features"), py::arg("indices"), py::arg("values"),
+                  "From COO coordinates (nnz, 3) int64 (batch, step, feature) in any order; "
+                  "duplicates are summed. "
+                  "Layer.backward then gives query_values per input entry, in input order.")
+      .def_property_readonly("batch", [](const PyQuery<Scalar>& q) { return q.query.batch(); })
+      .def_property_readonly("steps", [](const PyQuery<Scalar>& q) { return q.query.steps(); })
+      .def_property_readonly("features",
+                             [](const PyQuery<Scalar>& q) { return q.query.features(); })
+      .def_property_readonly("nonzeros",
+                             [](const PyQuery<Scalar>& q) { return q.query.nonzeros(); })
+      .def_property_readonly("from_coo_entries",
+                             [](const PyQuery<Scalar>& q) { return q.coo_entries; })
+      .def_property_readonly("dtype", [](const PyQuery<Scalar>&) { return dtype_name<Scalar>(); })
+      .def("coo_to_stored",
+           [](const PyQuery<Scalar>& q) {
+             const auto& map = q.query.coo_to_stored();
+             py::array_t<std::int64_t> result(py::ssize_t(map.size()));
+             std::copy(map.begin(), map.end(), result.mutable_data());
+             return result;
+           })
+      .def("to_dense", [](const PyQuery<Scalar>& q) {
+        auto dense = std::make_shared<sdmha::RowMatrix<Scalar>>(q.query.to_dense());
+        return view<Scalar>(dense->data(), {q.query.batch(), q.query.steps(), q.query.features()},
+                            owner_of(dense));
+      });
+
+  using L = PyLayer<Scalar>;
+  py::class_<L, std::shared_ptr<L>>(
+      m, ("Layer" + suffix).c_str(),
+      "sdmha::SparseDenseMHA on NumPy arrays; weights in Keras' layout, shared with "
+      "the views that weight(name) returns")
+      .def(py::init(&make_layer<Scalar>), py::arg("num_heads"), py::arg("key_dim"),
+           py::arg("query_dim"), py::arg("key_in_dim"), py::arg("value_in_dim"),
+           py::arg("value_dim") = 0, py::arg("output_dim") = 0, py::arg("use_bias") = true,
+           py::arg("seed") = py::none(),
+           "seed=None: zero weights; an integer: sdmha's glorot_uniform(seed) (Keras' limits, "
+           "biases zero)")
+      .def_property_readonly("num_heads", [](const L& l) { return l.config().num_heads; })
+      .def_property_readonly("key_dim", [](const L& l) { return l.config().key_dim; })
+      .def_property_readonly("value_dim", [](const L& l) { return l.dims().value_dim; })
+      .def_property_readonly("query_dim", [](const L& l) { return l.dims().query_dim; })
+      .def_property_readonly("key_in_dim", [](const L& l) { return l.dims().key_in_dim; })
+      .def_property_readonly("value_in_dim", [](const L& l) { return l.dims().value_in_dim; })
+      .def_property_readonly("output_dim", [](const L& l) { return l.dims().output_dim; })
+      .def_property_readonly("use_bias", [](const L& l) { return l.config().use_bias; })
+      .def_property_readonly("dtype", [](const L&) { return dtype_name<Scalar>(); })
+      .def_property_readonly_static("weight_names",
+                                    [](const py::object&) {
+                                      return std::vector<std::string>(std::begin(L::weight_names),
+                                                                      std::end(L::weight_names));
+                                    })
+      .def(
+          "weight",
+          [](const py::object& self, const std::string& name) -> py::object {
+            const L& layer = self.cast<const L&>();
+            const auto [data, shape] = layer.weight(name);
+            if (shape.size() == 1 && !layer.config().use_bias) return py::none();
+            return view<Scalar>(data, shape, self);
+          },
+          py::arg("name"),
+          "a writable view (no copy) of the weight; None for a bias when use_bias is False")
+      .def("set_weight", &L::set_weight, py::arg("name"), py::arg("array"),
+           "copies `array` (same shape) into the weight, in place")
+      .def("forward", &L::forward, py::arg("query"), py::arg("key"), py::arg("value") = py::none(),
+           "forward(query, key, value=None, *, attention_mask=None, use_causal_mask=False, "
+           "key_padding_mask=None, "
+           "return_attention_scores=False, num_threads=0, training=False, dropout_rate=0.0, "
+           "dropout_seed=0, "
+           "score_strategy='automatic', workspace=None, context=None) -> (output (B, T, O), scores "
+           "(B, H, T, S) or "
+           "None). value=None means value = key; with a context, key and value are not read.")
+      .def("backward", &L::backward, py::arg("query"), py::arg("key"), py::arg("value"),
+           py::arg("d_output"),
+           "backward(query, key, value, d_output, **the forward's options) -> dict of gradients: "
+           "the weights' "
+           "names (biases None without use_bias), query_values, key, value. value=None means value "
+           "= key (the "
+           "two gradients are returned apart; add them).")
+      .def("project_context", &L::project_context, py::arg("key"), py::arg("value") = py::none(),
+           py::arg("num_threads") = 0, py::arg("workspace") = py::none(),
+           "K = key·Wk + bk and V = value·Wv + bv once, for forward/backward(context=). The layer "
+           "keeps "
+           "two contexts and reuses one that no Python object holds any more; with a workspace no "
+           "thread is started.")
+      .def(
+          "resolve_strategy",
+          [](const L& l, const py::object& query, Index key_steps, bool causal,
+             const std::string& requested) {
+            const auto& q = query_of<Scalar>("Layer.resolve_strategy", query);
+            return std::string(sdmha::to_string(
+                l.layer().resolve_strategy(strategy_from(requested), q.query, key_steps, causal)));
+          },
+          py::arg("query"), py::arg("key_steps"), py::arg("use_causal_mask") = false,
+          py::arg("requested") = "automatic", "the score strategy a call would use");
+}
+
+#if SDMHA_PYTHON_WITH_IO
+template <typename Scalar>
+py::dict load_layer(const std::string& path, const std::optional<Index>& num_heads,
+                    const std::optional<std::string>& layout,
+                    const std::optional<std::string>& prefix,
+                    const std::optional<bool>& use_causal_mask) {
+  sdmha::io::LayerFileOptions options;
+  options.num_heads = num_heads;
+  options.prefix = prefix;
+  options.use_causal_mask = use_causal_mask;
+  if (layout) {
+    if (*layout == "keras")
+      options.layout = sdmha::io::WeightLayout::keras;
+    else if (*layout == "torch")
+      options.layout = sdmha::io::WeightLayout::torch;
+    else
+      fail<sdmha::ConfigError>("load_layer", "layout = '", *layout,
+                               "'; expected 'keras' or 'torch'");
+  }
+  std::optional<sdmha::io::LayerFile<Scalar>> file;
+  {
+    py::gil_scoped_release release;
+    file.emplace(sdmha::io::load_layer<Scalar>(sdmha::io::TensorSource::open(path), options));
+  }
+  auto weights = std::make_shared<sdmha::MhaWeights<Scalar>>(std::move(file->weights));
+  py::dict result;
+  result["layer"] = std::make_shared<PyLayer<Scalar>>(file->config, std::move(weights));
+  result["layout"] = file->layout == sdmha::io::WeightLayout::keras ? "keras" : "torch";
+  result["use_causal_mask"] = file->use_causal_mask;
+  return result;
+}
+
+#if SDMHA_PYTHON_WITH_KERAS_FILES
+template <typename Scalar>
+py::dict load_keras_layer(const std::string& path, const std::string& layer_name,
+                          const std::optional<sdmha::MhaConfig>& config) {
+  std::optional<sdmha::io::KerasLayer<Scalar>> file;
+  {
+    py::gil_scoped_release release;
+    file.emplace(config ? sdmha::io::load_keras_layer<Scalar>(path, layer_name, *config)
+                        : sdmha::io::load_keras_layer<Scalar>(path, layer_name));
+  }
+  auto weights = std::make_shared<sdmha::MhaWeights<Scalar>>(std::move(file->weights));
+  py::dict result;
+  result["layer"] = std::make_shared<PyLayer<Scalar>>(file->config, std::move(weights));
+  result["name"] = file->name;
+  result["group"] = file->group;
+  result["keras_version"] = file->keras_version;
+  return result;
+}
+#endif
+
+template <typename Scalar>
+py::dict load_inputs(const std::string& path) {
+  auto inputs = std::make_shared<sdmha::io::LayerInputs<Scalar>>();
+  {
+    py::gil_scoped_release release;
+    *inputs = sdmha::io::load_inputs<Scalar>(sdmha::io::TensorSource::open(path));
+  }
+  auto query = std::make_shared<PyQuery<Scalar>>();
+  query->query = std::move(inputs->query);
+  query->coo_entries = true;
+  const py::capsule base = owner_of(inputs);
+  auto tensor = [&](const Eigen::Tensor<Scalar, 3, Eigen::RowMajor>& t) -> py::object {
+    return view<Scalar>(t.data(), {t.dimension(0), t.dimension(1), t.dimension(2)}, base);
+  };
+  py::dict result;
+  result["query"] = query;
+  result["key"] = tensor(inputs->key);
+  result["value"] = tensor(inputs->value);
+  result["has_key"] = inputs->has_key;
+  const auto& mask = inputs->attention_mask;
+  if (mask.size() == 0) {
+    result["attention_mask"] = py::none();
+  } else {
+    py::array_t<bool> copy({mask.dimension(0), mask.dimension(1), mask.dimension(2)});
+    std::copy(mask.data(), mask.data() + mask.size(), copy.mutable_data());
+    result["attention_mask"] = copy;
+  }
+  return result;
+}
+#endif
+
+}  // namespace
+
+PYBIND11_MODULE(_sdmha, m) {
+  m.doc() = "sdmha's SparseDenseMHA (multi-head attention with a sparse CSR query) on NumPy arrays";
+  m.attr("__version__") = std::to_string(SDMHA_VERSION_MAJOR) + "." +
+                          std::to_string(SDMHA_VERSION_MINOR) + "." +
+                          std::to_string(SDMHA_VERSION_PATCH);
+  m.attr("with_io") = bool(SDMHA_PYTHON_WITH_IO);
+  m.attr("with_keras_files") = bool(SDMHA_PYTHON_WITH_KERAS_FILES);
+
+  auto& e = python_errors;
+  e.error =
+      new_exception(m, "Error", PyExc_ValueError, "Bad input rejected by sdmha (sdmha::Error).");
+  e.shape = new_exception(m, "ShapeError", e.error,
+                          "Dimensions or shapes that disagree (sdmha::ShapeError).");
+  const py::tuple index_bases = py::make_tuple(py::handle(e.error), py::handle(PyExc_IndexError));
+  e.index = new_exception(
+      m, "IndexError", index_bases.ptr(),
+      "Sparse coordinates, CSR offsets or column indices out of range (sdmha::IndexError).");
+  e.config = new_exception(
+      m, "ConfigError", e.error,
+      "An invalid configuration or option, or a workspace in use (sdmha::ConfigError).");
+  e.format =
+      new_exception(m, "FormatError", e.error, "A malformed file or tensor (sdmha::FormatError).");
+  e.io = new_exception(m, "IoError", e.error,
+                       "A file that cannot be opened or read (sdmha::IoError).");
+  py::register_exception_translator([](std::exception_ptr pointer) {
+    try {
+      if (pointer) std::rethrow_exception(pointer);
+    } catch (const sdmha::ShapeError& error) {
+      PyErr_SetString(python_errors.shape, error.what());
+    } catch (const sdmha::IndexError& error) {
+      PyErr_SetString(python_errors.index, error.what());
+    } catch (const sdmha::ConfigError& error) {
+      PyErr_SetString(python_errors.config, error.what());
+    } catch (const sdmha::FormatError& error) {
+      PyErr_SetString(python_errors.format, error.what());
+    } catch (const sdmha::IoError& error) {
+      PyErr_SetString(python_errors.io, error.what());
+    } catch (const sdmha::Error& error) {
+      PyErr_SetString(python_errors.error, error.what());
+    }
+  });
+
+  bind_dtype<float>(m);
+  bind_dtype<double>(m);
+
+#if SDMHA_PYTHON_WITH_IO
+  m.def(
+      "load_layer",
+      [](const std::string& path, const std::string& dtype, const std::optional<Index>& num_heads,
+         const std::optional<std::string>& layout, const std::optional<std::string>& prefix,
+         const std::optional<bool>& use_causal_mask) -> py::dict {
+        if (dtype == "float32")
+          return load_layer<float>(path, num_heads, layout, prefix, use_causal_mask);
+        if (dtype == "float64")
+          return load_layer<double>(path, num_heads, layout, prefix, use_causal_mask);
+        throw py::type_error("sdmha: load_layer: dtype = '" + dtype +
+                             "'; expected 'float32' or 'float64'");
+      },
+      py::arg("path"), py::arg("dtype") = "float32", py::arg("num_heads") = py::none(),
+      py::arg("layout") = py::none(), py::arg("prefix") = py::none(),
+      py::arg("use_causal_mask") = py::none(),
+      "sdmha::io::load_layer on a safetensors or .npz file (Keras' or PyTorch's names) -> "
+      "{'layer': Layer_<dtype>, 'layout': 'keras'|'torch', 'use_causal_mask': bool}");
+#if SDMHA_PYTHON_WITH_KERAS_FILES
+  m.def(
+      "load_keras_layer",
+      [](const std::string& path, const std::string& dtype, const std::string& layer_name,
+         const std::optional<Index>& num_heads, Index key_dim, Index value_dim, Index output_dim,
+         bool use_bias) -> py::dict {
+        std::optional<sdmha::MhaConfig> config;
+        if (num_heads) {
+          config.emplace();
+          config->num_heads = *num_heads;
+          config->key_dim = key_dim;
+          config->value_dim = value_dim;
+          config->output_dim = output_dim;
+          config->use_bias = use_bias;
+        }
+        if (dtype == "float32") return load_keras_layer<float>(path, layer_name, config);
+        if (dtype == "float64") return load_keras_layer<double>(path, layer_name, config);
+        throw py::type_error("sdmha: load_keras_layer: dtype = '" + dtype +
+                             "'; expected 'float32' or 'float64'");
+      },
+      py::arg("path"), py::arg("dtype") = "float32", py::arg("layer_name") = "",
+      py::arg("num_heads") = py::none(), py::arg("key_dim") = 0, py::arg("value_dim") = 0,
+      py::arg("output_dim") = 0, py::arg("use_bias") = true,
+      "sdmha::io::load_keras_layer on a Keras 3 .keras file, its unzipped directory or a "
+      ".weights.h5 file: the MultiHeadAttention called layer_name (a Keras layer name, an HDF5 "
+      "group path, or '' for the file's only one). num_heads (with key_dim, value_dim, "
+      "output_dim, use_bias) gives the configuration a .weights.h5 lacks; otherwise it comes from "
+      "config.json or the shapes. -> {'layer', 'name', 'group', 'keras_version'}");
+#endif
+  m.def(
+      "load_inputs",
+      [](const std::string& path, const std::string& dtype) -> py::dict {
+        if (dtype == "float32") return load_inputs<float>(path);
+        if (dtype == "float64") return load_inputs<double>(path);
+        throw py::type_error("sdmha: load_inputs: dtype = '" + dtype +
+                             "'; expected 'float32' or 'float64'");
+      },
+      py::arg("path"), py::arg("dtype") = "float32",
+      "sdmha::io::load_inputs -> {'query': SparseQuery_<dtype>, 'key', 'value', 'attention_mask' "
+      "or None, "
+      "'has_key'}");
+#endif
+}
