@@ -1,33 +1,42 @@
-// sdmha/detail/gemm_avx512.hpp — a packed, register-blocked AVX-512 GEMM for float, in the
-// caller's scratch: the engine behind detail::gemm<float> on CPUs with AVX-512F.
+// sdmha/detail/gemm_avx512.hpp — a register-blocked AVX-512 GEMM for float, packing into the
+// caller's scratch: the engine for detail::gemm<float> on CPUs with AVX-512F.
 //
-//   math:  C = α·op(A)·op(B) (+ C when accumulating), op = identity or transpose of a row-major view
-//   pre:   shapes agree; C (m × n, row-major, outer stride ≥ n) aliases neither A nor B; scratch of
-//          gemm_avx512_workspace_size(m, n, k) bytes, 64-byte aligned (less: it allocates its own)
-//   cost:  2·m·n·k flops in 14×32 micro-tiles (28 zmm accumulators) + one packing copy of each
-//          operand per pass: A once per (row block, depth block), B once per row block
+//   math:  C = α·op(A)·op(B) (+ C when accumulating), op(X) = X or Xᵀ of a row-major view
+//   pre:   shapes agree; C (m × n, row-major, stride ≥ n) aliases neither A nor B; scratch of
+//          gemm_avx512_workspace_size(m, n, k) bytes (less: same result, in memory of its own)
+//   cost:  2·m·n·k flops in 14×32 or 6×64 micro-tiles, + one copy of A per depth block (none
+//          when n ≤ 64) and one transpose of B per row block (only when op(B) is column-major)
 //
-// The same function as detail::gemm for Scalar = float (same arguments, same result up to rounding),
-// compiled only with AVX-512F (-march=native on such a CPU, or -mavx512f): kHaveAvx512Gemm says
-// whether it is here. It is templated on the operand type only so that this header does not
-// include gemm.hpp (which dispatches to it); pass detail::GemmOperand<float>.
+// The same function as detail::gemm for Scalar = float (same arguments, same result up to
+// rounding), compiled only with AVX-512F (-march=native on such a CPU, or -mavx512f): check
+// kHaveAvx512Gemm. It is templated on the operand type only so that this header needs nothing of
+// gemm.hpp (which is to dispatch to it): pass detail::GemmOperand<float>.
 //
-// Blocking (one core: 48 KB 12-way L1d, 1 MB L2; two 512-bit FMA pipes of 4-cycle latency):
-//   - micro-tile MR × NR = 14 × 32: 28 independent accumulator chains (≥ 8 keep both FMA pipes
-//     busy), 2 loads of packed B and 14 broadcasts of packed A per 28 FMAs, which leaves two
-//     registers for B. NR = 32 divides every width the library runs (64, 128, 512, 2048) and a
-//     row of C is two full vectors; the 64-row blocks split 14+14+14+14+8 (the 8×32 tile still has
-//     16 chains and runs at the same rate in L1).
-//   - kc ≤ 256 (the depth is split into equal blocks, from k alone): a packed B micro-panel of
-//     kc × 32 floats (≤ 32 KB) stays in L1 while the row loop streams A micro-panels past it.
-//   - mc ≤ 224 rows: the packed A block (mc × kc ≤ 224 KB) stays in L2 across the column loop.
-//   - nc ≤ 256 columns: the B block (kc × nc ≤ 256 KB) is packed just before its columns are
-//     computed, so it is still in L2 when they are; for m ≤ mc every B element is packed once.
-//   Transposed operands (B = Kᵀ for scores, A = Xᵀ for weight gradients) are transposed in
-//   registers, 16 × 16 at a time, while packing; the micro-kernel only ever sees packed panels.
-//   Every entry of C is the same sequence of FMAs over p (split at the kc boundaries, which depend
-//   on k only), whatever its position, m and n: results are deterministic and a row block of C
-//   equals the same rows computed as part of a larger product, bit for bit.
+// Blocking, for one core with a 48 KB L1d, 1 MB of L2 and two 512-bit FMA pipes of 4-cycle latency
+// (≥ 8 independent accumulators keep both busy):
+//   - Micro-tiles of up to 14 × 32 (28 zmm accumulators; per depth step 2 loads of B and 14
+//     broadcasts of A for 28 FMAs). 32 divides every width the layer runs (64 … 2048) and makes a
+//     row of C two full vectors; the rows of a block are split into tiles of near-equal heights
+//     (64 = 13+13+13+13+12), so no thin tile runs with few chains.
+//   - B row-major (X·W, P·V, Xᵀ·dY) is read in place: the micro-kernel loads its rows where they
+//     are (from L2, where a prefetch walk has brought them); no copy of W per 64-row block. B
+//     column-major (Q·Kᵀ, dY·Wᵀ) is transposed 16 × 16 in registers into a 32-wide panel (≤ 32 KB).
+//   - A is packed per (row block, depth block) without transposing: a row-major op(A) in 16-deep
+//     chunks (each row's 16 floats one cache line), a column-major one depth step by depth step —
+//     a contiguous copy either way, whose rows no longer collide in cache sets whatever the
+//     source's stride. When one panel covers n (n ≤ 64: P·V, dV = Pᵀ·dO) A would be read once
+//     anyway: it is read in place by 6 × 64 tiles (24 accumulators; ≤ 6 rows at a time, so that
+//     rows a multiple of 4 KB apart still fit the 12 ways of an L1 set) and nothing is packed.
+//   - kc ≤ 256, k split into equal depth blocks: an A micro-panel (≤ 14 KB) and the rows of B a
+//     tile streams stay in L1/L2; C is revisited once per depth block.
+//   - mc ≤ 256 rows, m split into equal row blocks: the packed A block (≤ 256 KB) stays in L2 while
+//     every panel of B passes it.
+//   - While a panel runs, its micro-kernels prefetch (one line per depth step) the next panel's B
+//     and, over the block's last panels only, the next block's A into L2; each tile prefetches
+//     its C for writing. Without this the copies of A and the transposes of B wait on L3.
+//   Every entry of C is one fixed sequence of FMAs over p (split at the depth blocks, which
+//   depend on k alone) whatever m, n, its position and the path: results are deterministic and a
+//   row block of C is, bit for bit, the same rows of a larger product.
 #pragma once
 
 #include <array>
@@ -52,11 +61,14 @@ inline constexpr bool kHaveAvx512Gemm = true;
 
 namespace avx512_gemm {
 
-inline constexpr int kMr = 14;          // rows of a micro-tile
-inline constexpr int kNv = 2;           // 16-float vectors across a micro-tile
-inline constexpr int kNr = 16 * kNv;    // columns of a micro-tile
-inline constexpr Index kMaxKc = 256;    // depth of a packed block
-inline constexpr Index kMaxMc = 16 * kMr;  // rows of a packed A block (224)
+inline constexpr int kMr = 14;  // rows of a micro-tile on packed A
+inline constexpr int kNv = 2;   // its 16-float vectors across
+inline constexpr Index kNr = 16 * kNv;
+inline constexpr int kDirectMr = 6;  // rows of a micro-tile reading A in place
+inline constexpr int kDirectNv = 4;  // its 16-float vectors across
+inline constexpr Index kDirectNr = 16 * kDirectNv;
+inline constexpr Index kMaxKc = 256;  // depth of a block
+inline constexpr Index kMaxMc = 256;  // rows of a block
 
 inline Index round_up(Index value, Index step) { return (value + step - 1) / step * step; }
 
@@ -65,8 +77,28 @@ inline Index depth_block(Index k) {
   const Index blocks = (k + kMaxKc - 1) / kMaxKc;
   return (k + blocks - 1) / blocks;
 }
-inline Index row_block(Index m) { return m < kMaxMc ? m : kMaxMc; }
-inline Index panel_width(Index n) { return n < kNr ? round_up(n, 16) : kNr; }
+// The row blocks: m split into equal blocks of at most kMaxMc rows.
+inline Index row_block(Index m) {
+  const Index blocks = (m + kMaxMc - 1) / kMaxMc;
+  return blocks > 0 ? (m + blocks - 1) / blocks : 0;
+}
+// Rows of micro-tile t when `rows` rows are split into as few tiles of at most kMr rows as
+// possible, of near-equal heights (64 rows: 13, 13, 13, 13, 12 — no thin tile with few chains).
+struct RowSplit {
+  Index tiles, base, extra;
+  explicit RowSplit(Index rows, Index max_rows = kMr)
+      : tiles((rows + max_rows - 1) / max_rows),
+        base(tiles > 0 ? rows / tiles : 0),
+        extra(tiles > 0 ? rows % tiles : 0) {}
+  Index height(Index t) const { return base + (t < extra ? 1 : 0); }
+};
+
+// Floats of a packed B panel of depth `depth`, and of a packed A block of rows × depth (the
+// chunks of a row-major op(A) are 16 deep, zero-filled past the depth).
+inline Index panel_b_floats(Index n, Index depth) {
+  return (n < kNr ? round_up(n, 16) : kNr) * depth;
+}
+inline Index block_a_floats(Index rows, Index depth) { return rows * round_up(depth, 16); }
 
 // Lanes [0, count) of a 16-lane mask, count ∈ [0, 16].
 inline __mmask16 lanes(Index count) {
@@ -122,62 +154,69 @@ struct View {
   const float* at(Index i, Index j) const { return data + i * row_step + j * col_step; }
 };
 
-// Packs rows [i0, i0 + rows) × depth [p0, p0 + depth) of op(A) into micro-panels of kMr rows
-// (the last one `rows mod kMr`), each laid out depth-major: panel[p·h + i], h the panel's rows.
+// Packs rows [i0, i0 + rows) × depth [p0, p0 + depth) of op(A) into micro-panels of h ≤ kMr rows
+// (RowSplit's heights), copying the source in its own order, no transposes:
+//   op(A) column-major (Xᵀ): depth-major, panel[p·h + i] — a depth step is h contiguous floats;
+//   op(A) row-major: in chunks of 16 depth steps, panel[c·16·h + i·16 + q] for p = 16c + q — a
+//   row's 16 floats stay a cache line (zero-filled past the depth).
+// The micro-kernel broadcasts from either at offsets it knows at compile time.
 inline void pack_a(const View& a, Index i0, Index rows, Index p0, Index depth, float* out) {
-  for (Index ir = 0; ir < rows; ir += kMr) {
-    const Index h = rows - ir < kMr ? rows - ir : kMr;
-    const __mmask16 h_mask = lanes(h);
-    if (a.row_step == 1) {  // op(A) column-major: the h entries of a depth step are contiguous
-      for (Index p = 0; p < depth; ++p)
-        _mm512_mask_storeu_ps(out + p * h, h_mask, _mm512_maskz_loadu_ps(h_mask, a.at(i0 + ir, p0 + p)));
-    } else {  // op(A) row-major: transpose 16 depth steps of the h rows at a time
-      for (Index p = 0; p < depth; p += 16) {
-        const Index d = depth - p < 16 ? depth - p : 16;
-        const __mmask16 d_mask = lanes(d);
-        __m512 r[16];
-        for (Index i = 0; i < 16; ++i)
-          r[i] = i < h ? _mm512_maskz_loadu_ps(d_mask, a.at(i0 + ir + i, p0 + p)) : _mm512_setzero_ps();
-        transpose16(r);
-        for (Index q = 0; q < d; ++q) _mm512_mask_storeu_ps(out + (p + q) * h, h_mask, r[q]);
-      }
+  const RowSplit split(rows);
+  if (a.row_step == 1) {  // op(A) column-major: read each depth step's row of the source once
+    // The tiles are split.extra of height base + 1, then the rest of height base.
+    const Index tall = split.base + 1, tall_rows = split.extra * tall;
+    const __mmask16 tall_mask = lanes(tall), base_mask = lanes(split.base);
+    for (Index p = 0; p < depth; ++p) {
+      const float* src = a.at(i0, p0 + p);
+      float* dst = out + p * tall;
+      for (Index t = 0; t < split.extra; ++t, src += tall, dst += tall * depth)
+        _mm512_mask_storeu_ps(dst, tall_mask, _mm512_maskz_loadu_ps(tall_mask, src));
+      dst = out + tall_rows * depth + p * split.base;
+      for (Index t = split.extra; t < split.tiles;
+           ++t, src += split.base, dst += split.base * depth)
+        _mm512_mask_storeu_ps(dst, base_mask, _mm512_maskz_loadu_ps(base_mask, src));
     }
-    out += h * depth;
+    return;
+  }
+  const Index chunks = (depth + 15) / 16;
+  for (Index t = 0, ir = 0; t < split.tiles; ++t) {  // op(A) row-major
+    const Index h = split.height(t);
+    for (Index ch = 0; ch < chunks; ++ch) {
+      const __mmask16 d_mask = lanes(depth - 16 * ch);
+      float* dst = out + ch * 16 * h;
+      for (Index i = 0; i < h; ++i)
+        _mm512_storeu_ps(dst + 16 * i,
+                         _mm512_maskz_loadu_ps(d_mask, a.at(i0 + ir + i, p0 + 16 * ch)));
+    }
+    out += h * 16 * chunks;
+    ir += h;
   }
 }
 
-// Packs depth [p0, p0 + depth) × columns [j0, j0 + cols) of op(B) into micro-panels of kNr
-// columns, the last one of `cols mod kNr` rounded up to 16 with zeros; each depth-major:
-// panel[p·w + j], w its padded width.
+// Packs depth [p0, p0 + depth) × columns [j0, j0 + cols) (cols ≤ kNr) of a column-major op(B)
+// (a row-major one is read in place) into one depth-major panel, out[p·w + j], w = cols rounded up
+// to 16 with zeros: 16 × 16 squares of the source, each row of which is 16 contiguous floats of
+// one column, transposed in registers.
 inline void pack_b(const View& b, Index p0, Index depth, Index j0, Index cols, float* out) {
-  for (Index jr = 0; jr < cols; jr += kNr) {
-    const Index w = cols - jr < kNr ? cols - jr : kNr;
-    const Index wpad = round_up(w, 16);
-    if (b.col_step == 1 && w == kNr) {  // op(B) row-major, a full panel: kNr floats per depth step
-      const float* src = b.at(p0, j0 + jr);
-      for (Index p = 0; p < depth; ++p, src += b.row_step)
-        for (int v = 0; v < kNv; ++v) _mm512_storeu_ps(out + p * kNr + 16 * v, _mm512_loadu_ps(src + 16 * v));
-    } else if (b.col_step == 1) {  // the last, narrower panel: masked, zero-filled to wpad
-      for (Index p = 0; p < depth; ++p) {
-        const float* src = b.at(p0 + p, j0 + jr);
-        for (Index v = 0; v < wpad; v += 16)
-          _mm512_storeu_ps(out + p * wpad + v, _mm512_maskz_loadu_ps(lanes(w - v), src + v));
-      }
-    } else {  // op(B) column-major (e.g. Kᵀ): transpose 16 columns × 16 depth steps at a time
-      for (Index v = 0; v < wpad; v += 16) {
-        const Index cw = w - v < 16 ? w - v : 16;
-        for (Index p = 0; p < depth; p += 16) {
-          const Index d = depth - p < 16 ? depth - p : 16;
-          const __mmask16 d_mask = lanes(d);
-          __m512 r[16];
-          for (Index j = 0; j < 16; ++j)
-            r[j] = j < cw ? _mm512_maskz_loadu_ps(d_mask, b.at(p0 + p, j0 + jr + v + j)) : _mm512_setzero_ps();
-          transpose16(r);
-          for (Index q = 0; q < d; ++q) _mm512_storeu_ps(out + (p + q) * wpad + v, r[q]);
-        }
+  const Index w = round_up(cols, 16);
+  for (Index v = 0; v < w; v += 16) {
+    const Index cw = cols - v < 16 ? cols - v : 16;
+    const float* column = b.at(p0, j0 + v);  // column j of the square at column + j·stride
+    for (Index p = 0; p < depth; p += 16, column += 16) {
+      const Index d = depth - p < 16 ? depth - p : 16;
+      __m512 r[16];
+      if (cw == 16 && d == 16) {  // a full square, branch-free
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(column + j * b.col_step);
+        transpose16(r);
+        for (int q = 0; q < 16; ++q) _mm512_storeu_ps(out + (p + q) * w + v, r[q]);
+      } else {  // an edge: masked, zero-filled
+        for (Index j = 0; j < 16; ++j)
+          r[j] = j < cw ? _mm512_maskz_loadu_ps(lanes(d), column + j * b.col_step)
+                        : _mm512_setzero_ps();
+        transpose16(r);
+        for (Index q = 0; q < d; ++q) _mm512_storeu_ps(out + (p + q) * w + v, r[q]);
       }
     }
-    out += wpad * depth;
   }
 }
 
@@ -186,46 +225,100 @@ inline void pack_b(const View& b, Index p0, Index depth, Index j0, Index cols, f
 struct PrefetchWalk {
   const float* row = nullptr;
   Index stride = 0, lines = 0, line = 0, rows = 0;
+
+  void step() {
+    if (rows <= 0) return;
+    _mm_prefetch(reinterpret_cast<const char*>(row + 16 * line), _MM_HINT_T1);
+    if (++line == lines) {
+      line = 0;
+      row += stride;
+      --rows;
+    }
+  }
 };
 
-// The micro-kernel: C[0:MR, 0:16·NV] = α·Ã·B̃ (+ C when `add`), Ã packed [p·MR + i], B̃ packed
-// [p·16·NV + j]; the last vector of each row of C is stored under `last` (the n edge). Each
-// depth step also prefetches the next line of `walk` (the source of the next panel of B).
+// How a micro-kernel reads A: packed by pack_a (column-major op(A): [p·h + i]; row-major op(A):
+// 16-deep chunks [c·16·h + i·16 + q]), or in place: A(i, p) at a[i·lda + p] (row-major op(A)) or
+// a[p·lda + i] (column-major op(A)).
+enum class ALayout { kPackedColumns, kPackedChunks, kRows, kColumns };
+
 template <int MR, int NV>
-void micro_kernel(Index depth, const float* a, const float* b, float* c, Index ldc, float alpha, bool add,
-                  __mmask16 last, PrefetchWalk& walk) {
+struct Accumulators {
   __m512 acc[MR][NV];
-#pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
-  const float* pf_row = walk.row;
-  Index pf_line = walk.line, pf_rows = walk.rows;
-  const Index pf_stride = walk.stride, pf_lines = walk.lines;
-  for (Index p = 0; p < depth; ++p) {
-    if (pf_rows > 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(pf_row + 16 * pf_line), _MM_HINT_T1);
-      if (++pf_line == pf_lines) {
-        pf_line = 0;
-        pf_row += pf_stride;
-        --pf_rows;
-      }
-    }
+
+  // acc += A(:, p)·B(p, :), A(i, p) being a_at(i), and the row of B the 16·NV floats at b, the
+  // last vector's under `last`.
+  template <typename AAt>
+  void update(const AAt& a_at, const float* b, __mmask16 last) {
     __m512 bv[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_ps(b + 16 * v);
+    for (int v = 0; v < NV; ++v)
+      bv[v] = v == NV - 1 ? _mm512_maskz_loadu_ps(last, b + 16 * v) : _mm512_loadu_ps(b + 16 * v);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
-      const __m512 ai = _mm512_set1_ps(a[i]);
+      const __m512 ai = _mm512_set1_ps(a_at(i));
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(ai, bv[v], acc[i][v]);
     }
-    a += MR;
-    b += 16 * NV;
   }
-  walk.row = pf_row;
-  walk.line = pf_line;
-  walk.rows = pf_rows;
+};
+
+// The micro-kernel: C[0:MR, 0:16·NV] = α·A·B (+ C when `add`) over `depth` steps, A as `L` says
+// (lda: in-place rows only), the rows of B 16·NV floats at b + p·ldb (packed or in place); the
+// last vector of each row of B and C goes under `last` (the n edge). Each depth step also
+// prefetches a line of each walk (the sources of the next panel of B and next block of A) to L2.
+template <int MR, int NV, ALayout L>
+void micro_kernel(Index depth, const float* a, Index lda, const float* b, Index ldb, float* c,
+                  Index ldc, float alpha, bool add, __mmask16 last, PrefetchWalk& next_b,
+                  PrefetchWalk& next_a) {
+  // The tile of C is needed after the depth loop: start bringing it in now (for writing).
+  const float* c_row = c;
+#pragma GCC unroll 1
+  for (int i = 0; i < MR; ++i, c_row += ldc) {
+    __builtin_prefetch(c_row, 1, 3);
+    __builtin_prefetch(c_row + 16 * NV - 1, 1, 3);
+    if (NV > 2) __builtin_prefetch(c_row + 16, 1, 3);
+    if (NV > 3) __builtin_prefetch(c_row + 32, 1, 3);
+  }
+  Accumulators<MR, NV> t;
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) t.acc[i][v] = _mm512_setzero_ps();
+  PrefetchWalk walk_b = next_b, walk_a = next_a;  // in registers for the loop
+  if constexpr (L == ALayout::kPackedChunks) {
+    for (Index p0 = 0; p0 < depth; p0 += 16, a += 16 * MR) {
+      const Index steps = depth - p0 < 16 ? depth - p0 : 16;
+      for (Index q = 0; q < steps; ++q, b += ldb) {
+        walk_b.step();
+        walk_a.step();
+        t.update([&](int i) { return a[16 * i + q]; }, b, last);
+      }
+    }
+  } else if constexpr (L == ALayout::kPackedColumns) {
+    for (Index p = 0; p < depth; ++p, a += MR, b += ldb) {
+      walk_b.step();
+      walk_a.step();
+      t.update([&](int i) { return a[i]; }, b, last);
+    }
+  } else if constexpr (L == ALayout::kColumns) {
+    for (Index p = 0; p < depth; ++p, a += lda, b += ldb) {
+      walk_b.step();
+      walk_a.step();
+      t.update([&](int i) { return a[i]; }, b, last);
+    }
+  } else {
+    const float* rows[MR];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) rows[i] = a + i * lda;
+    for (Index p = 0; p < depth; ++p, b += ldb) {
+      walk_b.step();
+      walk_a.step();
+      t.update([&](int i) { return rows[i][p]; }, b, last);
+    }
+  }
+  next_b = walk_b;
+  next_a = walk_a;
   const __m512 scale = _mm512_set1_ps(alpha);
   if (add) {
 #pragma GCC unroll 16
@@ -234,7 +327,8 @@ void micro_kernel(Index depth, const float* a, const float* b, float* c, Index l
       for (int v = 0; v < NV; ++v) {
         float* row = c + i * ldc + 16 * v;
         const __mmask16 mask = v == NV - 1 ? last : __mmask16(0xFFFF);
-        _mm512_mask_storeu_ps(row, mask, _mm512_fmadd_ps(acc[i][v], scale, _mm512_maskz_loadu_ps(mask, row)));
+        _mm512_mask_storeu_ps(
+            row, mask, _mm512_fmadd_ps(t.acc[i][v], scale, _mm512_maskz_loadu_ps(mask, row)));
       }
   } else {
 #pragma GCC unroll 16
@@ -242,26 +336,31 @@ void micro_kernel(Index depth, const float* a, const float* b, float* c, Index l
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
         const __mmask16 mask = v == NV - 1 ? last : __mmask16(0xFFFF);
-        _mm512_mask_storeu_ps(c + i * ldc + 16 * v, mask, _mm512_mul_ps(acc[i][v], scale));
+        _mm512_mask_storeu_ps(c + i * ldc + 16 * v, mask, _mm512_mul_ps(t.acc[i][v], scale));
       }
   }
 }
 
-using MicroKernel = void (*)(Index, const float*, const float*, float*, Index, float, bool, __mmask16,
-                             PrefetchWalk&);
+using MicroKernel = void (*)(Index, const float*, Index, const float*, Index, float*, Index, float,
+                             bool, __mmask16, PrefetchWalk&, PrefetchWalk&);
 
-template <int NV, int... Rows>
+template <ALayout L, int NV, int... Rows>
 constexpr std::array<MicroKernel, sizeof...(Rows)> kernel_row(std::integer_sequence<int, Rows...>) {
-  return {&micro_kernel<Rows + 1, NV>...};
+  return {&micro_kernel<Rows + 1, NV, L>...};
 }
-template <int... Vectors>
-constexpr std::array<std::array<MicroKernel, kMr>, sizeof...(Vectors)> kernel_table(
+template <ALayout L, int kMaxRows, int... Vectors>
+constexpr std::array<std::array<MicroKernel, kMaxRows>, sizeof...(Vectors)> kernel_table(
     std::integer_sequence<int, Vectors...>) {
-  return {kernel_row<Vectors + 1>(std::make_integer_sequence<int, kMr>())...};
+  return {kernel_row<L, Vectors + 1>(std::make_integer_sequence<int, kMaxRows>())...};
 }
-// kKernels[NV − 1][MR − 1]: every edge tile has its own fully unrolled kernel.
-inline constexpr std::array<std::array<MicroKernel, kMr>, kNv> kKernels =
-    kernel_table(std::make_integer_sequence<int, kNv>());
+// [NV − 1][MR − 1]: every edge tile has its own fully unrolled kernel. Packed A: tiles of up to
+// kMr × 32; A in place: up to kDirectMr × 64 (a row-major A is read kDirectMr cache lines at a
+// time, all in one L1 set when its stride is a multiple of 4 KB: 6 of the set's 12 ways).
+template <ALayout L>
+inline constexpr auto kKernels = kernel_table<L, kMr>(std::make_integer_sequence<int, kNv>());
+template <ALayout L>
+inline constexpr auto kDirectKernels =
+    kernel_table<L, kDirectMr>(std::make_integer_sequence<int, kDirectNv>());
 
 template <typename Operand>
 View view_of(const Operand& x) {
@@ -272,7 +371,8 @@ View view_of(const Operand& x) {
 inline std::size_t workspace_bytes(Index m, Index n, Index k) {
   if (m <= 0 || n <= 0 || k <= 0) return 0;
   const Index kc = depth_block(k);
-  return array_bytes<float>(row_block(m) * kc) + array_bytes<float>(panel_width(n) * kc);
+  return array_bytes<float>(block_a_floats(row_block(m), kc)) +
+         array_bytes<float>(panel_b_floats(n, kc));
 }
 
 // The lines of op(B) that the panel of depth [p0, p0 + depth) × columns [j0, j0 + cols) reads.
@@ -282,35 +382,86 @@ inline PrefetchWalk source_of_panel(const View& b, Index p0, Index depth, Index 
   if (b.col_step == 1) return {first, b.row_step, (cols + 15) / 16 + misaligned, 0, depth};
   return {first, b.col_step, (depth + 15) / 16 + misaligned, 0, cols};
 }
+// The lines of op(A) that the block of rows [i0, i0 + rows) × depth [p0, p0 + depth) reads.
+inline PrefetchWalk source_of_block(const View& a, Index i0, Index rows, Index p0, Index depth) {
+  const float* first = a.at(i0, p0);
+  const Index misaligned = (reinterpret_cast<std::uintptr_t>(first) % 64) != 0 ? 1 : 0;
+  if (a.col_step == 1) return {first, a.row_step, (depth + 15) / 16 + misaligned, 0, rows};
+  return {first, a.col_step, (rows + 15) / 16 + misaligned, 0, depth};
+}
 
-inline void run(const View& a, const View& b, float* c, Index ldc, Index m, Index n, Index k, float alpha,
-                bool accumulate, float* block_a, float* block_b) {
+// Whether a product reads A in place (tiles of kDirectMr × 64) rather than packing it: when one
+// panel of B covers n, so that A is read once per depth block anyway (P·V, dV = Pᵀ·dO), and B is
+// row-major (read in place too). Otherwise a packed A block is shared by n/32 panels, and packing
+// it (a copy) keeps its rows from competing for cache sets whatever the source's stride.
+inline bool reads_a_in_place(const View& b, Index n) { return b.col_step == 1 && n <= kDirectNr; }
+
+inline void run(const View& a, const View& b, float* c, Index ldc, Index m, Index n, Index k,
+                float alpha, bool accumulate, float* block_a, float* block_b) {
   const Index kc = depth_block(k), mc = row_block(m);
+  const bool direct = reads_a_in_place(b, n), chunked_a = a.row_step != 1;
+  const Index nr = direct ? kDirectNr : kNr, max_rows = direct ? kDirectMr : kMr;
   for (Index ic = 0; ic < m; ic += mc) {
     const Index mb = m - ic < mc ? m - ic : mc;
     for (Index pc = 0; pc < k; pc += kc) {
       const Index kb = k - pc < kc ? k - pc : kc;
+      const Index panel_a = chunked_a ? round_up(kb, 16) : kb;  // floats per row of a packed panel
       const bool add = accumulate || pc > 0;
-      pack_a(a, ic, mb, pc, kb, block_a);
-      for (Index jr = 0; jr < n; jr += kNr) {
-        const Index w = n - jr < kNr ? n - jr : kNr;
+      const RowSplit split(mb, max_rows);
+      if (!direct) pack_a(a, ic, mb, pc, kb, block_a);
+      // The block after this one: the next depth block of these rows, else the next rows.
+      const bool last_depth = pc + kb >= k, last_block = last_depth && ic + mb >= m;
+      const Index next_ic = last_depth ? ic + mb : ic, next_pc = last_depth ? 0 : pc + kb;
+      const Index next_kb = k - next_pc < kc ? k - next_pc : kc;
+      const Index next_mb = m - next_ic < mc ? m - next_ic : mc;
+      // While a panel of B runs, its micro-kernels bring the next panel's B into L2, and over the
+      // last panels of the block, the next block's A (one line per depth step of their tiles):
+      // fetched earlier, it would be evicted from L2 before its turn.
+      const PrefetchWalk block_walk =
+          last_block ? PrefetchWalk{} : source_of_block(a, next_ic, next_mb, next_pc, next_kb);
+      const Index steps_per_panel = split.tiles * kb, panels = (n + nr - 1) / nr;
+      const Index walk_panels =
+          (block_walk.rows * block_walk.lines + steps_per_panel - 1) / steps_per_panel;
+      const Index walk_start = (panels > walk_panels ? panels - walk_panels : 0) * nr;
+      PrefetchWalk next_a;
+      for (Index jr = 0; jr < n; jr += nr) {
+        if (jr == walk_start) next_a = block_walk;
+        const Index w = n - jr < nr ? n - jr : nr;
         const Index vectors = (w + 15) / 16;
         const __mmask16 last = lanes(w - 16 * (vectors - 1));
-        pack_b(b, pc, kb, jr, w, block_b);
-        // While this panel runs, bring the next one's source into L2: the next columns, else the
-        // first columns of the next depth block, else those of the next row block.
-        PrefetchWalk walk;
-        if (jr + kNr < n) {
-          walk = source_of_panel(b, pc, kb, jr + kNr, n - jr - kNr < kNr ? n - jr - kNr : kNr);
-        } else if (pc + kb < k || ic + mb < m) {
-          const Index next_pc = pc + kb < k ? pc + kb : 0;
-          const Index next_kb = k - next_pc < kc ? k - next_pc : kc;
-          walk = source_of_panel(b, next_pc, next_kb, 0, n < kNr ? n : kNr);
+        // A row-major op(B) is read where it is; a column-major one is packed (transposed).
+        const float* panel_b = b.at(pc, jr);
+        Index ldb = b.row_step;
+        if (b.col_step != 1) {
+          pack_b(b, pc, kb, jr, w, block_b);
+          panel_b = block_b;
+          ldb = 16 * vectors;
         }
-        for (Index ir = 0; ir < mb; ir += kMr) {
-          const Index h = mb - ir < kMr ? mb - ir : kMr;
-          kKernels[vectors - 1][h - 1](kb, block_a + ir * kb, block_b, c + (ic + ir) * ldc + jr, ldc, alpha, add,
-                                       last, walk);
+        PrefetchWalk next_b;
+        if (jr + nr < n)
+          next_b = source_of_panel(b, pc, kb, jr + nr, n - jr - nr < nr ? n - jr - nr : nr);
+        else if (!last_block)
+          next_b = source_of_panel(b, next_pc, next_kb, 0, n < nr ? n : nr);
+        for (Index t = 0, ir = 0; t < split.tiles; ++t) {
+          const Index h = split.height(t);
+          float* tile_c = c + (ic + ir) * ldc + jr;
+          if (direct && chunked_a)
+            kDirectKernels<ALayout::kRows>[vectors - 1][h - 1](kb, a.at(ic + ir, pc), a.row_step,
+                                                               panel_b, ldb, tile_c, ldc, alpha,
+                                                               add, last, next_b, next_a);
+          else if (direct)
+            kDirectKernels<ALayout::kColumns>[vectors - 1][h - 1](kb, a.at(ic + ir, pc), a.col_step,
+                                                                  panel_b, ldb, tile_c, ldc, alpha,
+                                                                  add, last, next_b, next_a);
+          else if (chunked_a)
+            kKernels<ALayout::kPackedChunks>[vectors - 1][h - 1](kb, block_a + ir * panel_a, 0,
+                                                                 panel_b, ldb, tile_c, ldc, alpha,
+                                                                 add, last, next_b, next_a);
+          else
+            kKernels<ALayout::kPackedColumns>[vectors - 1][h - 1](kb, block_a + ir * panel_a, 0,
+                                                                  panel_b, ldb, tile_c, ldc, alpha,
+                                                                  add, last, next_b, next_a);
+          ir += h;
         }
       }
     }
@@ -328,8 +479,8 @@ inline std::size_t gemm_avx512_workspace_size(Index m, Index n, Index k) {
 // `scratch` (at least gemm_avx512_workspace_size(m, n, k) bytes). With less, it packs into memory
 // of its own: the same result, with an allocation. Operand is detail::GemmOperand<float>.
 template <typename Operand>
-void gemm_avx512(const Operand& a, const Operand& b, MatrixRef<float> c, float alpha, bool accumulate,
-                 StageScratch scratch) {
+void gemm_avx512(const Operand& a, const Operand& b, MatrixRef<float> c, float alpha,
+                 bool accumulate, StageScratch scratch) {
   SDMHA_ASSERT(a.rows == c.rows() && b.cols == c.cols() && a.cols == b.rows);
   const Index m = c.rows(), n = c.cols(), k = a.cols;
   if (m == 0 || n == 0) return;
@@ -339,8 +490,8 @@ void gemm_avx512(const Operand& a, const Operand& b, MatrixRef<float> c, float a
   }
   const Index kc = avx512_gemm::depth_block(k);
   ScratchCarver carver(scratch);
-  float* block_a = carver.take<float>(avx512_gemm::row_block(m) * kc);
-  float* block_b = carver.take<float>(avx512_gemm::panel_width(n) * kc);
+  float* block_a = carver.take<float>(avx512_gemm::block_a_floats(avx512_gemm::row_block(m), kc));
+  float* block_b = carver.take<float>(avx512_gemm::panel_b_floats(n, kc));
   struct Free {
     void operator()(float* p) const { ::operator delete(p, std::align_val_t(kScratchAlignment)); }
   };
@@ -349,10 +500,12 @@ void gemm_avx512(const Operand& a, const Operand& b, MatrixRef<float> c, float a
     const std::size_t bytes = avx512_gemm::workspace_bytes(m, n, k);
     own.reset(static_cast<float*>(::operator new(bytes, std::align_val_t(kScratchAlignment))));
     block_a = own.get();
-    block_b = own.get() + array_bytes<float>(avx512_gemm::row_block(m) * kc) / sizeof(float);
+    block_b =
+        own.get() + array_bytes<float>(avx512_gemm::block_a_floats(avx512_gemm::row_block(m), kc)) /
+                        sizeof(float);
   }
-  avx512_gemm::run(avx512_gemm::view_of(a), avx512_gemm::view_of(b), c.data(), c.outerStride(), m, n, k, alpha,
-                   accumulate, block_a, block_b);
+  avx512_gemm::run(avx512_gemm::view_of(a), avx512_gemm::view_of(b), c.data(), c.outerStride(), m,
+                   n, k, alpha, accumulate, block_a, block_b);
 }
 
 #else
