@@ -50,29 +50,34 @@ struct Backward {
     static_assert(IsDifferentiable<typename Layer::AttendValues>::value,
                   "backward: the attend-values stage has no backward of its own (declare "
                   "`using differentiates = YourStage;` and backward(const BackwardArguments&))");
-    static_assert(IsDifferentiable<typename Layer::OutputProjection>::value,
-                  "backward: the output projection stage has no backward of its own (declare "
-                  "`using differentiates = YourStage;` and backward(...) for both gradient Arguments)");
-    static_assert(IsDifferentiable<typename Layer::ContextProjection>::value,
-                  "backward: the key/value projection stage has no backward of its own (declare "
-                  "`using differentiates = YourStage;` and backward(...) for both gradient Arguments)");
+    static_assert(
+        IsDifferentiable<typename Layer::OutputProjection>::value,
+        "backward: the output projection stage has no backward of its own (declare "
+        "`using differentiates = YourStage;` and backward(...) for both gradient Arguments)");
+    static_assert(
+        IsDifferentiable<typename Layer::ContextProjection>::value,
+        "backward: the key/value projection stage has no backward of its own (declare "
+        "`using differentiates = YourStage;` and backward(...) for both gradient Arguments)");
   }
 
   // Everything the backward checks before any work: the forward's checks with the same
   // messages, then d_output against (B, T, O), and the plan.
   static AttentionPlan check_and_plan(const char* where, const Layer& layer, const Query& query,
-                                      const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
-                                      const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options,
-                                      Buffers& buffers) {
+                                      const TensorRef3<Scalar>& key,
+                                      const TensorRef3<Scalar>& value,
+                                      const TensorRef3<Scalar>& d_output,
+                                      const AttentionOptions<Scalar>& options, Buffers& buffers) {
     const LayerDims dims = layer.checked_query(where, query);
     Layer::check_context(where, dims, query.batch(), key, value);
     const Index B = query.batch(), T = query.steps(), O = dims.output_dim;
     if (d_output.dimension(0) != B || d_output.dimension(1) != T || d_output.dimension(2) != O)
-      fail<ShapeError>(where, "d_output is (", d_output.dimension(0), ", ", d_output.dimension(1), ", ",
-                       d_output.dimension(2), "); expected (B, T, O) = (", B, ", ", T, ", ", O, ")");
+      fail<ShapeError>(where, "d_output is (", d_output.dimension(0), ", ", d_output.dimension(1),
+                       ", ", d_output.dimension(2), "); expected (B, T, O) = (", B, ", ", T, ", ",
+                       O, ")");
     if (d_output.data() == nullptr && B * T * O > 0)
       fail<ShapeError>(where, "d_output has no data; expected ", B, " x ", T, " x ", O, " values");
-    return layer.plan_call(where, dims, query, value.dimension(1), options, Pass::backward, buffers);
+    return layer.plan_call(where, dims, query, value.dimension(1), options, Pass::backward,
+                           buffers);
   }
 
   // A saved context must be project_context(key, value)'s for these key and value.
@@ -80,37 +85,44 @@ struct Backward {
                                   const ProjectedContext<Scalar>& context) {
     const Index rows = plan.batch * plan.key_steps;
     const LayerDims& dims = plan.dims;
-    if (context.batch != plan.batch || context.key_steps != plan.key_steps || context.keys.rows() != rows ||
-        context.keys.cols() != dims.projected_key_width() || context.values.rows() != rows ||
-        context.values.cols() != dims.projected_value_width())
-      fail<ShapeError>(where, "context has batch ", context.batch, ", key_steps ", context.key_steps, ", keys ",
-                       context.keys.rows(), " x ", context.keys.cols(), ", values ", context.values.rows(), " x ",
-                       context.values.cols(), "; expected those of project_context(key, value): batch ", plan.batch,
-                       ", key_steps ", plan.key_steps, ", keys ", rows, " x ", dims.projected_key_width(),
-                       ", values ", rows, " x ", dims.projected_value_width());
+    if (context.batch != plan.batch || context.key_steps != plan.key_steps ||
+        context.keys.rows() != rows || context.keys.cols() != dims.projected_key_width() ||
+        context.values.rows() != rows || context.values.cols() != dims.projected_value_width())
+      fail<ShapeError>(
+          where, "context has batch ", context.batch, ", key_steps ", context.key_steps, ", keys ",
+          context.keys.rows(), " x ", context.keys.cols(), ", values ", context.values.rows(),
+          " x ", context.values.cols(), "; expected those of project_context(key, value): batch ",
+          plan.batch, ", key_steps ", plan.key_steps, ", keys ", rows, " x ",
+          dims.projected_key_width(), ", values ", rows, " x ", dims.projected_value_width());
   }
 
   // The backward on a validated call, K and V being `context`'s.
-  static void run(const Layer& layer, const AttentionPlan& plan, const Query& query, const TensorRef3<Scalar>& key,
-                  const TensorRef3<Scalar>& value, const ProjectedContext<Scalar>& context,
-                  const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options, Buffers& buffers,
+  static void run(const Layer& layer, const AttentionPlan& plan, const Query& query,
+                  const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
+                  const ProjectedContext<Scalar>& context, const TensorRef3<Scalar>& d_output,
+                  const AttentionOptions<Scalar>& options, Buffers& buffers,
                   MhaGradients<Scalar>& gradients) {
     const MhaWeights<Scalar>& weights = layer.weights();
     const bool use_bias = layer.config().use_bias;
     const auto d_output_matrix = d_output.as_matrix();
     BackwardBuffers<Scalar>& scratch = buffers.backward;
-    layer.project_query(plan, query, buffers, buffers.projected_query);  // dK needs Q whatever the strategy
+    layer.project_query(plan, query, buffers,
+                        buffers.projected_query);  // dK needs Q whatever the strategy
     scratch.d_heads.resize(plan.batch * plan.steps, plan.dims.projected_value_width());
-    input_gradient(plan, layer.output_projection(), d_output_matrix, weights.output_kernel, scratch.d_heads, buffers);
+    input_gradient(plan, layer.output_projection(), d_output_matrix, weights.output_kernel,
+                   scratch.d_heads, buffers);
     attention(layer, plan, query, context, options, buffers);
-    kernel_gradient(plan, layer.output_projection(), buffers.heads, d_output_matrix, buffers, gradients.output_kernel);
+    kernel_gradient(plan, layer.output_projection(), buffers.heads, d_output_matrix, buffers,
+                    gradients.output_kernel);
     bias_gradient(use_bias, d_output_matrix, gradients.output_bias);
     query_gradients(layer, plan, query, buffers, gradients);
     bias_gradient(use_bias, scratch.d_queries, gradients.query_bias);
-    context_gradients(plan, layer.context_projection(), key.as_matrix(), weights.key_kernel, scratch.d_keys,
-                      use_bias, buffers, gradients.key_kernel, gradients.key_bias, gradients.key);
-    context_gradients(plan, layer.context_projection(), value.as_matrix(), weights.value_kernel, scratch.d_values,
-                      use_bias, buffers, gradients.value_kernel, gradients.value_bias, gradients.value);
+    context_gradients(plan, layer.context_projection(), key.as_matrix(), weights.key_kernel,
+                      scratch.d_keys, use_bias, buffers, gradients.key_kernel, gradients.key_bias,
+                      gradients.key);
+    context_gradients(plan, layer.context_projection(), value.as_matrix(), weights.value_kernel,
+                      scratch.d_values, use_bias, buffers, gradients.value_kernel,
+                      gradients.value_bias, gradients.value);
   }
 
   // ---- the attention, per (b, h) -----------------------------------------------------------
@@ -121,8 +133,8 @@ struct Backward {
   };
 
   static void attention(const Layer& layer, const AttentionPlan& plan, const Query& query,
-                        const ProjectedContext<Scalar>& context, const AttentionOptions<Scalar>& options,
-                        Buffers& buffers) {
+                        const ProjectedContext<Scalar>& context,
+                        const AttentionOptions<Scalar>& options, Buffers& buffers) {
     const Index B = plan.batch, T = plan.steps, S = plan.key_steps, H = plan.heads();
     BackwardBuffers<Scalar>& scratch = buffers.backward;
     buffers.heads.resize(B * T, plan.dims.projected_value_width());
@@ -136,32 +148,40 @@ struct Backward {
       return;
     }
     const Index items = B * H;
-    buffers.prepare_workers(plan.workers(items), plan.worker_scratch_bytes, plan.tile_entries, 3, plan.query_tile);
-    parallel_for(items, plan.threads, [&](Index item, int worker) {
-      const Index b = item / H, h = item % H;
-      const HeadFlags flags = head_flags(plan, context, scratch.d_heads, b, h);
-      for (Index tile = 0; tile < plan.query_tiles; ++tile)
-        attention_tile(layer, plan, plan.tile_of(b, h, tile), query, context, options, flags,
-                       buffers.workers[std::size_t(worker)], buffers);
-    }, &buffers.pool);
+    buffers.prepare_workers(plan.workers(items), plan.worker_scratch_bytes, plan.tile_entries, 3,
+                            plan.query_tile);
+    parallel_for(
+        items, plan.threads,
+        [&](Index item, int worker) {
+          const Index b = item / H, h = item % H;
+          const HeadFlags flags = head_flags(plan, context, scratch.d_heads, b, h);
+          for (Index tile = 0; tile < plan.query_tiles; ++tile)
+            attention_tile(layer, plan, plan.tile_of(b, h, tile), query, context, options, flags,
+                           buffers.workers[std::size_t(worker)], buffers);
+        },
+        &buffers.pool);
   }
 
   static HeadFlags head_flags(const AttentionPlan& plan, const ProjectedContext<Scalar>& context,
                               const RowMatrix<Scalar>& d_heads, Index b, Index h) {
-    const Index S = plan.key_steps, T = plan.steps, Dk = plan.dims.key_dim, Dv = plan.dims.value_dim;
+    const Index S = plan.key_steps, T = plan.steps, Dk = plan.dims.key_dim,
+                Dv = plan.dims.value_dim;
     HeadFlags flags;
     flags.keys_finite = all_finite<Scalar>(context.keys.block(b * S, h * Dk, S, Dk));
     flags.values_finite = all_finite<Scalar>(context.values.block(b * S, h * Dv, S, Dv));
-    flags.d_probabilities_finite = flags.values_finite && all_finite<Scalar>(d_heads.block(b * T, h * Dv, T, Dv));
+    flags.d_probabilities_finite =
+        flags.values_finite && all_finite<Scalar>(d_heads.block(b * T, h * Dv, T, Dv));
     return flags;
   }
 
   // One tile: the forward again (scores, P, P', A), then each stage's backward in reverse.
-  static void attention_tile(const Layer& layer, const AttentionPlan& plan, const AttentionItem& item,
-                             const Query& query, const ProjectedContext<Scalar>& context,
+  static void attention_tile(const Layer& layer, const AttentionPlan& plan,
+                             const AttentionItem& item, const Query& query,
+                             const ProjectedContext<Scalar>& context,
                              const AttentionOptions<Scalar>& options, const HeadFlags& flags,
                              WorkerBuffers<Scalar>& worker, Buffers& buffers) {
-    const Index T = plan.steps, S = plan.key_steps, Dk = plan.dims.key_dim, Dv = plan.dims.value_dim;
+    const Index T = plan.steps, S = plan.key_steps, Dk = plan.dims.key_dim,
+                Dv = plan.dims.value_dim;
     const Index b = item.batch, h = item.head, rows = item.query_rows, keys = item.key_steps;
     const Index query_row = b * T + item.query_begin, key_row = b * S + item.key_begin;
     BackwardBuffers<Scalar>& scratch = buffers.backward;
@@ -181,33 +201,48 @@ struct Backward {
     auto d_scores = worker.tile(2, rows, keys, plan.tile_entries);
     scores(layer, plan, item, query, query_bh, key_bh, options, stage, probabilities);
     const char* fully_masked = mark_fully_masked_rows(plan, probabilities, worker);
-    typename Layer::Softmax::Arguments softmax_args{position, probabilities, stage, plan.fully_masked_rows};
+    typename Layer::Softmax::Arguments softmax_args{position, probabilities, stage,
+                                                    plan.fully_masked_rows};
     Layer::Softmax::can_implement(softmax_args);
     layer.softmax()(softmax_args);
-    const DropoutMask dropout = options.training ? DropoutMask(options.dropout_rate, options.dropout_seed) : DropoutMask();
+    const DropoutMask dropout =
+        options.training ? DropoutMask(options.dropout_rate, options.dropout_seed) : DropoutMask();
     auto dropped = dropout.active() ? worker.tile(1, rows, keys, plan.tile_entries) : probabilities;
     if (dropout.active()) {
       dropped = probabilities;
       dropout.apply(dropped, b, h, item.query_begin, item.key_begin);
     }
-    typename Layer::AttendValues::Arguments values_args{position, dropped, value_bh,
-                                                        buffers.heads.block(query_row, h * Dv, rows, Dv),
-                                                        flags.values_finite, stage};
+    typename Layer::AttendValues::Arguments values_args{
+        position,
+        dropped,
+        value_bh,
+        buffers.heads.block(query_row, h * Dv, rows, Dv),
+        flags.values_finite,
+        stage};
     Layer::AttendValues::can_implement(values_args);
     layer.attend_values()(values_args);
 
     typename Layer::AttendValues::BackwardArguments d_values_args{
-        position, dropped, value_bh, d_heads, d_scores, scratch.d_values.block(key_row, h * Dv, keys, Dv), stage};
+        position, dropped,  value_bh,
+        d_heads,  d_scores, scratch.d_values.block(key_row, h * Dv, keys, Dv),
+        stage};
     Layer::AttendValues::can_implement(d_values_args);
     layer.attend_values().backward(d_values_args);
     dropout.apply(d_scores, b, h, item.query_begin, item.key_begin);
-    typename Layer::Softmax::BackwardArguments d_softmax_args{position, probabilities, d_scores,
-                                                              flags.d_probabilities_finite, stage, fully_masked};
+    typename Layer::Softmax::BackwardArguments d_softmax_args{
+        position, probabilities, d_scores, flags.d_probabilities_finite, stage, fully_masked};
     Layer::Softmax::can_implement(d_softmax_args);
     layer.softmax().backward(d_softmax_args);
     typename Layer::ScoreKernel::BackwardArguments d_score_args{
-        position, query_bh, key_bh, Scalar(plan.scale), d_scores, d_queries,
-        scratch.d_keys.block(key_row, h * Dk, keys, Dk), flags.keys_finite, stage};
+        position,
+        query_bh,
+        key_bh,
+        Scalar(plan.scale),
+        d_scores,
+        d_queries,
+        scratch.d_keys.block(key_row, h * Dk, keys, Dk),
+        flags.keys_finite,
+        stage};
     Layer::ScoreKernel::can_implement(d_score_args);
     layer.score_kernel().backward(d_score_args);
   }
@@ -220,14 +255,16 @@ struct Backward {
     if (plan.fully_masked_rows != FullyMaskedRows::uniform) return nullptr;
     constexpr Scalar minus_infinity = -std::numeric_limits<Scalar>::infinity();
     for (Index t = 0; t < scores.rows(); ++t)
-      worker.row_flags[std::size_t(t)] = scores.cols() == 0 || scores.row(t).maxCoeff() == minus_infinity;
+      worker.row_flags[std::size_t(t)] =
+          scores.cols() == 0 || scores.row(t).maxCoeff() == minus_infinity;
     return worker.row_flags.data();
   }
 
   // The forward's scores of one tile, by the plan's strategy.
-  static void scores(const Layer& layer, const AttentionPlan& plan, const AttentionItem& item, const Query& query,
-                     const ConstMatrixRef<Scalar>& query_bh, const ConstMatrixRef<Scalar>& key,
-                     const AttentionOptions<Scalar>& options, StageScratch stage, MatrixRef<Scalar> out) {
+  static void scores(const Layer& layer, const AttentionPlan& plan, const AttentionItem& item,
+                     const Query& query, const ConstMatrixRef<Scalar>& query_bh,
+                     const ConstMatrixRef<Scalar>& key, const AttentionOptions<Scalar>& options,
+                     StageScratch stage, MatrixRef<Scalar> out) {
     const Index T = plan.steps, Dk = plan.dims.key_dim;
     const Scalar scale = Scalar(plan.scale);
     const BatchMask mask = item_mask(item, options, T, plan.key_steps);
@@ -235,9 +272,15 @@ struct Backward {
     using Kernel = typename Layer::ScoreKernel;
     if (plan.regrouped()) {
       typename Kernel::SparseArguments args{
-          item.position(), query.csr().middle_rows(item.batch * T + item.query_begin, item.query_rows),
+          item.position(),
+          query.csr().middle_rows(item.batch * T + item.query_begin, item.query_rows),
           weights.query_kernel.middleCols(item.head * Dk, Dk),
-          Layer::bias_segment(weights.query_bias, item.head * Dk, Dk), key, scale, mask, out, stage};
+          Layer::bias_segment(weights.query_bias, item.head * Dk, Dk),
+          key,
+          scale,
+          mask,
+          out,
+          stage};
       Kernel::can_implement(args);
       layer.score_kernel()(args);
       return;
@@ -252,39 +295,52 @@ struct Backward {
   // d_input (rows × E) = d_output · kernelᵀ, in the forward's row blocks.
   template <typename Projection>
   static void input_gradient(const AttentionPlan& plan, const Projection& projection,
-                             const ConstMatrixRef<Scalar>& d_output, const RowMatrix<Scalar>& kernel,
-                             MatrixRef<Scalar> d_input, Buffers& buffers) {
+                             const ConstMatrixRef<Scalar>& d_output,
+                             const RowMatrix<Scalar>& kernel, MatrixRef<Scalar> d_input,
+                             Buffers& buffers) {
     const Index rows = d_output.rows();
     const Index blocks = AttentionPlan::block_count(rows, kProjectionRowBlock);
     buffers.prepare_workers(plan.workers(blocks), plan.worker_scratch_bytes, plan.tile_entries, 3);
-    parallel_for(blocks, plan.threads, [&](Index index, int worker) {
-      const RowBlock block = AttentionPlan::block(index, rows, kProjectionRowBlock);
-      typename Projection::InputGradientArguments args{d_output.middleRows(block.begin, block.rows), kernel,
-                                                       d_input.middleRows(block.begin, block.rows),
-                                                       buffers.workers[std::size_t(worker)].stage.view()};
-      Projection::can_implement(args);
-      projection.backward(args);
-    }, &buffers.pool);
+    parallel_for(
+        blocks, plan.threads,
+        [&](Index index, int worker) {
+          const RowBlock block = AttentionPlan::block(index, rows, kProjectionRowBlock);
+          typename Projection::InputGradientArguments args{
+              d_output.middleRows(block.begin, block.rows), kernel,
+              d_input.middleRows(block.begin, block.rows),
+              buffers.workers[std::size_t(worker)].stage.view()};
+          Projection::can_implement(args);
+          projection.backward(args);
+        },
+        &buffers.pool);
   }
 
   // dW = inputᵀ·dY over all rows, one fixed tile of dW per work item.
   template <typename Projection>
   static void kernel_gradient_tiles(const AttentionPlan& plan, const Projection& projection,
-                                    const ConstMatrixRef<Scalar>& input, const ConstMatrixRef<Scalar>& d_output,
+                                    const ConstMatrixRef<Scalar>& input,
+                                    const ConstMatrixRef<Scalar>& d_output,
                                     RowMatrix<Scalar>& d_weight, Buffers& buffers) {
     const Index row_tiles = AttentionPlan::block_count(d_weight.rows(), kWeightTile);
     const Index column_tiles = AttentionPlan::block_count(d_weight.cols(), kWeightTile);
-    buffers.prepare_workers(plan.workers(row_tiles * column_tiles), plan.worker_scratch_bytes, plan.tile_entries, 3);
-    parallel_for(row_tiles * column_tiles, plan.threads, [&](Index item, int worker) {
-      const RowBlock rows = AttentionPlan::block(item / column_tiles, d_weight.rows(), kWeightTile);
-      const RowBlock columns = AttentionPlan::block(item % column_tiles, d_weight.cols(), kWeightTile);
-      typename Projection::KernelGradientArguments args{
-          input.middleCols(rows.begin, rows.rows), d_output.middleCols(columns.begin, columns.rows),
-          d_weight.block(rows.begin, columns.begin, rows.rows, columns.rows),
-          buffers.workers[std::size_t(worker)].stage.view()};
-      Projection::can_implement(args);
-      projection.backward(args);
-    }, &buffers.pool);
+    buffers.prepare_workers(plan.workers(row_tiles * column_tiles), plan.worker_scratch_bytes,
+                            plan.tile_entries, 3);
+    parallel_for(
+        row_tiles * column_tiles, plan.threads,
+        [&](Index item, int worker) {
+          const RowBlock rows =
+              AttentionPlan::block(item / column_tiles, d_weight.rows(), kWeightTile);
+          const RowBlock columns =
+              AttentionPlan::block(item % column_tiles, d_weight.cols(), kWeightTile);
+          typename Projection::KernelGradientArguments args{
+              input.middleCols(rows.begin, rows.rows),
+              d_output.middleCols(columns.begin, columns.rows),
+              d_weight.block(rows.begin, columns.begin, rows.rows, columns.rows),
+              buffers.workers[std::size_t(worker)].stage.view()};
+          Projection::can_implement(args);
+          projection.backward(args);
+        },
+        &buffers.pool);
   }
 
   // The gradient of a dense projection's kernel. A row of the input that no query attends (a
@@ -293,8 +349,9 @@ struct Backward {
   // rows (B, T or S = 0) dW is 0 and no tile is taken of the null data.
   template <typename Projection>
   static void kernel_gradient(const AttentionPlan& plan, const Projection& projection,
-                              const ConstMatrixRef<Scalar>& input, const ConstMatrixRef<Scalar>& d_output,
-                              Buffers& buffers, RowMatrix<Scalar>& d_weight) {
+                              const ConstMatrixRef<Scalar>& input,
+                              const ConstMatrixRef<Scalar>& d_output, Buffers& buffers,
+                              RowMatrix<Scalar>& d_weight) {
     d_weight.resize(input.cols(), d_output.cols());
     if (input.rows() == 0) {
       d_weight.setZero();
@@ -341,23 +398,27 @@ struct Backward {
   // dW, db and d_input of the key or the value projection.
   template <typename Projection>
   static void context_gradients(const AttentionPlan& plan, const Projection& projection,
-                                const ConstMatrixRef<Scalar>& input, const RowMatrix<Scalar>& kernel,
-                                const RowMatrix<Scalar>& d_projected, bool use_bias, Buffers& buffers,
-                                RowMatrix<Scalar>& d_kernel, Vector<Scalar>& d_bias,
+                                const ConstMatrixRef<Scalar>& input,
+                                const RowMatrix<Scalar>& kernel,
+                                const RowMatrix<Scalar>& d_projected, bool use_bias,
+                                Buffers& buffers, RowMatrix<Scalar>& d_kernel,
+                                Vector<Scalar>& d_bias,
                                 Eigen::Tensor<Scalar, 3, Eigen::RowMajor>& d_input) {
     kernel_gradient(plan, projection, input, d_projected, buffers, d_kernel);
     bias_gradient(use_bias, d_projected, d_bias);
     d_input.resize(plan.batch, plan.key_steps, kernel.rows());
-    input_gradient(plan, projection, d_projected, kernel,
-                   Eigen::Map<RowMatrix<Scalar>>(d_input.data(), plan.batch * plan.key_steps, kernel.rows()), buffers);
+    input_gradient(
+        plan, projection, d_projected, kernel,
+        Eigen::Map<RowMatrix<Scalar>>(d_input.data(), plan.batch * plan.key_steps, kernel.rows()),
+        buffers);
   }
 
   // ---- the sparse query projection ---------------------------------------------------------
 
   // dWq and dX, by feature over X's CSC when Wq is beyond L2 (bow), else by rows; then dX in
   // from_coo's entry order when the query came from COO.
-  static void query_gradients(const Layer& layer, const AttentionPlan& plan, const Query& query, Buffers& buffers,
-                              MhaGradients<Scalar>& gradients) {
+  static void query_gradients(const Layer& layer, const AttentionPlan& plan, const Query& query,
+                              Buffers& buffers, MhaGradients<Scalar>& gradients) {
     BackwardBuffers<Scalar>& scratch = buffers.backward;
     const auto& coo_to_stored = query.coo_to_stored();
     Vector<Scalar>& d_stored = coo_to_stored.empty() ? gradients.query_values : scratch.d_stored;
@@ -374,8 +435,9 @@ struct Backward {
     }
   }
 
-  static void query_gradients_by_features(const Layer& layer, const AttentionPlan& plan, const Query& query,
-                                          Buffers& buffers, Vector<Scalar>& d_stored, RowMatrix<Scalar>& d_kernel) {
+  static void query_gradients_by_features(const Layer& layer, const AttentionPlan& plan,
+                                          const Query& query, Buffers& buffers,
+                                          Vector<Scalar>& d_stored, RowMatrix<Scalar>& d_kernel) {
     using Groups = typename QueryProjection::FeatureGroups;
     const auto& csr = query.csr();
     ScratchBuffer& memory = buffers.backward.feature_groups;
@@ -385,35 +447,44 @@ struct Backward {
     build_feature_groups(csr, groups, true);
     const Index features = plan.dims.query_dim;
     const RowMatrix<Scalar>& d_queries = buffers.backward.d_queries;
-    parallel_for(AttentionPlan::block_count(features, kFeatureBlock), plan.threads, [&](Index index, int) {
-      const RowBlock block = AttentionPlan::block(index, features, kFeatureBlock);
-      typename QueryProjection::KernelGradientArguments kernel_args{
-          csr, d_queries, d_kernel.middleRows(block.begin, block.rows), &groups, block.begin};
-      QueryProjection::can_implement(kernel_args);
-      layer.query_projection().backward(kernel_args);
-      typename QueryProjection::ValuesGradientArguments values_args{
-          csr, layer.weights().query_kernel, d_queries, d_stored, &groups, block.begin, block.rows};
-      QueryProjection::can_implement(values_args);
-      layer.query_projection().backward(values_args);
-    }, &buffers.pool);
+    parallel_for(
+        AttentionPlan::block_count(features, kFeatureBlock), plan.threads,
+        [&](Index index, int) {
+          const RowBlock block = AttentionPlan::block(index, features, kFeatureBlock);
+          typename QueryProjection::KernelGradientArguments kernel_args{
+              csr, d_queries, d_kernel.middleRows(block.begin, block.rows), &groups, block.begin};
+          QueryProjection::can_implement(kernel_args);
+          layer.query_projection().backward(kernel_args);
+          typename QueryProjection::ValuesGradientArguments values_args{
+              csr,       layer.weights().query_kernel, d_queries, d_stored, &groups, block.begin,
+              block.rows};
+          QueryProjection::can_implement(values_args);
+          layer.query_projection().backward(values_args);
+        },
+        &buffers.pool);
   }
 
   // By rows: dWq in fixed column panels, dX in the projection's row blocks. Without query rows
   // (B·T = 0) dWq is 0; the panels would be offsets on dQ's null data.
-  static void query_gradients_by_rows(const Layer& layer, const AttentionPlan& plan, const Query& query,
-                                      Buffers& buffers, Vector<Scalar>& d_stored, RowMatrix<Scalar>& d_kernel) {
+  static void query_gradients_by_rows(const Layer& layer, const AttentionPlan& plan,
+                                      const Query& query, Buffers& buffers,
+                                      Vector<Scalar>& d_stored, RowMatrix<Scalar>& d_kernel) {
     const auto& csr = query.csr();
     const RowMatrix<Scalar>& d_queries = buffers.backward.d_queries;
     const Index width = plan.dims.projected_key_width();
     if (csr.rows == 0) d_kernel.setZero();
     const Index panels = csr.rows > 0 ? AttentionPlan::block_count(width, kWeightTile) : 0;
-    parallel_for(panels, plan.threads, [&](Index index, int) {
-      const RowBlock panel = AttentionPlan::block(index, width, kWeightTile);
-      typename QueryProjection::KernelGradientArguments args{csr, d_queries.middleCols(panel.begin, panel.rows),
-                                                             d_kernel.middleCols(panel.begin, panel.rows)};
-      QueryProjection::can_implement(args);
-      layer.query_projection().backward(args);
-    }, &buffers.pool);
+    parallel_for(
+        panels, plan.threads,
+        [&](Index index, int) {
+          const RowBlock panel = AttentionPlan::block(index, width, kWeightTile);
+          typename QueryProjection::KernelGradientArguments args{
+              csr, d_queries.middleCols(panel.begin, panel.rows),
+              d_kernel.middleCols(panel.begin, panel.rows)};
+          QueryProjection::can_implement(args);
+          layer.query_projection().backward(args);
+        },
+        &buffers.pool);
     constexpr Index block_rows = kQueryProjectionRowBlock;
     const Index blocks = AttentionPlan::block_count(csr.rows, block_rows);
     std::vector<Index>& block_start = buffers.backward.block_start;
@@ -423,16 +494,19 @@ struct Backward {
       block_start[std::size_t(index) + 1] =
           block_start[std::size_t(index)] + csr.middle_rows(block.begin, block.rows).nonzeros();
     }
-    parallel_for(blocks, plan.threads, [&](Index index, int) {
-      const RowBlock block = AttentionPlan::block(index, csr.rows, block_rows);
-      const Index start = block_start[std::size_t(index)];
-      typename QueryProjection::ValuesGradientArguments args{
-          csr.middle_rows(block.begin, block.rows), layer.weights().query_kernel,
-          d_queries.middleRows(block.begin, block.rows),
-          d_stored.segment(start, block_start[std::size_t(index) + 1] - start)};
-      QueryProjection::can_implement(args);
-      layer.query_projection().backward(args);
-    }, &buffers.pool);
+    parallel_for(
+        blocks, plan.threads,
+        [&](Index index, int) {
+          const RowBlock block = AttentionPlan::block(index, csr.rows, block_rows);
+          const Index start = block_start[std::size_t(index)];
+          typename QueryProjection::ValuesGradientArguments args{
+              csr.middle_rows(block.begin, block.rows), layer.weights().query_kernel,
+              d_queries.middleRows(block.begin, block.rows),
+              d_stored.segment(start, block_start[std::size_t(index) + 1] - start)};
+          QueryProjection::can_implement(args);
+          layer.query_projection().backward(args);
+        },
+        &buffers.pool);
   }
 };
 
@@ -441,39 +515,44 @@ struct Backward {
 namespace sdmha {
 
 // The layer's backward entry points, declared in sparse_dense_mha.hpp.
-template <typename Scalar, typename QP, typename SK, typename SM, typename AV, typename OP, typename CP>
-void SparseDenseMHA<Scalar, QP, SK, SM, AV, OP, CP>::backward(const Query& query, const TensorRef3<Scalar>& key,
-                                                              const TensorRef3<Scalar>& value,
-                                                              const TensorRef3<Scalar>& d_output,
-                                                              const AttentionOptions<Scalar>& options,
-                                                              Workspace<Scalar>& workspace,
-                                                              MhaGradients<Scalar>& gradients) const {
+template <typename Scalar, typename QP, typename SK, typename SM, typename AV, typename OP,
+          typename CP>
+void SparseDenseMHA<Scalar, QP, SK, SM, AV, OP, CP>::backward(
+    const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
+    const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options,
+    Workspace<Scalar>& workspace, MhaGradients<Scalar>& gradients) const {
   using Backward = detail::Backward<SparseDenseMHA>;
   Backward::check_stages();
   constexpr const char* where = "SparseDenseMHA::backward";
   const typename Workspace<Scalar>::Lease lease(workspace, where);
   auto& buffers = lease.buffers();
-  const auto plan = Backward::check_and_plan(where, *this, query, key, value, d_output, options, buffers);
+  const auto plan =
+      Backward::check_and_plan(where, *this, query, key, value, d_output, options, buffers);
   this->project_context_into(plan, key, value, buffers, buffers.context);
-  Backward::run(*this, plan, query, key, value, buffers.context, d_output, options, buffers, gradients);
+  Backward::run(*this, plan, query, key, value, buffers.context, d_output, options, buffers,
+                gradients);
 }
 
-template <typename Scalar, typename QP, typename SK, typename SM, typename AV, typename OP, typename CP>
+template <typename Scalar, typename QP, typename SK, typename SM, typename AV, typename OP,
+          typename CP>
 void SparseDenseMHA<Scalar, QP, SK, SM, AV, OP, CP>::backward(
     const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
     const ProjectedContext<Scalar>& context, const TensorRef3<Scalar>& d_output,
-    const AttentionOptions<Scalar>& options, Workspace<Scalar>& workspace, MhaGradients<Scalar>& gradients) const {
+    const AttentionOptions<Scalar>& options, Workspace<Scalar>& workspace,
+    MhaGradients<Scalar>& gradients) const {
   using Backward = detail::Backward<SparseDenseMHA>;
   Backward::check_stages();
   constexpr const char* where = "SparseDenseMHA::backward";
   const typename Workspace<Scalar>::Lease lease(workspace, where);
   auto& buffers = lease.buffers();
-  const auto plan = Backward::check_and_plan(where, *this, query, key, value, d_output, options, buffers);
+  const auto plan =
+      Backward::check_and_plan(where, *this, query, key, value, d_output, options, buffers);
   Backward::check_saved_context(where, plan, context);
   Backward::run(*this, plan, query, key, value, context, d_output, options, buffers, gradients);
 }
 
-template <typename Scalar, typename QP, typename SK, typename SM, typename AV, typename OP, typename CP>
+template <typename Scalar, typename QP, typename SK, typename SM, typename AV, typename OP,
+          typename CP>
 MhaGradients<Scalar> SparseDenseMHA<Scalar, QP, SK, SM, AV, OP, CP>::backward(
     const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
     const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options) const {
@@ -483,7 +562,8 @@ MhaGradients<Scalar> SparseDenseMHA<Scalar, QP, SK, SM, AV, OP, CP>::backward(
   return gradients;
 }
 
-template <typename Scalar, typename QP, typename SK, typename SM, typename AV, typename OP, typename CP>
+template <typename Scalar, typename QP, typename SK, typename SM, typename AV, typename OP,
+          typename CP>
 MhaGradients<Scalar> SparseDenseMHA<Scalar, QP, SK, SM, AV, OP, CP>::backward(
     const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
     const ProjectedContext<Scalar>& context, const TensorRef3<Scalar>& d_output,

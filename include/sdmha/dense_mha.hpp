@@ -21,12 +21,13 @@ namespace sdmha {
 
 template <typename Scalar, typename QueryProjectionT = DenseProjection<Scalar>,
           typename ScoreKernelT = ScoreKernel<Scalar>, typename SoftmaxT = MaskedSoftmax<Scalar>,
-          typename AttendValuesT = AttendValues<Scalar>, typename OutputProjectionT = OutputProjection<Scalar>,
+          typename AttendValuesT = AttendValues<Scalar>,
+          typename OutputProjectionT = OutputProjection<Scalar>,
           typename ContextProjectionT = DenseProjection<Scalar>>
-class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT, OutputProjectionT,
-                                              ContextProjectionT> {
-  using Core =
-      detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT, OutputProjectionT, ContextProjectionT>;
+class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
+                                              OutputProjectionT, ContextProjectionT> {
+  using Core = detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
+                                     OutputProjectionT, ContextProjectionT>;
   static_assert(std::is_same<typename QueryProjectionT::ScalarType, Scalar>::value,
                 "the query projection's ScalarType must be the layer's Scalar");
 
@@ -35,7 +36,8 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
 
   DenseMHA(const MhaConfig& config, MhaWeights<Scalar> weights)
       : Core(config, std::make_shared<MhaWeights<Scalar>>(std::move(weights))) {}
-  DenseMHA(const MhaConfig& config, std::shared_ptr<MhaWeights<Scalar>> weights) : Core(config, std::move(weights)) {}
+  DenseMHA(const MhaConfig& config, std::shared_ptr<MhaWeights<Scalar>> weights)
+      : Core(config, std::move(weights)) {}
 
   QueryProjection& query_projection() { return query_projection_; }
   const QueryProjection& query_projection() const { return query_projection_; }
@@ -43,7 +45,8 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
   // query (B, T, Eq) dense; key (B, S, Ek); value (B, S, Ev) → output (B, T, O). Thread-safe.
   // options.score_strategy is ignored: a dense query has only the project-first form.
   AttentionResult<Scalar> forward(const TensorRef3<Scalar>& query, const TensorRef3<Scalar>& key,
-                                  const TensorRef3<Scalar>& value, const AttentionOptions<Scalar>& options = {}) const {
+                                  const TensorRef3<Scalar>& value,
+                                  const AttentionOptions<Scalar>& options = {}) const {
     Workspace<Scalar> workspace;
     AttentionResult<Scalar> result;
     forward(query, key, value, options, workspace, result);
@@ -51,9 +54,9 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
   }
 
   // The same into `result`, working in `workspace` (see SparseDenseMHA).
-  void forward(const TensorRef3<Scalar>& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
-               const AttentionOptions<Scalar>& options, Workspace<Scalar>& workspace,
-               AttentionResult<Scalar>& result) const {
+  void forward(const TensorRef3<Scalar>& query, const TensorRef3<Scalar>& key,
+               const TensorRef3<Scalar>& value, const AttentionOptions<Scalar>& options,
+               Workspace<Scalar>& workspace, AttentionResult<Scalar>& result) const {
     constexpr const char* where = "DenseMHA::forward";
     const LayerDims dims = this->dims();
     const Index B = query.dimension(0), T = query.dimension(1);
@@ -61,9 +64,11 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
       detail::fail<ShapeError>(where, "query has width ", query.dimension(2),
                                "; expected the query kernel's input width ", dims.query_dim);
     if (query.data() == nullptr && B * T * dims.query_dim > 0)
-      detail::fail<ShapeError>(where, "query has no data; expected ", B, " x ", T, " x ", dims.query_dim, " values");
+      detail::fail<ShapeError>(where, "query has no data; expected ", B, " x ", T, " x ",
+                               dims.query_dim, " values");
     Core::check_context(where, dims, B, key, value);
-    auto plan = Core::check_options(where, dims, B, T, value.dimension(1), options, detail::Pass::forward);
+    auto plan =
+        Core::check_options(where, dims, B, T, value.dimension(1), options, detail::Pass::forward);
     TileSizes block;
     block.rows = detail::kQueryProjectionRowBlock;
     block.input_width = dims.query_dim;
@@ -80,15 +85,24 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
                        weights.query_kernel, weights.query_bias, projected_query, buffers);
     const Scalar scale = Scalar(plan.scale);
     const Index Dk = dims.key_dim;
-    this->attend(plan, buffers.context, options, [&](const detail::AttentionItem& item, const BatchMask& mask,
-                                                     const ConstMatrixRef<Scalar>& key_tile, StageScratch scratch,
-                                                     MatrixRef<Scalar> scores) {
-      typename ScoreKernelT::Arguments args{
-          item.position(), projected_query.block(item.batch * T + item.query_begin, item.head * Dk, item.query_rows, Dk),
-          key_tile, scale, mask, scores, scratch};
-      ScoreKernelT::can_implement(args);
-      this->score_kernel_(args);
-    }, buffers, result);
+    this->attend(
+        plan, buffers.context, options,
+        [&](const detail::AttentionItem& item, const BatchMask& mask,
+            const ConstMatrixRef<Scalar>& key_tile, StageScratch scratch,
+            MatrixRef<Scalar> scores) {
+          typename ScoreKernelT::Arguments args{
+              item.position(),
+              projected_query.block(item.batch * T + item.query_begin, item.head * Dk,
+                                    item.query_rows, Dk),
+              key_tile,
+              scale,
+              mask,
+              scores,
+              scratch};
+          ScoreKernelT::can_implement(args);
+          this->score_kernel_(args);
+        },
+        buffers, result);
   }
 
   AttentionResult<Scalar> forward(const TensorRef3<Scalar>& query, const TensorRef3<Scalar>& value,

@@ -3,7 +3,8 @@
 // Every check happens at a boundary (a constructor, a factory, the start of forward, a file
 // reader) before any work is done, and in Release builds too. Messages name the argument, the
 // value found and what was expected, e.g.
-//   "sdmha: SparseQuery::from_coo: indices[4] feature = 70000 is out of range; expected 0 <= feature < 32768"
+//   "sdmha: SparseQuery::from_coo: indices[4] feature = 70000 is out of range; expected 0 <=
+//   feature < 32768"
 #pragma once
 
 #include <sstream>

@@ -45,7 +45,8 @@ void apply_mask(const BatchMask& mask, MatrixRef<Scalar> scores) {
   constexpr Scalar blocked = -std::numeric_limits<Scalar>::infinity();
   for (Index t = 0; t < scores.rows(); ++t) {
     Scalar* row = scores.row(t).data();
-    const bool* allowed_row = mask.attention == nullptr ? nullptr : mask.attention + t * mask.row_stride();
+    const bool* allowed_row =
+        mask.attention == nullptr ? nullptr : mask.attention + t * mask.row_stride();
     // Causal: key steps up to the query step (plus the offset) stay; so column s stays while
     // s <= causal_limit.
     const Index causal_limit = mask.first_step + t + mask.causal_offset - mask.first_key_step;

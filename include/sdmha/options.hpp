@@ -13,8 +13,9 @@
 namespace sdmha {
 
 // How the score kernel gets the query (both are exact; they differ in cost):
-//  project_first     Q = X·Wq + bq for all rows, then S_bh = (Q_bh/√Dk)·K_bhᵀ: 2·nnz·H·Dk + 2·T·S·Dk per (b, h).
-//  sparse_regrouped  S_bh = X_b·M_bh + 1·c_bh with M_bh = Wq_h·K_bhᵀ/√Dk restricted to the features
+//  project_first     Q = X·Wq + bq for all rows, then S_bh = (Q_bh/√Dk)·K_bhᵀ: 2·nnz·H·Dk +
+//  2·T·S·Dk per (b, h). sparse_regrouped  S_bh = X_b·M_bh + 1·c_bh with M_bh = Wq_h·K_bhᵀ/√Dk
+//  restricted to the features
 //                    that batch b uses (U_b of them): 2·U_b·Dk·S + 2·nnz_b·S per (b, h).
 // The regrouped form wins when batch b's rows touch few distinct features relative to T.
 // automatic       a cost model on the shapes and the query's nonzeros picks one per call.
@@ -22,9 +23,12 @@ enum class ScoreStrategy { automatic, project_first, sparse_regrouped };
 
 inline const char* to_string(ScoreStrategy strategy) {
   switch (strategy) {
-    case ScoreStrategy::project_first: return "project_first";
-    case ScoreStrategy::sparse_regrouped: return "sparse_regrouped";
-    default: return "automatic";
+    case ScoreStrategy::project_first:
+      return "project_first";
+    case ScoreStrategy::sparse_regrouped:
+      return "sparse_regrouped";
+    default:
+      return "automatic";
   }
 }
 
@@ -85,10 +89,10 @@ struct AttentionOptions {
 // project_context and reused by forward against many query batches over the same context.
 template <typename Scalar>
 struct ProjectedContext {
-  Index batch = 0;            // B
-  Index key_steps = 0;        // S
-  RowMatrix<Scalar> keys;     // B·S × H·Dk, row b·S + s
-  RowMatrix<Scalar> values;   // B·S × H·Dv
+  Index batch = 0;           // B
+  Index key_steps = 0;       // S
+  RowMatrix<Scalar> keys;    // B·S × H·Dk, row b·S + s
+  RowMatrix<Scalar> values;  // B·S × H·Dv
 };
 
 template <typename Scalar>
@@ -103,7 +107,8 @@ template <typename Scalar>
 class TensorRef3 {
  public:
   TensorRef3(const Eigen::Tensor<Scalar, 3, Eigen::RowMajor>& tensor)  // NOLINT: implicit by design
-      : data_(tensor.data()), dims_{tensor.dimension(0), tensor.dimension(1), tensor.dimension(2)} {}
+      : data_(tensor.data()),
+        dims_{tensor.dimension(0), tensor.dimension(1), tensor.dimension(2)} {}
 
   template <typename PlainTensor, int MapOptions, template <class> class MakePointer>
   TensorRef3(const Eigen::TensorMap<PlainTensor, MapOptions, MakePointer>& map)  // NOLINT
@@ -112,7 +117,8 @@ class TensorRef3 {
     static_assert(std::is_same<std::remove_const_t<typename Plain::Scalar>, Scalar>::value,
                   "TensorRef3: the tensor's scalar type must match the layer's Scalar");
     static_assert(Plain::NumIndices == 3, "TensorRef3: expected a rank-3 tensor (B, S, E)");
-    static_assert(int(Plain::Layout) == int(Eigen::RowMajor), "TensorRef3: expected a RowMajor tensor");
+    static_assert(int(Plain::Layout) == int(Eigen::RowMajor),
+                  "TensorRef3: expected a RowMajor tensor");
   }
 
   TensorRef3(const Scalar* data, Index batch, Index steps, Index width)

@@ -3,8 +3,9 @@
 // The layer composes its stages, each a template parameter with a default:
 //
 //   X (CSR) ──QueryProjection──▶ Q ─┐                           (project_first)
-//   X (CSR) ────────────────────────┼─ScoreKernel─▶ S ─Softmax─▶ P ─AttendValues─▶ A ─OutputProjection─▶ Y
-//   key  ──ContextProjection──▶ K ──┘                    value ──ContextProjection──▶ V ─┘
+//   X (CSR) ────────────────────────┼─ScoreKernel─▶ S ─Softmax─▶ P ─AttendValues─▶ A
+//   ─OutputProjection─▶ Y key  ──ContextProjection──▶ K ──┘                    value
+//   ──ContextProjection──▶ V ─┘
 //
 // With ScoreStrategy::sparse_regrouped the score kernel reads X's CSR rows directly and Q is
 // never formed. A call validates its inputs, plans its work (detail::AttentionPlan), then walks
@@ -33,20 +34,23 @@ template <typename Layer>
 struct Backward;
 template <typename Layer>
 struct LayerInternals;
-}
+}  // namespace detail
 
 template <typename Scalar, typename QueryProjectionT = SparseQueryProjection<Scalar>,
           typename ScoreKernelT = ScoreKernel<Scalar>, typename SoftmaxT = MaskedSoftmax<Scalar>,
-          typename AttendValuesT = AttendValues<Scalar>, typename OutputProjectionT = OutputProjection<Scalar>,
+          typename AttendValuesT = AttendValues<Scalar>,
+          typename OutputProjectionT = OutputProjection<Scalar>,
           typename ContextProjectionT = DenseProjection<Scalar>>
-class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT, OutputProjectionT,
-                                                    ContextProjectionT> {
-  using Core =
-      detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT, OutputProjectionT, ContextProjectionT>;
-  static_assert(std::is_floating_point<Scalar>::value, "SparseDenseMHA: Scalar must be float or double");
+class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
+                                                    OutputProjectionT, ContextProjectionT> {
+  using Core = detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
+                                     OutputProjectionT, ContextProjectionT>;
+  static_assert(std::is_floating_point<Scalar>::value,
+                "SparseDenseMHA: Scalar must be float or double");
   static_assert(std::is_same<typename QueryProjectionT::ScalarType, Scalar>::value,
                 "the query projection's ScalarType must be the layer's Scalar");
-  static_assert(std::is_same<typename QueryProjectionT::StorageIndexType, typename ScoreKernelT::StorageIndexType>::value,
+  static_assert(std::is_same<typename QueryProjectionT::StorageIndexType,
+                             typename ScoreKernelT::StorageIndexType>::value,
                 "the query projection and the score kernel must read the same CSR StorageIndex");
   template <typename Layer>
   friend struct detail::Backward;
@@ -70,7 +74,8 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
   const QueryProjection& query_projection() const { return query_projection_; }
 
   // query (B, T, Eq) sparse; key (B, S, Ek); value (B, S, Ev) → output (B, T, O). Thread-safe.
-  AttentionResult<Scalar> forward(const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
+  AttentionResult<Scalar> forward(const Query& query, const TensorRef3<Scalar>& key,
+                                  const TensorRef3<Scalar>& value,
                                   const AttentionOptions<Scalar>& options = {}) const {
     Workspace<Scalar> workspace;
     AttentionResult<Scalar> result;
@@ -88,7 +93,8 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
     Core::check_context(where, dims, query.batch(), key, value);
     const typename Workspace<Scalar>::Lease lease(workspace, where);
     auto& buffers = lease.buffers();
-    const auto plan = plan_call(where, dims, query, value.dimension(1), options, detail::Pass::forward, buffers);
+    const auto plan =
+        plan_call(where, dims, query, value.dimension(1), options, detail::Pass::forward, buffers);
     this->project_context_into(plan, key, value, buffers, buffers.context);
     run(plan, query, buffers.context, options, buffers, result);
   }
@@ -102,14 +108,16 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
     return result;
   }
 
-  void forward(const Query& query, const ProjectedContext<Scalar>& context, const AttentionOptions<Scalar>& options,
-               Workspace<Scalar>& workspace, AttentionResult<Scalar>& result) const {
+  void forward(const Query& query, const ProjectedContext<Scalar>& context,
+               const AttentionOptions<Scalar>& options, Workspace<Scalar>& workspace,
+               AttentionResult<Scalar>& result) const {
     constexpr const char* where = "SparseDenseMHA::forward";
     const LayerDims dims = checked_query(where, query);
     Core::check_context(where, dims, query.batch(), context);
     const typename Workspace<Scalar>::Lease lease(workspace, where);
     auto& buffers = lease.buffers();
-    const auto plan = plan_call(where, dims, query, context.key_steps, options, detail::Pass::forward, buffers);
+    const auto plan =
+        plan_call(where, dims, query, context.key_steps, options, detail::Pass::forward, buffers);
     run(plan, query, context, options, buffers, result);
   }
 
@@ -123,8 +131,9 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
   // ∂loss/∂output (B, T, O): every weight, the query's stored values, key and value
   // (sdmha/backward.hpp). Same masks, dropout and threads as the forward; bitwise the same for
   // any thread count. Every stage must bring its backward (a readable static_assert otherwise).
-  MhaGradients<Scalar> backward(const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
-                                const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options = {}) const;
+  MhaGradients<Scalar> backward(const Query& query, const TensorRef3<Scalar>& key,
+                                const TensorRef3<Scalar>& value, const TensorRef3<Scalar>& d_output,
+                                const AttentionOptions<Scalar>& options = {}) const;
   // The same into `gradients`, working in `workspace`: a training loop that keeps both allocates
   // nothing and starts no threads after its first step.
   void backward(const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
@@ -132,8 +141,10 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
                 Workspace<Scalar>& workspace, MhaGradients<Scalar>& gradients) const;
   // Both forms reusing the keys and values of project_context(key, value), the context the
   // forward ran against (key and value are still needed: dWk = keyᵀ·dK, dWv = valueᵀ·dV).
-  MhaGradients<Scalar> backward(const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
-                                const ProjectedContext<Scalar>& context, const TensorRef3<Scalar>& d_output,
+  MhaGradients<Scalar> backward(const Query& query, const TensorRef3<Scalar>& key,
+                                const TensorRef3<Scalar>& value,
+                                const ProjectedContext<Scalar>& context,
+                                const TensorRef3<Scalar>& d_output,
                                 const AttentionOptions<Scalar>& options = {}) const;
   void backward(const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
                 const ProjectedContext<Scalar>& context, const TensorRef3<Scalar>& d_output,
@@ -142,7 +153,8 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
 
   // The score strategy that `requested` resolves to for this query and S key steps (see
   // detail::choose_strategy for the cost model).
-  ScoreStrategy resolve_strategy(ScoreStrategy requested, const Query& query, Index key_steps, bool causal) const {
+  ScoreStrategy resolve_strategy(ScoreStrategy requested, const Query& query, Index key_steps,
+                                 bool causal) const {
     if (requested != ScoreStrategy::automatic) return requested;
     std::vector<Index> marks;
     detail::AttentionPlan plan;
@@ -160,15 +172,17 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
     const LayerDims dims = this->dims();
     if (query.features() != dims.query_dim)
       detail::fail<ShapeError>(where, "query has ", query.features(),
-                               " features; expected the query kernel's input width ", dims.query_dim);
+                               " features; expected the query kernel's input width ",
+                               dims.query_dim);
     return dims;
   }
 
   // Validates the options and decides the call: sizes, threads, strategy, tiles, scratch.
-  detail::AttentionPlan plan_call(const char* where, const LayerDims& dims, const Query& query, Index key_steps,
-                                  const AttentionOptions<Scalar>& options, detail::Pass pass,
-                                  detail::CallBuffers<Scalar>& buffers) const {
-    auto plan = Core::check_options(where, dims, query.batch(), query.steps(), key_steps, options, pass);
+  detail::AttentionPlan plan_call(const char* where, const LayerDims& dims, const Query& query,
+                                  Index key_steps, const AttentionOptions<Scalar>& options,
+                                  detail::Pass pass, detail::CallBuffers<Scalar>& buffers) const {
+    auto plan =
+        Core::check_options(where, dims, query.batch(), query.steps(), key_steps, options, pass);
     const bool count_features = options.score_strategy != ScoreStrategy::project_first;
     plan.query = detail::query_statistics(query.csr(), query.batch(), query.steps(), count_features,
                                           buffers.feature_marks);
@@ -183,7 +197,8 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
   }
 
   // Q = X·Wq + bq in the plan's blocks of query rows, into `projected_query` (resized).
-  void project_query(const detail::AttentionPlan& plan, const Query& query, detail::CallBuffers<Scalar>& buffers,
+  void project_query(const detail::AttentionPlan& plan, const Query& query,
+                     detail::CallBuffers<Scalar>& buffers,
                      RowMatrix<Scalar>& projected_query) const {
     const auto& weights = this->weights();
     const auto& csr = query.csr();
@@ -191,48 +206,69 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
     projected_query.resize(query.rows(), plan.dims.projected_key_width());
     const Index blocks = detail::AttentionPlan::block_count(query.rows(), block_rows);
     buffers.prepare_workers(plan.workers(blocks), plan.worker_scratch_bytes, plan.tile_entries, 2);
-    detail::parallel_for(blocks, plan.threads, [&](Index index, int worker) {
-      const detail::RowBlock block = detail::AttentionPlan::block(index, query.rows(), block_rows);
-      typename QueryProjection::Arguments args{csr.middle_rows(block.begin, block.rows), weights.query_kernel,
-                                               Core::bias_view(weights.query_bias),
-                                               projected_query.middleRows(block.begin, block.rows),
-                                               buffers.workers[std::size_t(worker)].stage.view()};
-      QueryProjection::can_implement(args);
-      query_projection_(args);
-    }, &buffers.pool);
+    detail::parallel_for(
+        blocks, plan.threads,
+        [&](Index index, int worker) {
+          const detail::RowBlock block =
+              detail::AttentionPlan::block(index, query.rows(), block_rows);
+          typename QueryProjection::Arguments args{
+              csr.middle_rows(block.begin, block.rows), weights.query_kernel,
+              Core::bias_view(weights.query_bias),
+              projected_query.middleRows(block.begin, block.rows),
+              buffers.workers[std::size_t(worker)].stage.view()};
+          QueryProjection::can_implement(args);
+          query_projection_(args);
+        },
+        &buffers.pool);
   }
 
   // The forward over the plan: the scores of an item come from X's rows (regrouped) or from Q.
-  void run(const detail::AttentionPlan& plan, const Query& query, const ProjectedContext<Scalar>& context,
-           const AttentionOptions<Scalar>& options, detail::CallBuffers<Scalar>& buffers,
-           AttentionResult<Scalar>& result) const {
+  void run(const detail::AttentionPlan& plan, const Query& query,
+           const ProjectedContext<Scalar>& context, const AttentionOptions<Scalar>& options,
+           detail::CallBuffers<Scalar>& buffers, AttentionResult<Scalar>& result) const {
     const Index T = plan.steps, Dk = plan.dims.key_dim;
     const Scalar scale = Scalar(plan.scale);
     const auto& weights = this->weights();
     if (plan.regrouped()) {
-      this->attend(plan, context, options, [&](const detail::AttentionItem& item, const BatchMask& mask,
-                                               const ConstMatrixRef<Scalar>& key, StageScratch scratch,
-                                               MatrixRef<Scalar> scores) {
-        typename ScoreKernelT::SparseArguments args{
-            item.position(),  query.csr().middle_rows(item.batch * T + item.query_begin, item.query_rows),
-            weights.query_kernel.middleCols(item.head * Dk, Dk),
-            Core::bias_segment(weights.query_bias, item.head * Dk, Dk), key, scale, mask, scores, scratch};
-        ScoreKernelT::can_implement(args);
-        this->score_kernel_(args);
-      }, buffers, result);
+      this->attend(
+          plan, context, options,
+          [&](const detail::AttentionItem& item, const BatchMask& mask,
+              const ConstMatrixRef<Scalar>& key, StageScratch scratch, MatrixRef<Scalar> scores) {
+            typename ScoreKernelT::SparseArguments args{
+                item.position(),
+                query.csr().middle_rows(item.batch * T + item.query_begin, item.query_rows),
+                weights.query_kernel.middleCols(item.head * Dk, Dk),
+                Core::bias_segment(weights.query_bias, item.head * Dk, Dk),
+                key,
+                scale,
+                mask,
+                scores,
+                scratch};
+            ScoreKernelT::can_implement(args);
+            this->score_kernel_(args);
+          },
+          buffers, result);
       return;
     }
     project_query(plan, query, buffers, buffers.projected_query);
     const RowMatrix<Scalar>& projected_query = buffers.projected_query;
-    this->attend(plan, context, options, [&](const detail::AttentionItem& item, const BatchMask& mask,
-                                             const ConstMatrixRef<Scalar>& key, StageScratch scratch,
-                                             MatrixRef<Scalar> scores) {
-      typename ScoreKernelT::Arguments args{
-          item.position(), projected_query.block(item.batch * T + item.query_begin, item.head * Dk, item.query_rows, Dk),
-          key, scale, mask, scores, scratch};
-      ScoreKernelT::can_implement(args);
-      this->score_kernel_(args);
-    }, buffers, result);
+    this->attend(
+        plan, context, options,
+        [&](const detail::AttentionItem& item, const BatchMask& mask,
+            const ConstMatrixRef<Scalar>& key, StageScratch scratch, MatrixRef<Scalar> scores) {
+          typename ScoreKernelT::Arguments args{
+              item.position(),
+              projected_query.block(item.batch * T + item.query_begin, item.head * Dk,
+                                    item.query_rows, Dk),
+              key,
+              scale,
+              mask,
+              scores,
+              scratch};
+          ScoreKernelT::can_implement(args);
+          this->score_kernel_(args);
+        },
+        buffers, result);
   }
 
   QueryProjection query_projection_;
@@ -246,12 +282,14 @@ template <typename Layer>
 struct LayerInternals {
   using Scalar = typename Layer::ScalarType;
   static AttentionPlan plan(const Layer& layer, const typename Layer::Query& query, Index key_steps,
-                            const AttentionOptions<Scalar>& options, Pass pass, CallBuffers<Scalar>& buffers) {
+                            const AttentionOptions<Scalar>& options, Pass pass,
+                            CallBuffers<Scalar>& buffers) {
     const LayerDims dims = layer.checked_query("plan", query);
     return layer.plan_call("plan", dims, query, key_steps, options, pass, buffers);
   }
-  static void project_query(const Layer& layer, const AttentionPlan& plan, const typename Layer::Query& query,
-                            CallBuffers<Scalar>& buffers, RowMatrix<Scalar>& projected_query) {
+  static void project_query(const Layer& layer, const AttentionPlan& plan,
+                            const typename Layer::Query& query, CallBuffers<Scalar>& buffers,
+                            RowMatrix<Scalar>& projected_query) {
     layer.project_query(plan, query, buffers, projected_query);
   }
 };

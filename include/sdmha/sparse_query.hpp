@@ -27,7 +27,8 @@ template <typename Scalar, typename StorageIndex = int>
 struct CsrView {
   Index rows = 0;
   Index cols = 0;
-  const StorageIndex* row_offsets = nullptr;   // rows + 1 entries (only the first `rows` used when uncompressed)
+  const StorageIndex* row_offsets =
+      nullptr;  // rows + 1 entries (only the first `rows` used when uncompressed)
   const StorageIndex* row_nonzeros = nullptr;  // rows entries, or nullptr when compressed
   const StorageIndex* column_indices = nullptr;
   const Scalar* values = nullptr;
@@ -60,7 +61,8 @@ struct CsrView {
 
 template <typename Scalar, typename StorageIndex = int>
 class SparseQuery {
-  static_assert(std::is_floating_point<Scalar>::value, "SparseQuery: Scalar must be float or double");
+  static_assert(std::is_floating_point<Scalar>::value,
+                "SparseQuery: Scalar must be float or double");
   static_assert(std::is_integral<StorageIndex>::value && std::is_signed<StorageIndex>::value,
                 "SparseQuery: StorageIndex must be a signed integer type");
 
@@ -168,8 +170,9 @@ class SparseQuery {
     constexpr const char* where = "SparseQuery::from_eigen";
     check_dense_shape(where, batch, steps, matrix.cols());
     if (Index(matrix.rows()) != batch * steps)
-      detail::fail<ShapeError>(where, "matrix has ", matrix.rows(), " rows; expected batch * steps = ",
-                               batch, " * ", steps, " = ", batch * steps);
+      detail::fail<ShapeError>(where, "matrix has ", matrix.rows(),
+                               " rows; expected batch * steps = ", batch, " * ", steps, " = ",
+                               batch * steps);
     SparseQuery query;
     query.batch_ = batch;
     query.steps_ = steps;
@@ -198,7 +201,8 @@ class SparseQuery {
                                " entries; expected batch * steps + 1 = ", rows + 1);
     if (nonzero_count < 0)
       detail::fail<ShapeError>(where, "nonzero_count = ", nonzero_count, "; expected >= 0");
-    if (row_offsets == nullptr || ((column_indices == nullptr || values == nullptr) && nonzero_count > 0))
+    if (row_offsets == nullptr ||
+        ((column_indices == nullptr || values == nullptr) && nonzero_count > 0))
       detail::fail<ShapeError>(where, "a CSR array pointer is null; expected valid arrays");
     if (row_offsets[0] != 0)
       detail::fail<IndexError>(where, "row_offsets[0] = ", row_offsets[0], "; expected 0");

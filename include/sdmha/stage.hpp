@@ -56,7 +56,8 @@ namespace detail {
 template <typename Stage, typename = void>
 struct HasWorkspaceSize : std::false_type {};
 template <typename Stage>
-struct HasWorkspaceSize<Stage, std::void_t<decltype(Stage::workspace_size(std::declval<const TileSizes&>()))>>
+struct HasWorkspaceSize<
+    Stage, std::void_t<decltype(Stage::workspace_size(std::declval<const TileSizes&>()))>>
     : std::true_type {};
 
 template <typename Stage>
@@ -92,8 +93,8 @@ struct DeclaresBackward<Stage, std::void_t<decltype(&Stage::backward)>>
     : std::is_same<typename MemberClass<decltype(&Stage::backward)>::type, Stage> {};
 
 template <typename Stage>
-struct IsDifferentiable
-    : std::integral_constant<bool, DeclaresDifferentiates<Stage>::value || DeclaresBackward<Stage>::value> {};
+struct IsDifferentiable : std::integral_constant<bool, DeclaresDifferentiates<Stage>::value ||
+                                                           DeclaresBackward<Stage>::value> {};
 
 }  // namespace detail
 }  // namespace sdmha

@@ -15,14 +15,16 @@
 namespace sdmha {
 
 struct MhaConfig {
-  Index num_heads = 0;    // H, > 0
-  Index key_dim = 0;      // Dk, the width of one head's query and key, > 0
-  Index value_dim = 0;    // Dv, the width of one head's value; 0 means key_dim
-  Index output_dim = 0;   // O; 0 means the query's feature width Eq (Keras' default output_shape)
+  Index num_heads = 0;   // H, > 0
+  Index key_dim = 0;     // Dk, the width of one head's query and key, > 0
+  Index value_dim = 0;   // Dv, the width of one head's value; 0 means key_dim
+  Index output_dim = 0;  // O; 0 means the query's feature width Eq (Keras' default output_shape)
   bool use_bias = true;
 
   Index resolved_value_dim() const { return value_dim == 0 ? key_dim : value_dim; }
-  Index resolved_output_dim(Index query_dim) const { return output_dim == 0 ? query_dim : output_dim; }
+  Index resolved_output_dim(Index query_dim) const {
+    return output_dim == 0 ? query_dim : output_dim;
+  }
 
   void validate() const {
     constexpr const char* where = "MhaConfig";
@@ -30,7 +32,8 @@ struct MhaConfig {
       detail::fail<ConfigError>(where, "num_heads = ", num_heads, "; expected > 0");
     if (key_dim <= 0) detail::fail<ConfigError>(where, "key_dim = ", key_dim, "; expected > 0");
     if (value_dim < 0)
-      detail::fail<ConfigError>(where, "value_dim = ", value_dim, "; expected >= 0 (0 means key_dim)");
+      detail::fail<ConfigError>(where, "value_dim = ", value_dim,
+                                "; expected >= 0 (0 means key_dim)");
     if (output_dim < 0)
       detail::fail<ConfigError>(where, "output_dim = ", output_dim,
                                 "; expected >= 0 (0 means the query's feature width)");
@@ -69,7 +72,8 @@ struct MhaWeights {
                                    Index value_in_dim, std::uint64_t seed) {
     config.validate();
     constexpr const char* where = "MhaWeights::glorot_uniform";
-    if (query_dim <= 0) detail::fail<ShapeError>(where, "query_dim = ", query_dim, "; expected > 0");
+    if (query_dim <= 0)
+      detail::fail<ShapeError>(where, "query_dim = ", query_dim, "; expected > 0");
     if (key_in_dim <= 0)
       detail::fail<ShapeError>(where, "key_in_dim = ", key_in_dim, "; expected > 0");
     if (value_in_dim <= 0)
@@ -79,12 +83,14 @@ struct MhaWeights {
     const Index output_dim = config.resolved_output_dim(query_dim);
     std::mt19937_64 generator(seed);
     MhaWeights weights;
-    weights.query_kernel = glorot(generator, query_dim, heads * key_dim, query_dim * heads, query_dim * key_dim);
-    weights.key_kernel = glorot(generator, key_in_dim, heads * key_dim, key_in_dim * heads, key_in_dim * key_dim);
+    weights.query_kernel =
+        glorot(generator, query_dim, heads * key_dim, query_dim * heads, query_dim * key_dim);
+    weights.key_kernel =
+        glorot(generator, key_in_dim, heads * key_dim, key_in_dim * heads, key_in_dim * key_dim);
     weights.value_kernel = glorot(generator, value_in_dim, heads * value_dim, value_in_dim * heads,
                                   value_in_dim * value_dim);
-    weights.output_kernel = glorot(generator, heads * value_dim, output_dim, heads * value_dim,
-                                   heads * output_dim);
+    weights.output_kernel =
+        glorot(generator, heads * value_dim, output_dim, heads * value_dim, heads * output_dim);
     if (config.use_bias) {
       weights.query_bias = Vector<Scalar>::Zero(heads * key_dim);
       weights.key_bias = Vector<Scalar>::Zero(heads * key_dim);
@@ -117,9 +123,9 @@ struct MhaWeights {
     expect_kernel("key_kernel", key_kernel, hk);
     expect_kernel("value_kernel", value_kernel, hv);
     if (output_kernel.rows() != hv || output_kernel.cols() != dims.output_dim)
-      detail::fail<ShapeError>(where, "output_kernel is ", output_kernel.rows(), " x ",
-                               output_kernel.cols(), "; expected num_heads * value_dim x output_dim = ",
-                               hv, " x ", dims.output_dim);
+      detail::fail<ShapeError>(
+          where, "output_kernel is ", output_kernel.rows(), " x ", output_kernel.cols(),
+          "; expected num_heads * value_dim x output_dim = ", hv, " x ", dims.output_dim);
     auto expect_bias = [&](const char* name, const Vector<Scalar>& bias, Index size) {
       const Index expected = config.use_bias ? size : 0;
       if (bias.size() != expected)

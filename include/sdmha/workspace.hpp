@@ -43,7 +43,8 @@ struct WorkerBuffers {
   ScratchBuffer tiles;
   std::vector<char> row_flags;
 
-  Eigen::Map<RowMatrix<Scalar>> tile(int which, Index rows, Index columns, Index tile_entries) const {
+  Eigen::Map<RowMatrix<Scalar>> tile(int which, Index rows, Index columns,
+                                     Index tile_entries) const {
     Scalar* base = reinterpret_cast<Scalar*>(tiles.view().data) + which * tile_entries;
     return Eigen::Map<RowMatrix<Scalar>>(base, rows, columns);
   }
@@ -54,16 +55,18 @@ struct WorkerBuffers {
 template <typename Scalar>
 struct BackwardBuffers {
   RowMatrix<Scalar> d_heads, d_queries, d_keys, d_values;  // dA, dQ, dK, dV
-  RowMatrix<Scalar> gathered_input, gathered_output;       // rows of a non-finite input with a gradient
+  RowMatrix<Scalar> gathered_input, gathered_output;  // rows of a non-finite input with a gradient
   std::vector<Index> gathered_rows, block_start;
   Vector<Scalar> d_stored;       // dX in CSR order when from_coo's order differs
   ScratchBuffer feature_groups;  // the whole query's CSC, for the query gradients by feature
 
   std::size_t bytes() const {
     auto matrix_bytes = [](const auto& m) { return std::size_t(m.size()) * sizeof(Scalar); };
-    return matrix_bytes(d_heads) + matrix_bytes(d_queries) + matrix_bytes(d_keys) + matrix_bytes(d_values) +
-           matrix_bytes(gathered_input) + matrix_bytes(gathered_output) + matrix_bytes(d_stored) +
-           (gathered_rows.capacity() + block_start.capacity()) * sizeof(Index) + feature_groups.bytes();
+    return matrix_bytes(d_heads) + matrix_bytes(d_queries) + matrix_bytes(d_keys) +
+           matrix_bytes(d_values) + matrix_bytes(gathered_input) + matrix_bytes(gathered_output) +
+           matrix_bytes(d_stored) +
+           (gathered_rows.capacity() + block_start.capacity()) * sizeof(Index) +
+           feature_groups.bytes();
   }
 };
 
@@ -71,11 +74,11 @@ struct BackwardBuffers {
 // when the number of entries changes.
 template <typename Scalar>
 struct CallBuffers {
-  ProjectedContext<Scalar> context;        // K and V, unless the caller passes a context
-  RowMatrix<Scalar> projected_query;       // Q (project-first, the dense baseline, backward)
-  RowMatrix<Scalar> heads;                 // [A_0 … A_{H−1}], B·T × H·Dv
-  std::vector<char> value_is_finite;       // per (b, h)
-  std::vector<Index> feature_marks;        // the query statistics' scratch (Eq entries)
+  ProjectedContext<Scalar> context;   // K and V, unless the caller passes a context
+  RowMatrix<Scalar> projected_query;  // Q (project-first, the dense baseline, backward)
+  RowMatrix<Scalar> heads;            // [A_0 … A_{H−1}], B·T × H·Dv
+  std::vector<char> value_is_finite;  // per (b, h)
+  std::vector<Index> feature_marks;   // the query statistics' scratch (Eq entries)
   std::vector<WorkerBuffers<Scalar>> workers;
   BackwardBuffers<Scalar> backward;
   ThreadPool pool;
@@ -84,19 +87,24 @@ struct CallBuffers {
   // start: a worker never allocates.
   void prepare_workers(int count, std::size_t stage_bytes, Index tile_entries, int tiles_per_worker,
                        Index flag_rows = 0) {
-    if (workers.size() < static_cast<std::size_t>(count)) workers.resize(static_cast<std::size_t>(count));
+    if (workers.size() < static_cast<std::size_t>(count))
+      workers.resize(static_cast<std::size_t>(count));
     for (auto& worker : workers) {
       worker.stage.reserve(stage_bytes);
-      worker.tiles.reserve(std::size_t(tiles_per_worker) * std::size_t(tile_entries) * sizeof(Scalar));
+      worker.tiles.reserve(std::size_t(tiles_per_worker) * std::size_t(tile_entries) *
+                           sizeof(Scalar));
       if (worker.row_flags.size() < static_cast<std::size_t>(flag_rows))
         worker.row_flags.resize(static_cast<std::size_t>(flag_rows));
     }
   }
 
   std::size_t bytes() const {
-    auto matrix_bytes = [](const RowMatrix<Scalar>& m) { return std::size_t(m.size()) * sizeof(Scalar); };
-    std::size_t total = matrix_bytes(context.keys) + matrix_bytes(context.values) + matrix_bytes(projected_query) +
-                        matrix_bytes(heads) + value_is_finite.capacity() + feature_marks.capacity() * sizeof(Index);
+    auto matrix_bytes = [](const RowMatrix<Scalar>& m) {
+      return std::size_t(m.size()) * sizeof(Scalar);
+    };
+    std::size_t total = matrix_bytes(context.keys) + matrix_bytes(context.values) +
+                        matrix_bytes(projected_query) + matrix_bytes(heads) +
+                        value_is_finite.capacity() + feature_marks.capacity() * sizeof(Index);
     for (const auto& worker : workers) total += worker.bytes();
     return total + backward.bytes();
   }
@@ -124,10 +132,12 @@ class Workspace {
   class Lease {
    public:
     Lease(Workspace& workspace, const char* where) : workspace_(workspace) {
-      if (!workspace.buffers_) detail::fail<ConfigError>(where, "workspace was moved from; expected a live Workspace");
+      if (!workspace.buffers_)
+        detail::fail<ConfigError>(where, "workspace was moved from; expected a live Workspace");
       if (workspace.in_use_.exchange(true, std::memory_order_acquire))
-        detail::fail<ConfigError>(where, "workspace is in use by another call; expected one "
-                                         "Workspace per calling thread");
+        detail::fail<ConfigError>(where,
+                                  "workspace is in use by another call; expected one "
+                                  "Workspace per calling thread");
     }
     ~Lease() { workspace_.in_use_.store(false, std::memory_order_release); }
     Lease(const Lease&) = delete;

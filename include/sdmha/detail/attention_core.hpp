@@ -37,9 +37,11 @@ BatchMask item_mask(const AttentionItem& item, const AttentionOptions<Scalar>& o
   mask.first_step = item.query_begin;
   mask.first_key_step = item.key_begin;
   mask.causal = options.use_causal_mask;
-  mask.causal_offset = options.causal_alignment == CausalAlignment::bottom_right ? key_steps - steps : 0;
+  mask.causal_offset =
+      options.causal_alignment == CausalAlignment::bottom_right ? key_steps - steps : 0;
   if (options.attention_mask.size() != 0) {
-    mask.attention = options.attention_mask.data() + (item.batch * steps + item.query_begin) * key_steps + item.key_begin;
+    mask.attention = options.attention_mask.data() +
+                     (item.batch * steps + item.query_begin) * key_steps + item.key_begin;
     mask.attention_stride = key_steps;
   }
   if (options.key_padding_mask.size() != 0)
@@ -91,8 +93,10 @@ class AttentionCore {
   const OutputProjection& output_projection() const { return output_projection_; }
   const ContextProjection& context_projection() const { return context_projection_; }
 
-  // Projects key (B, S, Ek) and value (B, S, Ev) once, for forward and backward calls that reuse them.
-  ProjectedContext<Scalar> project_context(const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
+  // Projects key (B, S, Ek) and value (B, S, Ev) once, for forward and backward calls that reuse
+  // them.
+  ProjectedContext<Scalar> project_context(const TensorRef3<Scalar>& key,
+                                           const TensorRef3<Scalar>& value,
                                            int num_threads = 0) const {
     Workspace<Scalar> workspace;
     ProjectedContext<Scalar> context;
@@ -101,13 +105,15 @@ class AttentionCore {
   }
   // The same into `context`, working in `workspace`: a training loop that keeps both allocates
   // nothing and starts no threads after its first step.
-  void project_context(const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value, Workspace<Scalar>& workspace,
-                       ProjectedContext<Scalar>& context, int num_threads = 0) const {
+  void project_context(const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
+                       Workspace<Scalar>& workspace, ProjectedContext<Scalar>& context,
+                       int num_threads = 0) const {
     constexpr const char* where = "project_context";
     const LayerDims dims = this->dims();
     check_context(where, dims, key.dimension(0), key, value);
     if (num_threads < 0)
-      fail<ConfigError>(where, "num_threads = ", num_threads, "; expected >= 0 (0 means all hardware threads)");
+      fail<ConfigError>(where, "num_threads = ", num_threads,
+                        "; expected >= 0 (0 means all hardware threads)");
     AttentionPlan plan;
     plan.dims = dims;
     plan.batch = key.dimension(0);
@@ -128,63 +134,74 @@ class AttentionCore {
   // ---- validation --------------------------------------------------------------------------
 
   // Checks key (B, S, Ek) and value (B, S, Ev) against the weights and the query's batch.
-  static void check_context(const char* where, const LayerDims& dims, Index batch, const TensorRef3<Scalar>& key,
-                            const TensorRef3<Scalar>& value) {
+  static void check_context(const char* where, const LayerDims& dims, Index batch,
+                            const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value) {
     auto check_tensor = [&](const char* name, const TensorRef3<Scalar>& tensor, Index width) {
       if (tensor.dimension(0) != batch)
-        fail<ShapeError>(where, name, " has batch ", tensor.dimension(0), "; expected the query's batch ", batch);
+        fail<ShapeError>(where, name, " has batch ", tensor.dimension(0),
+                         "; expected the query's batch ", batch);
       if (tensor.dimension(2) != width)
-        fail<ShapeError>(where, name, " has width ", tensor.dimension(2), "; expected the kernel's input width ",
-                         width);
+        fail<ShapeError>(where, name, " has width ", tensor.dimension(2),
+                         "; expected the kernel's input width ", width);
       if (tensor.data() == nullptr && tensor.dimension(0) * tensor.dimension(1) * width > 0)
-        fail<ShapeError>(where, name, " has no data; expected ", batch, " x ", tensor.dimension(1), " x ", width,
-                         " values");
+        fail<ShapeError>(where, name, " has no data; expected ", batch, " x ", tensor.dimension(1),
+                         " x ", width, " values");
     };
     check_tensor("key", key, dims.key_in_dim);
     check_tensor("value", value, dims.value_in_dim);
     if (key.dimension(1) != value.dimension(1))
-      fail<ShapeError>(where, "key has ", key.dimension(1), " steps but value has ", value.dimension(1),
-                       "; expected equal");
+      fail<ShapeError>(where, "key has ", key.dimension(1), " steps but value has ",
+                       value.dimension(1), "; expected equal");
   }
 
   // Checks a ProjectedContext against the weights and the query's batch.
   static void check_context(const char* where, const LayerDims& dims, Index batch,
                             const ProjectedContext<Scalar>& context) {
     if (context.batch != batch)
-      fail<ShapeError>(where, "context has batch ", context.batch, "; expected the query's batch ", batch);
+      fail<ShapeError>(where, "context has batch ", context.batch, "; expected the query's batch ",
+                       batch);
     if (context.key_steps < 0 || context.keys.rows() != context.batch * context.key_steps ||
         context.keys.cols() != dims.projected_key_width())
       fail<ShapeError>(where, "context.keys is ", context.keys.rows(), " x ", context.keys.cols(),
-                       "; expected batch * key_steps x num_heads * key_dim = ", context.batch * context.key_steps,
-                       " x ", dims.projected_key_width());
-    if (context.values.rows() != context.keys.rows() || context.values.cols() != dims.projected_value_width())
-      fail<ShapeError>(where, "context.values is ", context.values.rows(), " x ", context.values.cols(),
-                       "; expected batch * key_steps x num_heads * value_dim = ", context.keys.rows(), " x ",
-                       dims.projected_value_width());
+                       "; expected batch * key_steps x num_heads * key_dim = ",
+                       context.batch * context.key_steps, " x ", dims.projected_key_width());
+    if (context.values.rows() != context.keys.rows() ||
+        context.values.cols() != dims.projected_value_width())
+      fail<ShapeError>(
+          where, "context.values is ", context.values.rows(), " x ", context.values.cols(),
+          "; expected batch * key_steps x num_heads * value_dim = ", context.keys.rows(), " x ",
+          dims.projected_value_width());
   }
 
   // Checks the options against (B, T, S) and starts the call's plan: sizes and threads.
-  static AttentionPlan check_options(const char* where, const LayerDims& dims, Index batch, Index steps,
-                                     Index key_steps, const AttentionOptions<Scalar>& options, Pass pass) {
+  static AttentionPlan check_options(const char* where, const LayerDims& dims, Index batch,
+                                     Index steps, Index key_steps,
+                                     const AttentionOptions<Scalar>& options, Pass pass) {
     const auto& mask = options.attention_mask;
-    if (mask.size() != 0 || mask.dimension(0) != 0 || mask.dimension(1) != 0 || mask.dimension(2) != 0) {
-      if (mask.dimension(0) != batch || mask.dimension(1) != steps || mask.dimension(2) != key_steps)
-        fail<ShapeError>(where, "attention_mask is (", mask.dimension(0), ", ", mask.dimension(1), ", ",
-                         mask.dimension(2), "); expected (B, T, S) = (", batch, ", ", steps, ", ", key_steps, ")");
+    if (mask.size() != 0 || mask.dimension(0) != 0 || mask.dimension(1) != 0 ||
+        mask.dimension(2) != 0) {
+      if (mask.dimension(0) != batch || mask.dimension(1) != steps ||
+          mask.dimension(2) != key_steps)
+        fail<ShapeError>(where, "attention_mask is (", mask.dimension(0), ", ", mask.dimension(1),
+                         ", ", mask.dimension(2), "); expected (B, T, S) = (", batch, ", ", steps,
+                         ", ", key_steps, ")");
     }
     const auto& padding = options.key_padding_mask;
     if (padding.dimension(0) != 0 || padding.dimension(1) != 0) {
       if (padding.dimension(0) != batch || padding.dimension(1) != key_steps)
-        fail<ShapeError>(where, "key_padding_mask is (", padding.dimension(0), ", ", padding.dimension(1),
-                         "); expected (B, S) = (", batch, ", ", key_steps, ")");
+        fail<ShapeError>(where, "key_padding_mask is (", padding.dimension(0), ", ",
+                         padding.dimension(1), "); expected (B, S) = (", batch, ", ", key_steps,
+                         ")");
     }
     if (!(options.dropout_rate >= 0.0 && options.dropout_rate < 1.0))
-      fail<ConfigError>(where, "dropout_rate = ", options.dropout_rate, "; expected 0 <= dropout_rate < 1");
+      fail<ConfigError>(where, "dropout_rate = ", options.dropout_rate,
+                        "; expected 0 <= dropout_rate < 1");
     if (options.num_threads < 0)
       fail<ConfigError>(where, "num_threads = ", options.num_threads,
                         "; expected >= 0 (0 means all hardware threads)");
     if (options.scale.has_value() && !std::isfinite(*options.scale))
-      fail<ConfigError>(where, "scale = ", *options.scale, "; expected a finite number (or none: 1/sqrt(key_dim))");
+      fail<ConfigError>(where, "scale = ", *options.scale,
+                        "; expected a finite number (or none: 1/sqrt(key_dim))");
     AttentionPlan plan;
     plan.pass = pass;
     plan.batch = batch;
@@ -193,7 +210,8 @@ class AttentionCore {
     plan.dims = dims;
     plan.threads = resolve_thread_count(options.num_threads);
     plan.causal = options.use_causal_mask;
-    plan.causal_offset = options.causal_alignment == CausalAlignment::bottom_right ? key_steps - steps : 0;
+    plan.causal_offset =
+        options.causal_alignment == CausalAlignment::bottom_right ? key_steps - steps : 0;
     plan.scale = options.scale.value_or(1.0 / std::sqrt(double(dims.key_dim)));
     plan.fully_masked_rows = options.fully_masked_rows;
     plan.return_scores = options.return_attention_scores;
@@ -204,21 +222,25 @@ class AttentionCore {
 
   std::size_t context_scratch_bytes(const AttentionPlan& plan) const {
     TileSizes sizes;
-    sizes.rows = plan.pass == Pass::forward ? kProjectionRowBlock : std::max(plan.batch * plan.key_steps, Index(1));
+    sizes.rows = plan.pass == Pass::forward ? kProjectionRowBlock
+                                            : std::max(plan.batch * plan.key_steps, Index(1));
     sizes.input_width = std::max(plan.dims.key_in_dim, plan.dims.value_in_dim);
-    sizes.output_width = std::max(plan.dims.projected_key_width(), plan.dims.projected_value_width());
+    sizes.output_width =
+        std::max(plan.dims.projected_key_width(), plan.dims.projected_value_width());
     return stage_workspace_size<ContextProjection>(sizes);
   }
 
   // Fills in the plan's tiles and each worker's scratch: the largest of what the stages ask for
   // (`query_stage_bytes` is the layer's own query projection's).
   void finish_plan(AttentionPlan& plan, std::size_t query_stage_bytes) const {
-    plan.query_tile = plan_query_tile(plan.pass, plan.regrouped(), plan.causal, plan.steps, plan.key_steps);
+    plan.query_tile =
+        plan_query_tile(plan.pass, plan.regrouped(), plan.causal, plan.steps, plan.key_steps);
     plan.query_tiles = AttentionPlan::block_count(plan.steps, plan.query_tile);
     const Index rows = std::min(plan.query_tile, plan.steps);
     plan.online_softmax = plan.pass == Pass::forward && !plan.regrouped() && !plan.return_scores &&
                           plan.fully_masked_rows == FullyMaskedRows::zeros &&
-                          plan.key_steps > kKeyTile && std::is_same<Softmax, MaskedSoftmax<Scalar>>::value &&
+                          plan.key_steps > kKeyTile &&
+                          std::is_same<Softmax, MaskedSoftmax<Scalar>>::value &&
                           std::is_same<AttendValues, sdmha::AttendValues<Scalar>>::value;
     plan.key_tile = plan.online_softmax ? kKeyTile : plan.key_steps;
     plan.tile_entries = rows * std::max(plan.key_tile, Index(2));
@@ -233,48 +255,55 @@ class AttentionCore {
       tile.nonzeros = plan.query.batch_nonzeros_largest;
     }
     TileSizes output;
-    output.rows = plan.pass == Pass::forward ? kProjectionRowBlock : std::max(plan.batch * plan.steps, Index(1));
+    output.rows = plan.pass == Pass::forward ? kProjectionRowBlock
+                                             : std::max(plan.batch * plan.steps, Index(1));
     output.input_width = plan.dims.projected_value_width();
     output.output_width = plan.dims.output_dim;
-    plan.worker_scratch_bytes =
-        std::max({query_stage_bytes, context_scratch_bytes(plan), stage_workspace_size<OutputProjection>(output),
-                  stage_workspace_size<ScoreKernel>(tile), stage_workspace_size<Softmax>(tile),
-                  stage_workspace_size<AttendValues>(tile)});
+    plan.worker_scratch_bytes = std::max(
+        {query_stage_bytes, context_scratch_bytes(plan),
+         stage_workspace_size<OutputProjection>(output), stage_workspace_size<ScoreKernel>(tile),
+         stage_workspace_size<Softmax>(tile), stage_workspace_size<AttendValues>(tile)});
   }
 
   // ---- forward passes ----------------------------------------------------------------------
 
   // input (rows × E) · kernel + bias → output, in the plan's fixed row blocks.
   template <typename Projection>
-  static void project_rows(const AttentionPlan& plan, const Projection& projection, Index block_rows,
-                           const ConstMatrixRef<Scalar>& input, const RowMatrix<Scalar>& kernel,
-                           const Vector<Scalar>& bias, MatrixRef<Scalar> output, CallBuffers<Scalar>& buffers) {
+  static void project_rows(const AttentionPlan& plan, const Projection& projection,
+                           Index block_rows, const ConstMatrixRef<Scalar>& input,
+                           const RowMatrix<Scalar>& kernel, const Vector<Scalar>& bias,
+                           MatrixRef<Scalar> output, CallBuffers<Scalar>& buffers) {
     const Index rows = input.rows();
     const Index blocks = AttentionPlan::block_count(rows, block_rows);
     buffers.prepare_workers(plan.workers(blocks), plan.worker_scratch_bytes, 0, 0);
-    parallel_for(blocks, plan.threads, [&](Index index, int worker) {
-      const RowBlock block = AttentionPlan::block(index, rows, block_rows);
-      typename Projection::Arguments args{input.middleRows(block.begin, block.rows), kernel, bias_view(bias),
-                                          output.middleRows(block.begin, block.rows),
-                                          buffers.workers[std::size_t(worker)].stage.view()};
-      Projection::can_implement(args);
-      projection(args);
-    }, &buffers.pool);
+    parallel_for(
+        blocks, plan.threads,
+        [&](Index index, int worker) {
+          const RowBlock block = AttentionPlan::block(index, rows, block_rows);
+          typename Projection::Arguments args{input.middleRows(block.begin, block.rows), kernel,
+                                              bias_view(bias),
+                                              output.middleRows(block.begin, block.rows),
+                                              buffers.workers[std::size_t(worker)].stage.view()};
+          Projection::can_implement(args);
+          projection(args);
+        },
+        &buffers.pool);
   }
 
   // K and V of validated key and value, into `context` (resized; reallocated only when it grows).
-  void project_context_into(const AttentionPlan& plan, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
-                            CallBuffers<Scalar>& buffers, ProjectedContext<Scalar>& context) const {
+  void project_context_into(const AttentionPlan& plan, const TensorRef3<Scalar>& key,
+                            const TensorRef3<Scalar>& value, CallBuffers<Scalar>& buffers,
+                            ProjectedContext<Scalar>& context) const {
     const MhaWeights<Scalar>& weights = *weights_;
     context.batch = value.dimension(0);
     context.key_steps = value.dimension(1);
     const Index rows = context.batch * context.key_steps;
     context.keys.resize(rows, plan.dims.projected_key_width());
     context.values.resize(rows, plan.dims.projected_value_width());
-    project_rows(plan, context_projection_, kProjectionRowBlock, key.as_matrix(), weights.key_kernel,
-                 weights.key_bias, context.keys, buffers);
-    project_rows(plan, context_projection_, kProjectionRowBlock, value.as_matrix(), weights.value_kernel,
-                 weights.value_bias, context.values, buffers);
+    project_rows(plan, context_projection_, kProjectionRowBlock, key.as_matrix(),
+                 weights.key_kernel, weights.key_bias, context.keys, buffers);
+    project_rows(plan, context_projection_, kProjectionRowBlock, value.as_matrix(),
+                 weights.value_kernel, weights.value_bias, context.values, buffers);
   }
 
   // The shared body of forward: for every attention item of the plan, the scores (from
@@ -283,8 +312,8 @@ class AttentionCore {
   // `result` (both resized only when shapes change).
   template <typename ComputeScores>
   void attend(const AttentionPlan& plan, const ProjectedContext<Scalar>& context,
-              const AttentionOptions<Scalar>& options, ComputeScores&& compute_scores, CallBuffers<Scalar>& buffers,
-              AttentionResult<Scalar>& result) const {
+              const AttentionOptions<Scalar>& options, ComputeScores&& compute_scores,
+              CallBuffers<Scalar>& buffers, AttentionResult<Scalar>& result) const {
     const Index B = plan.batch, T = plan.steps, S = plan.key_steps, H = plan.heads();
     const bool return_scores = options.return_attention_scores;
     if (return_scores)
@@ -295,19 +324,24 @@ class AttentionCore {
     // Rows no item writes (no key steps: every row fully blocked) are 0, as are their heads.
     if (plan.attention_items() == 0) buffers.heads.setZero();
     mark_finite_values(plan, context.values, buffers);
-    buffers.prepare_workers(plan.workers(plan.attention_items()), plan.worker_scratch_bytes, plan.tile_entries, 2);
-    parallel_for(plan.attention_items(), plan.threads, [&](Index index, int worker) {
-      auto& worker_buffers = buffers.workers[std::size_t(worker)];
-      if (plan.online_softmax)
-        attend_item_online(plan, plan.attention_item(index), context, options, compute_scores, worker_buffers,
-                           buffers);
-      else
-        attend_item(plan, plan.attention_item(index), context, options, compute_scores, worker_buffers, buffers,
-                    result);
-    }, &buffers.pool);
+    buffers.prepare_workers(plan.workers(plan.attention_items()), plan.worker_scratch_bytes,
+                            plan.tile_entries, 2);
+    parallel_for(
+        plan.attention_items(), plan.threads,
+        [&](Index index, int worker) {
+          auto& worker_buffers = buffers.workers[std::size_t(worker)];
+          if (plan.online_softmax)
+            attend_item_online(plan, plan.attention_item(index), context, options, compute_scores,
+                               worker_buffers, buffers);
+          else
+            attend_item(plan, plan.attention_item(index), context, options, compute_scores,
+                        worker_buffers, buffers, result);
+        },
+        &buffers.pool);
     result.output.resize(B, T, plan.dims.output_dim);
-    project_rows(plan, output_projection_, kProjectionRowBlock, buffers.heads, weights_->output_kernel,
-                 weights_->output_bias, Eigen::Map<RowMatrix<Scalar>>(result.output.data(), B * T, plan.dims.output_dim),
+    project_rows(plan, output_projection_, kProjectionRowBlock, buffers.heads,
+                 weights_->output_kernel, weights_->output_bias,
+                 Eigen::Map<RowMatrix<Scalar>>(result.output.data(), B * T, plan.dims.output_dim),
                  buffers);
   }
 
@@ -317,14 +351,19 @@ class AttentionCore {
     const Index H = plan.heads(), S = plan.key_steps, Dv = plan.dims.value_dim;
     buffers.value_is_finite.assign(static_cast<std::size_t>(plan.batch * H), 0);
     if (S == 0) return;
-    parallel_for(plan.batch * H, plan.threads, [&](Index item, int) {
-      buffers.value_is_finite[std::size_t(item)] = all_finite<Scalar>(values.block((item / H) * S, (item % H) * Dv, S, Dv));
-    }, &buffers.pool);
+    parallel_for(
+        plan.batch * H, plan.threads,
+        [&](Index item, int) {
+          buffers.value_is_finite[std::size_t(item)] =
+              all_finite<Scalar>(values.block((item / H) * S, (item % H) * Dv, S, Dv));
+        },
+        &buffers.pool);
   }
 
   template <typename ComputeScores>
-  void attend_item(const AttentionPlan& plan, const AttentionItem& item, const ProjectedContext<Scalar>& context,
-                   const AttentionOptions<Scalar>& options, ComputeScores& compute_scores, WorkerBuffers<Scalar>& worker,
+  void attend_item(const AttentionPlan& plan, const AttentionItem& item,
+                   const ProjectedContext<Scalar>& context, const AttentionOptions<Scalar>& options,
+                   ComputeScores& compute_scores, WorkerBuffers<Scalar>& worker,
                    CallBuffers<Scalar>& buffers, AttentionResult<Scalar>& result) const {
     const Index T = plan.steps, S = plan.key_steps, H = plan.heads();
     const Index Dk = plan.dims.key_dim, Dv = plan.dims.value_dim;
@@ -336,25 +375,33 @@ class AttentionCore {
       return;
     }
     using Tile = Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
-    Tile scores = options.return_attention_scores ? scores_in_result(plan, item, result)
-                                                  : as_tile(worker.tile(0, rows, keys, plan.tile_entries));
+    Tile scores = options.return_attention_scores
+                      ? scores_in_result(plan, item, result)
+                      : as_tile(worker.tile(0, rows, keys, plan.tile_entries));
     const TilePosition position = item.position();
     const StageScratch scratch = worker.stage.view();
-    compute_scores(item, item_mask(item, options, T, S),
-                   ConstMatrixRef<Scalar>(context.keys.block(b * S + item.key_begin, h * Dk, keys, Dk)), scratch,
-                   MatrixRef<Scalar>(scores));
+    compute_scores(
+        item, item_mask(item, options, T, S),
+        ConstMatrixRef<Scalar>(context.keys.block(b * S + item.key_begin, h * Dk, keys, Dk)),
+        scratch, MatrixRef<Scalar>(scores));
     typename Softmax::Arguments softmax_args{position, scores, scratch, plan.fully_masked_rows};
     Softmax::can_implement(softmax_args);
     softmax_(softmax_args);
     // Dropout acts on the probabilities that meet the values; returned scores stay before it.
-    const DropoutMask dropout = options.training ? DropoutMask(options.dropout_rate, options.dropout_seed) : DropoutMask();
+    const DropoutMask dropout =
+        options.training ? DropoutMask(options.dropout_rate, options.dropout_seed) : DropoutMask();
     const bool keep_scores = dropout.active() && options.return_attention_scores;
-    Tile probabilities = keep_scores ? as_tile(worker.tile(1, rows, keys, plan.tile_entries)) : scores;
+    Tile probabilities =
+        keep_scores ? as_tile(worker.tile(1, rows, keys, plan.tile_entries)) : scores;
     if (keep_scores) probabilities = scores;
     dropout.apply(probabilities, b, h, item.query_begin, item.key_begin);
     typename AttendValues::Arguments values_args{
-        position, probabilities, context.values.block(b * S + item.key_begin, h * Dv, keys, Dv), heads,
-        buffers.value_is_finite[std::size_t(b * H + h)] != 0, scratch};
+        position,
+        probabilities,
+        context.values.block(b * S + item.key_begin, h * Dv, keys, Dv),
+        heads,
+        buffers.value_is_finite[std::size_t(b * H + h)] != 0,
+        scratch};
     AttendValues::can_implement(values_args);
     attend_values_(values_args);
   }
@@ -368,9 +415,9 @@ class AttentionCore {
   // instead of before it. A row without a key it may see keeps l_t = 0 and gets A[t] = 0.
   template <typename ComputeScores>
   void attend_item_online(const AttentionPlan& plan, const AttentionItem& item,
-                          const ProjectedContext<Scalar>& context, const AttentionOptions<Scalar>& options,
-                          ComputeScores& compute_scores, WorkerBuffers<Scalar>& worker,
-                          CallBuffers<Scalar>& buffers) const {
+                          const ProjectedContext<Scalar>& context,
+                          const AttentionOptions<Scalar>& options, ComputeScores& compute_scores,
+                          WorkerBuffers<Scalar>& worker, CallBuffers<Scalar>& buffers) const {
     const Index T = plan.steps, S = plan.key_steps, H = plan.heads();
     const Index Dk = plan.dims.key_dim, Dv = plan.dims.value_dim;
     const Index b = item.batch, h = item.head, rows = item.query_rows;
@@ -379,20 +426,26 @@ class AttentionCore {
     auto statistics = worker.tile(1, 2, rows, plan.tile_entries);  // row 0: m_t, row 1: l_t
     statistics.row(0).setConstant(-std::numeric_limits<Scalar>::infinity());
     statistics.row(1).setZero();
-    const DropoutMask dropout = options.training ? DropoutMask(options.dropout_rate, options.dropout_seed) : DropoutMask();
+    const DropoutMask dropout =
+        options.training ? DropoutMask(options.dropout_rate, options.dropout_seed) : DropoutMask();
     const bool value_is_finite = buffers.value_is_finite[std::size_t(b * H + h)] != 0;
     const StageScratch scratch = worker.stage.view();
     for (Index index = 0; index < plan.key_tiles(item); ++index) {
       const AttentionItem tile = plan.key_tile_of(item, index);
       auto scores = worker.tile(0, rows, tile.key_steps, plan.tile_entries);
       compute_scores(tile, item_mask(tile, options, T, S),
-                     ConstMatrixRef<Scalar>(context.keys.block(b * S + tile.key_begin, h * Dk, tile.key_steps, Dk)),
+                     ConstMatrixRef<Scalar>(
+                         context.keys.block(b * S + tile.key_begin, h * Dk, tile.key_steps, Dk)),
                      scratch, MatrixRef<Scalar>(scores));
       online_softmax_update(scores, statistics, heads);
       dropout.apply(scores, b, h, tile.query_begin, tile.key_begin);
       typename sdmha::AttendValues<Scalar>::Arguments values_args{
-          tile.position(), scores, context.values.block(b * S + tile.key_begin, h * Dv, tile.key_steps, Dv),
-          heads, value_is_finite, scratch};
+          tile.position(),
+          scores,
+          context.values.block(b * S + tile.key_begin, h * Dv, tile.key_steps, Dv),
+          heads,
+          value_is_finite,
+          scratch};
       accumulate_values(values_args);
     }
     for (Index t = 0; t < rows; ++t) {
@@ -424,7 +477,8 @@ class AttentionCore {
       Scalar* probabilities = scores.row(t).data();
       for (Index s = 0; s < scores.cols(); ++s)
         probabilities[s] = probabilities[s] < smallest_normal ? Scalar(0) : probabilities[s];
-      const Scalar correction = previous == minus_infinity ? Scalar(0) : std::exp(previous - maximum);
+      const Scalar correction =
+          previous == minus_infinity ? Scalar(0) : std::exp(previous - maximum);
       statistics(1, t) = statistics(1, t) * correction + row.sum();
       statistics(0, t) = maximum;
       if (correction != Scalar(1)) heads.row(t) *= correction;
@@ -435,35 +489,36 @@ class AttentionCore {
   // non-finite value row).
   static void accumulate_values(const typename sdmha::AttendValues<Scalar>::Arguments& args) {
     if (args.value_is_finite.value_or(true)) {
-      gemm<Scalar>(as_operand<Scalar>(args.probabilities), as_operand<Scalar>(args.value), args.output, Scalar(1),
-                   true, args.workspace);
+      gemm<Scalar>(as_operand<Scalar>(args.probabilities), as_operand<Scalar>(args.value),
+                   args.output, Scalar(1), true, args.workspace);
       return;
     }
     for (Index t = 0; t < args.probabilities.rows(); ++t)
       for (Index s = 0; s < args.probabilities.cols(); ++s) {
         const Scalar probability = args.probabilities(t, s);
-        if (probability != Scalar(0)) args.output.row(t).noalias() += probability * args.value.row(s);
+        if (probability != Scalar(0))
+          args.output.row(t).noalias() += probability * args.value.row(s);
       }
   }
 
   // The item's block of the returned (B, H, T, S) probabilities; keys beyond the item's are 0.
-  static Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> scores_in_result(const AttentionPlan& plan,
-                                                                                  const AttentionItem& item,
-                                                                                  AttentionResult<Scalar>& result) {
+  static Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> scores_in_result(
+      const AttentionPlan& plan, const AttentionItem& item, AttentionResult<Scalar>& result) {
     const Index S = plan.key_steps;
     Scalar* first = result.attention_scores.data() +
                     ((item.batch * plan.heads() + item.head) * plan.steps + item.query_begin) * S;
-    Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> whole(first, item.query_rows, S, Eigen::OuterStride<>(S));
+    Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> whole(first, item.query_rows, S,
+                                                                 Eigen::OuterStride<>(S));
     whole.rightCols(S - item.key_begin - item.key_steps).setZero();
     whole.leftCols(item.key_begin).setZero();
-    return Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>(first + item.key_begin, item.query_rows,
-                                                                  item.key_steps, Eigen::OuterStride<>(S));
+    return Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>(
+        first + item.key_begin, item.query_rows, item.key_steps, Eigen::OuterStride<>(S));
   }
-  static Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> as_tile(Eigen::Map<RowMatrix<Scalar>> map) {
-    return Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>(map.data(), map.rows(), map.cols(),
-                                                                  Eigen::OuterStride<>(map.cols()));
+  static Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> as_tile(
+      Eigen::Map<RowMatrix<Scalar>> map) {
+    return Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>(
+        map.data(), map.rows(), map.cols(), Eigen::OuterStride<>(map.cols()));
   }
-
 
   // A projection's bias, or an empty view when the layer has none.
   static ConstVectorRef<Scalar> bias_view(const Vector<Scalar>& bias) {
@@ -472,7 +527,8 @@ class AttentionCore {
   }
   static ConstVectorRef<Scalar> bias_segment(const Vector<Scalar>& bias, Index start, Index size) {
     static const Vector<Scalar> none;
-    return bias.size() != 0 ? ConstVectorRef<Scalar>(bias.segment(start, size)) : ConstVectorRef<Scalar>(none);
+    return bias.size() != 0 ? ConstVectorRef<Scalar>(bias.segment(start, size))
+                            : ConstVectorRef<Scalar>(none);
   }
 
   MhaConfig config_;

@@ -103,7 +103,8 @@ struct AttentionPlan {
   AttentionItem tile_of(Index b, Index h, Index tile) const {
     const Index begin = tile * query_tile, rows = std::min(query_tile, steps - begin);
     const bool shorten = causal && fully_masked_rows == FullyMaskedRows::zeros;
-    const Index keys = shorten ? std::clamp<Index>(begin + rows + causal_offset, 0, key_steps) : key_steps;
+    const Index keys =
+        shorten ? std::clamp<Index>(begin + rows + causal_offset, 0, key_steps) : key_steps;
     return AttentionItem{b, h, begin, rows, 0, keys};
   }
 
@@ -119,7 +120,9 @@ struct AttentionPlan {
   }
 
   // Row blocks of a projection over `rows` rows.
-  static Index block_count(Index rows, Index block_rows) { return (rows + block_rows - 1) / block_rows; }
+  static Index block_count(Index rows, Index block_rows) {
+    return (rows + block_rows - 1) / block_rows;
+  }
   static RowBlock block(Index index, Index rows, Index block_rows) {
     const Index begin = index * block_rows;
     return RowBlock{begin, std::min(block_rows, rows - begin)};
@@ -142,14 +145,17 @@ inline Index plan_query_tile(Pass pass, bool regrouped, bool causal, Index steps
 // blocked key tiles are skipped) against regrouped's 2·H·Dk·S·Σ_b U_b GEMM flops plus
 // 2·nnz·H·S sparse flops. A sparse flop is weighted as kSparseFlopCost GEMM flops: it streams a
 // row of a dense operand per stored value instead of reusing registers and cache as a GEMM does.
-inline ScoreStrategy choose_strategy(ScoreStrategy requested, const AttentionPlan& plan, Index nonzeros) {
+inline ScoreStrategy choose_strategy(ScoreStrategy requested, const AttentionPlan& plan,
+                                     Index nonzeros) {
   if (requested != ScoreStrategy::automatic) return requested;
   constexpr double kSparseFlopCost = 4.0;
   const double H = double(plan.dims.num_heads), Dk = double(plan.dims.key_dim);
   const double S = double(plan.key_steps), nnz = double(nonzeros);
   const double B = double(plan.batch), T = double(plan.steps);
-  const double project_first = kSparseFlopCost * 2 * nnz * H * Dk + (plan.causal ? 0.5 : 1.0) * 2 * B * H * T * S * Dk;
-  const double regrouped = 2 * H * Dk * S * double(plan.query.distinct_total) + kSparseFlopCost * 2 * nnz * H * S;
+  const double project_first =
+      kSparseFlopCost * 2 * nnz * H * Dk + (plan.causal ? 0.5 : 1.0) * 2 * B * H * T * S * Dk;
+  const double regrouped =
+      2 * H * Dk * S * double(plan.query.distinct_total) + kSparseFlopCost * 2 * nnz * H * S;
   return regrouped < project_first ? ScoreStrategy::sparse_regrouped : ScoreStrategy::project_first;
 }
 
@@ -158,9 +164,9 @@ QueryStatistics query_statistics(const CsrView<Scalar, StorageIndex>& csr, Index
                                  bool count_features, std::vector<Index>& last_batch) {
   QueryStatistics statistics;
   for (Index first = 0; first < csr.rows; first += kQueryProjectionRowBlock)
-    statistics.block_nonzeros_largest =
-        std::max(statistics.block_nonzeros_largest,
-                 csr.middle_rows(first, std::min(kQueryProjectionRowBlock, csr.rows - first)).nonzeros());
+    statistics.block_nonzeros_largest = std::max(
+        statistics.block_nonzeros_largest,
+        csr.middle_rows(first, std::min(kQueryProjectionRowBlock, csr.rows - first)).nonzeros());
   if (count_features) last_batch.assign(static_cast<std::size_t>(csr.cols), -1);
   for (Index b = 0; b < batch; ++b) {
     Index in_batch = 0, stored = 0;

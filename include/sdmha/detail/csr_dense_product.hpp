@@ -50,7 +50,8 @@ template <typename Scalar>
 struct PacketOf {
   using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
   static constexpr int size = Eigen::internal::unpacket_traits<Packet>::size;
-  static constexpr bool vectorized = Eigen::internal::packet_traits<Scalar>::Vectorizable && size > 1;
+  static constexpr bool vectorized =
+      Eigen::internal::packet_traits<Scalar>::Vectorizable && size > 1;
 };
 
 // 16 packets of accumulators (256 floats with AVX-512) leave registers for the broadcast value
@@ -89,7 +90,8 @@ EIGEN_ALWAYS_INLINE bool stream_packet(double* address, const __m256d& value) {
 
 template <typename Scalar, typename Packet>
 EIGEN_ALWAYS_INLINE void store_packet(Scalar* address, const Packet& value, bool stream) {
-  if (stream && (reinterpret_cast<std::uintptr_t>(address) % sizeof(Packet)) == 0 && stream_packet(address, value))
+  if (stream && (reinterpret_cast<std::uintptr_t>(address) % sizeof(Packet)) == 0 &&
+      stream_packet(address, value))
     return;
   Eigen::internal::pstoreu(address, value);
 }
@@ -108,10 +110,10 @@ constexpr double kStreamOutputBytes = 256.0 * 1024;
 // One row, one panel of `Packets` packets from column `first_column`: the stored values
 // [begin, end) with their feature columns.
 template <int Packets, typename Scalar, typename StorageIndex>
-EIGEN_ALWAYS_INLINE void csr_dense_row_panel(const StorageIndex* columns, const Scalar* values, Index begin,
-                                             Index end, const Scalar* weight, Index weight_stride,
-                                             const Scalar* bias, Scalar* output_row, Index first_column,
-                                             bool stream) {
+EIGEN_ALWAYS_INLINE void csr_dense_row_panel(const StorageIndex* columns, const Scalar* values,
+                                             Index begin, Index end, const Scalar* weight,
+                                             Index weight_stride, const Scalar* bias,
+                                             Scalar* output_row, Index first_column, bool stream) {
   using namespace Eigen::internal;
   using Packet = typename PacketOf<Scalar>::Packet;
   constexpr int packet_size = PacketOf<Scalar>::size;
@@ -132,9 +134,9 @@ EIGEN_ALWAYS_INLINE void csr_dense_row_panel(const StorageIndex* columns, const 
 // Y (x.rows × columns, row stride output_stride) = X·W + b, W (x.cols × columns, row stride
 // weight_stride), b of `columns` entries or nullptr. X must be validated.
 template <typename Scalar, typename StorageIndex>
-void csr_dense_product(const CsrView<Scalar, StorageIndex>& x, const Scalar* weight, Index weight_stride,
-                       const Scalar* bias, Scalar* output, Index output_stride, Index columns,
-                       bool stream = false) {
+void csr_dense_product(const CsrView<Scalar, StorageIndex>& x, const Scalar* weight,
+                       Index weight_stride, const Scalar* bias, Scalar* output, Index output_stride,
+                       Index columns, bool stream = false) {
   const StorageIndex* column_indices = x.column_indices;
   const Scalar* values = x.values;
   for (Index row = 0; row < x.rows; ++row) {
@@ -144,19 +146,20 @@ void csr_dense_product(const CsrView<Scalar, StorageIndex>& x, const Scalar* wei
     if constexpr (PacketOf<Scalar>::vectorized) {
       constexpr Index packet_size = PacketOf<Scalar>::size;
       for (; column + kPanelPackets * packet_size <= columns; column += kPanelPackets * packet_size)
-        csr_dense_row_panel<kPanelPackets>(column_indices, values, begin, end, weight, weight_stride, bias,
-                                           output_row, column, stream);
+        csr_dense_row_panel<kPanelPackets>(column_indices, values, begin, end, weight,
+                                           weight_stride, bias, output_row, column, stream);
       for (; column + 4 * packet_size <= columns; column += 4 * packet_size)
-        csr_dense_row_panel<4>(column_indices, values, begin, end, weight, weight_stride, bias, output_row, column,
-                               stream);
+        csr_dense_row_panel<4>(column_indices, values, begin, end, weight, weight_stride, bias,
+                               output_row, column, stream);
       for (; column + packet_size <= columns; column += packet_size)
-        csr_dense_row_panel<1>(column_indices, values, begin, end, weight, weight_stride, bias, output_row, column,
-                               stream);
+        csr_dense_row_panel<1>(column_indices, values, begin, end, weight, weight_stride, bias,
+                               output_row, column, stream);
     }
     // The scalar tail: the columns that do not fill a packet (all of them without SIMD), stored
     // value by stored value so that W's rows are read in order.
     if (column < columns) {
-      for (Index j = column; j < columns; ++j) output_row[j] = bias != nullptr ? bias[j] : Scalar(0);
+      for (Index j = column; j < columns; ++j)
+        output_row[j] = bias != nullptr ? bias[j] : Scalar(0);
       for (Index k = begin; k < end; ++k) {
         const Scalar* weight_row = weight + Index(column_indices[k]) * weight_stride;
         const Scalar value = values[k];
@@ -177,8 +180,10 @@ struct FeatureGroups {
     StorageIndex row;
     Scalar value;
   };
-  StorageIndex* feature_offsets = nullptr;  // cols + 1: feature f's entries are [offsets[f], offsets[f + 1])
-  StorageIndex* used_features = nullptr;    // the first used_count: the features with entries, ascending
+  StorageIndex* feature_offsets =
+      nullptr;  // cols + 1: feature f's entries are [offsets[f], offsets[f + 1])
+  StorageIndex* used_features =
+      nullptr;  // the first used_count: the features with entries, ascending
   Index used_count = 0;
   Entry* entries = nullptr;  // by feature, then in CSR order
   // With positions: for each entry, its place among X's stored values in CSR order (0 for the
@@ -190,10 +195,12 @@ struct FeatureGroups {
   // The scratch bytes for X of `cols` features and `nonzeros` stored values.
   static std::size_t bytes(Index cols, Index nonzeros, bool with_positions) {
     return array_bytes<StorageIndex>(cols + 1) + array_bytes<StorageIndex>(cols) +
-           array_bytes<Entry>(nonzeros) + (with_positions ? array_bytes<StorageIndex>(nonzeros) : 0);
+           array_bytes<Entry>(nonzeros) +
+           (with_positions ? array_bytes<StorageIndex>(nonzeros) : 0);
   }
   // Arrays for X of at most these sizes, taken from `carver`; null arrays when it is too small.
-  static FeatureGroups carve(ScratchCarver& carver, Index cols, Index nonzeros, bool with_positions) {
+  static FeatureGroups carve(ScratchCarver& carver, Index cols, Index nonzeros,
+                             bool with_positions) {
     FeatureGroups groups;
     groups.feature_offsets = carver.take<StorageIndex>(cols + 1);
     groups.used_features = carver.take<StorageIndex>(cols);
@@ -247,16 +254,18 @@ void check_feature_groups(const char* where, const CsrView<Scalar, StorageIndex>
   const Index nonzeros = x.nonzeros();
   if (groups.rows != x.rows || groups.cols != x.cols || groups.nonzeros != nonzeros ||
       groups.feature_offsets == nullptr || (with_positions && groups.positions == nullptr))
-    fail<ShapeError>(where, "feature_groups has ", groups.rows, " rows, ", groups.cols, " features and ",
-                     groups.nonzeros, " entries", groups.positions == nullptr ? " without" : " with",
-                     " positions; expected build_feature_groups of the query: ", x.rows, " rows, ", x.cols,
-                     " features, ", nonzeros, " entries", with_positions ? " and positions" : "");
+    fail<ShapeError>(
+        where, "feature_groups has ", groups.rows, " rows, ", groups.cols, " features and ",
+        groups.nonzeros, " entries", groups.positions == nullptr ? " without" : " with",
+        " positions; expected build_feature_groups of the query: ", x.rows, " rows, ", x.cols,
+        " features, ", nonzeros, " entries", with_positions ? " and positions" : "");
 }
 
 // Fills `groups` (carved for at least X's sizes) with X's CSC: a counting sort by feature that
 // keeps CSR order within a feature; with `with_positions`, also each entry's place in CSR order.
 template <typename Scalar, typename StorageIndex>
-void build_feature_groups(const CsrView<Scalar, StorageIndex>& x, FeatureGroups<Scalar, StorageIndex>& groups,
+void build_feature_groups(const CsrView<Scalar, StorageIndex>& x,
+                          FeatureGroups<Scalar, StorageIndex>& groups,
                           bool with_positions = false) {
   SDMHA_ASSERT(groups.fits(x.cols, x.nonzeros(), with_positions));
   StorageIndex* offsets = groups.feature_offsets;
@@ -284,7 +293,8 @@ void build_feature_groups(const CsrView<Scalar, StorageIndex>& x, FeatureGroups<
   for (Index row = 0; row < x.rows; ++row) {
     const Index end = x.row_end(row);
     for (Index k = x.row_begin(row); k < end; ++k, ++in_csr_order) {
-      const std::size_t position = static_cast<std::size_t>(offsets[std::size_t(x.column_indices[k])]++);
+      const std::size_t position =
+          static_cast<std::size_t>(offsets[std::size_t(x.column_indices[k])]++);
       entries[position].row = StorageIndex(row);
       entries[position].value = x.values[k];
       if (positions != nullptr) positions[position] = StorageIndex(in_csr_order);
@@ -294,20 +304,23 @@ void build_feature_groups(const CsrView<Scalar, StorageIndex>& x, FeatureGroups<
   groups.cols = x.cols;
   groups.nonzeros = in_csr_order;
   if (!with_positions) groups.positions = nullptr;
-  for (std::size_t feature = features; feature > 0; --feature) offsets[feature] = offsets[feature - 1];
+  for (std::size_t feature = features; feature > 0; --feature)
+    offsets[feature] = offsets[feature - 1];
   offsets[0] = 0;
 }
 
 // One feature's entries [begin, end), one panel of `Packets` packets from column `first_column`:
 // the panel of the feature's W row is loaded into registers once for all of its entries.
 template <int Packets, typename Entry, typename Scalar>
-EIGEN_ALWAYS_INLINE void scatter_feature_panel(const Entry* entries, Index begin, Index end, const Scalar* weight_row,
-                                               Scalar* output, Index output_stride, Index first_column) {
+EIGEN_ALWAYS_INLINE void scatter_feature_panel(const Entry* entries, Index begin, Index end,
+                                               const Scalar* weight_row, Scalar* output,
+                                               Index output_stride, Index first_column) {
   using namespace Eigen::internal;
   using Packet = typename PacketOf<Scalar>::Packet;
   constexpr int packet_size = PacketOf<Scalar>::size;
   Packet panel[Packets];
-  for (int p = 0; p < Packets; ++p) panel[p] = ploadu<Packet>(weight_row + first_column + p * packet_size);
+  for (int p = 0; p < Packets; ++p)
+    panel[p] = ploadu<Packet>(weight_row + first_column + p * packet_size);
   for (Index k = begin; k < end; ++k) {
     Scalar* out = output + Index(entries[k].row) * output_stride + first_column;
     const Packet value = pset1<Packet>(entries[k].value);
@@ -340,7 +353,8 @@ void csr_dense_product_by_feature(const CsrView<Scalar, StorageIndex>& x, const 
     if constexpr (PacketOf<Scalar>::vectorized) {
       constexpr Index packet_size = PacketOf<Scalar>::size;
       for (; column + kPanelPackets * packet_size <= columns; column += kPanelPackets * packet_size)
-        scatter_feature_panel<kPanelPackets>(entries, begin, end, weight_row, output, output_stride, column);
+        scatter_feature_panel<kPanelPackets>(entries, begin, end, weight_row, output, output_stride,
+                                             column);
       for (; column + 4 * packet_size <= columns; column += 4 * packet_size)
         scatter_feature_panel<4>(entries, begin, end, weight_row, output, output_stride, column);
       for (; column + packet_size <= columns; column += packet_size)

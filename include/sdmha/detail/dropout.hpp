@@ -43,7 +43,8 @@ class DropoutMask {
   }
   bool keep(std::uint64_t head_key, Index t, Index s) const {
     if (rate_ <= 0.0) return true;
-    const std::uint64_t draw = mix64(head_key + mix64(std::uint64_t(t) * 0xd1b54a32d192ed03ULL + std::uint64_t(s)));
+    const std::uint64_t draw =
+        mix64(head_key + mix64(std::uint64_t(t) * 0xd1b54a32d192ed03ULL + std::uint64_t(s)));
     return threshold_ == ~std::uint64_t(0) || draw < threshold_;
   }
 

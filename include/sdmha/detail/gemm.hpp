@@ -1,8 +1,9 @@
 // sdmha/detail/gemm.hpp — C (+)= α·A·B through Eigen's own GEMM, packing into the caller's scratch.
 //
-//   math:  C = α·op(A)·op(B) (+ C when accumulating), op = identity or transpose of a row-major view
-//   pre:   shapes agree (checked by the calling stage's can_implement); C does not alias A or B
-//   cost:  2·m·n·k flops in Eigen 3.4's blocked GEMM (gebp), the same kernel `C.noalias() = A*B` runs
+//   math:  C = α·op(A)·op(B) (+ C when accumulating), op = identity or transpose of a row-major
+//   view pre:   shapes agree (checked by the calling stage's can_implement); C does not alias A or
+//   B cost:  2·m·n·k flops in Eigen 3.4's blocked GEMM (gebp), the same kernel `C.noalias() = A*B`
+//   runs
 //
 // Why not `C.noalias() = A * B`: for every product larger than a few dozen entries Eigen packs
 // A and B into blocks of kc×mc and kc×nc scalars, and places them on the heap whenever they exceed
@@ -25,8 +26,9 @@
 #include "sdmha/detail/gemm_avx512.hpp"
 #include "sdmha/detail/scratch.hpp"
 
-static_assert(EIGEN_WORLD_VERSION == 3 && EIGEN_MAJOR_VERSION == 4,
-              "sdmha/detail/gemm.hpp calls Eigen 3.4's internal GEMM driver; check it before moving Eigen");
+static_assert(
+    EIGEN_WORLD_VERSION == 3 && EIGEN_MAJOR_VERSION == 4,
+    "sdmha/detail/gemm.hpp calls Eigen 3.4's internal GEMM driver; check it before moving Eigen");
 
 namespace sdmha::detail {
 
@@ -56,7 +58,8 @@ struct GemmBlockSizes {
 template <typename Scalar>
 GemmBlockSizes gemm_block_sizes(Index rows, Index cols, Index depth) {
   GemmBlockSizes sizes{depth, cols, rows};
-  Eigen::internal::computeProductBlockingSizes<Scalar, Scalar, 1, Index>(sizes.kc, sizes.mc, sizes.nc, 1);
+  Eigen::internal::computeProductBlockingSizes<Scalar, Scalar, 1, Index>(sizes.kc, sizes.mc,
+                                                                         sizes.nc, 1);
   return sizes;
 }
 
@@ -65,7 +68,8 @@ template <typename Scalar>
 std::size_t gemm_workspace_size(Index rows, Index cols, Index depth) {
   if (rows <= 0 || cols <= 0 || depth <= 0) return 0;
 #if defined(__AVX512F__)
-  if constexpr (std::is_same<Scalar, float>::value) return gemm_avx512_workspace_size(rows, cols, depth);
+  if constexpr (std::is_same<Scalar, float>::value)
+    return gemm_avx512_workspace_size(rows, cols, depth);
 #endif
   const GemmBlockSizes sizes = gemm_block_sizes<Scalar>(rows, cols, depth);
   return array_bytes<Scalar>(sizes.mc * sizes.kc) + array_bytes<Scalar>(sizes.kc * sizes.nc);
@@ -85,24 +89,29 @@ class ScratchGemmBlocking : public Eigen::internal::level3_blocking<Scalar, Scal
 };
 
 template <typename Scalar>
-void gemm_with_blocking(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>& b, MatrixRef<Scalar> c,
-                        Scalar alpha, Eigen::internal::level3_blocking<Scalar, Scalar>& blocking) {
+void gemm_with_blocking(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>& b,
+                        MatrixRef<Scalar> c, Scalar alpha,
+                        Eigen::internal::level3_blocking<Scalar, Scalar>& blocking) {
   const Index m = c.rows(), n = c.cols(), k = a.cols;
   using Eigen::ColMajor;
   using Eigen::RowMajor;
   using Eigen::internal::general_matrix_matrix_product;
   if (a.row_major && b.row_major)
-    general_matrix_matrix_product<Index, Scalar, RowMajor, false, Scalar, RowMajor, false, RowMajor, 1>::run(
-        m, n, k, a.data, a.stride, b.data, b.stride, c.data(), 1, c.outerStride(), alpha, blocking);
+    general_matrix_matrix_product<Index, Scalar, RowMajor, false, Scalar, RowMajor, false, RowMajor,
+                                  1>::run(m, n, k, a.data, a.stride, b.data, b.stride, c.data(), 1,
+                                          c.outerStride(), alpha, blocking);
   else if (a.row_major)
-    general_matrix_matrix_product<Index, Scalar, RowMajor, false, Scalar, ColMajor, false, RowMajor, 1>::run(
-        m, n, k, a.data, a.stride, b.data, b.stride, c.data(), 1, c.outerStride(), alpha, blocking);
+    general_matrix_matrix_product<Index, Scalar, RowMajor, false, Scalar, ColMajor, false, RowMajor,
+                                  1>::run(m, n, k, a.data, a.stride, b.data, b.stride, c.data(), 1,
+                                          c.outerStride(), alpha, blocking);
   else if (b.row_major)
-    general_matrix_matrix_product<Index, Scalar, ColMajor, false, Scalar, RowMajor, false, RowMajor, 1>::run(
-        m, n, k, a.data, a.stride, b.data, b.stride, c.data(), 1, c.outerStride(), alpha, blocking);
+    general_matrix_matrix_product<Index, Scalar, ColMajor, false, Scalar, RowMajor, false, RowMajor,
+                                  1>::run(m, n, k, a.data, a.stride, b.data, b.stride, c.data(), 1,
+                                          c.outerStride(), alpha, blocking);
   else
-    general_matrix_matrix_product<Index, Scalar, ColMajor, false, Scalar, ColMajor, false, RowMajor, 1>::run(
-        m, n, k, a.data, a.stride, b.data, b.stride, c.data(), 1, c.outerStride(), alpha, blocking);
+    general_matrix_matrix_product<Index, Scalar, ColMajor, false, Scalar, ColMajor, false, RowMajor,
+                                  1>::run(m, n, k, a.data, a.stride, b.data, b.stride, c.data(), 1,
+                                          c.outerStride(), alpha, blocking);
 }
 
 // C (m × n, row-major, any outer stride) = α·A·B, or += when `accumulate`, packing in `scratch`
@@ -112,8 +121,8 @@ void gemm_with_blocking(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>&
 // of one core's FMA peak on the layer's shapes where Eigen's reaches about 60 %); double products,
 // and every product elsewhere, to Eigen's.
 template <typename Scalar>
-void gemm(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>& b, MatrixRef<Scalar> c, Scalar alpha,
-          bool accumulate, StageScratch scratch) {
+void gemm(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>& b, MatrixRef<Scalar> c,
+          Scalar alpha, bool accumulate, StageScratch scratch) {
   SDMHA_ASSERT(a.rows == c.rows() && b.cols == c.cols() && a.cols == b.rows);
 #if defined(__AVX512F__)
   if constexpr (std::is_same<Scalar, float>::value) {
@@ -131,7 +140,8 @@ void gemm(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>& b, MatrixRef<
   Scalar* block_b = carver.take<Scalar>(sizes.kc * sizes.nc);
   Vector<Scalar> own;  // only when the caller's scratch is too small
   if (block_b == nullptr) {
-    own.resize(Index(array_bytes<Scalar>(sizes.mc * sizes.kc) / sizeof(Scalar)) + sizes.kc * sizes.nc);
+    own.resize(Index(array_bytes<Scalar>(sizes.mc * sizes.kc) / sizeof(Scalar)) +
+               sizes.kc * sizes.nc);
     block_a = own.data();
     block_b = own.data() + array_bytes<Scalar>(sizes.mc * sizes.kc) / sizeof(Scalar);
   }

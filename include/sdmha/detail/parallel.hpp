@@ -43,7 +43,8 @@ class ItemQueue {
   template <typename Body>
   void run_items(Body& body, int offset, int worker) {
     try {
-      for (Index item = offset; item < count_ && !failed_.load(std::memory_order_relaxed); item += shares_)
+      for (Index item = offset; item < count_ && !failed_.load(std::memory_order_relaxed);
+           item += shares_)
         body(item, worker);
     } catch (...) {
       std::lock_guard<std::mutex> lock(failure_mutex_);
@@ -125,7 +126,8 @@ class ThreadPool {
       const int index = static_cast<int>(threads_.size());
       try {
         // The thread starts from the current generation: the job it is started for comes next.
-        threads_.emplace_back([this, index, generation = generation_] { serve(index, generation); });
+        threads_.emplace_back(
+            [this, index, generation = generation_] { serve(index, generation); });
       } catch (const std::system_error&) {
         break;
       }

@@ -40,7 +40,9 @@ class ScratchBuffer {
 
  private:
   struct Free {
-    void operator()(std::byte* data) const { ::operator delete(data, std::align_val_t(kScratchAlignment)); }
+    void operator()(std::byte* data) const {
+      ::operator delete(data, std::align_val_t(kScratchAlignment));
+    }
   };
   std::unique_ptr<std::byte, Free> data_;
   std::size_t capacity_ = 0;

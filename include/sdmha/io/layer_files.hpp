@@ -3,7 +3,8 @@
 //
 // Weights, Keras layout (an optional layer prefix such as "multi_head_attention/" may precede):
 //   query/kernel (Eq, H, Dk)  query/bias (H, Dk)  key/kernel (Ek, H, Dk)  key/bias (H, Dk)
-//   value/kernel (Ev, H, Dv)  value/bias (H, Dv)  attention_output/kernel (H, Dv, O)  attention_output/bias (O)
+//   value/kernel (Ev, H, Dv)  value/bias (H, Dv)  attention_output/kernel (H, Dv, O)
+//   attention_output/bias (O)
 // Weights, PyTorch nn.MultiheadAttention layout (used as x·Wᵀ + b; E = H·head_dim):
 //   in_proj_weight (3E, E) rows q, k, v — or q_proj_weight (E, Eq), k_proj_weight (E, Ek),
 //   v_proj_weight (E, Ev) when kdim/vdim differ — in_proj_bias (3E), out_proj.weight (E, E),
@@ -62,9 +63,7 @@ class TensorSource {
     return TensorSource(SafetensorsFile::open(path));
   }
 
-  const std::string& source() const {
-    return safetensors_ ? safetensors_->source() : npz_source_;
-  }
+  const std::string& source() const { return safetensors_ ? safetensors_->source() : npz_source_; }
   bool contains(const std::string& name) const {
     return safetensors_ ? safetensors_->contains(name) : npz_->contains(name);
   }
@@ -122,10 +121,10 @@ class TensorSource {
 
 // What the caller may impose over the file's metadata.
 struct LayerFileOptions {
-  std::optional<WeightLayout> layout;     // default: metadata "layout", else detected from the names
-  std::optional<Index> num_heads;         // default: metadata "num_heads" (required for torch)
-  std::optional<bool> use_causal_mask;    // default: metadata "use_causal_mask", else false
-  std::optional<std::string> prefix;      // Keras layer prefix; default: found from the names
+  std::optional<WeightLayout> layout;   // default: metadata "layout", else detected from the names
+  std::optional<Index> num_heads;       // default: metadata "num_heads" (required for torch)
+  std::optional<bool> use_causal_mask;  // default: metadata "use_causal_mask", else false
+  std::optional<std::string> prefix;    // Keras layer prefix; default: found from the names
 };
 
 template <typename Scalar>
@@ -179,7 +178,8 @@ inline std::optional<double> metadata_number(const io::TensorSource& source, con
     used = 0;
   }
   if (used != text->size() || text->empty() || !std::isfinite(value))
-    fail<FormatError>("io", source.source(), ": metadata '", key, "' = '", *text, "'; expected a finite decimal number");
+    fail<FormatError>("io", source.source(), ": metadata '", key, "' = '", *text,
+                      "'; expected a finite decimal number");
   return value;
 }
 
@@ -195,14 +195,16 @@ inline FullyMaskedRows metadata_fully_masked_rows(const io::TensorSource& source
   const auto text = source.metadata_value("fully_masked_rows");
   if (!text || *text == "zeros") return FullyMaskedRows::zeros;
   if (*text == "uniform") return FullyMaskedRows::uniform;
-  fail<FormatError>("io", source.source(), ": metadata 'fully_masked_rows' = '", *text, "'; expected zeros or uniform");
+  fail<FormatError>("io", source.source(), ": metadata 'fully_masked_rows' = '", *text,
+                    "'; expected zeros or uniform");
 }
 
 inline std::string keras_prefix(const io::TensorSource& source) {
   const std::string suffix = "query/kernel";
   std::optional<std::string> found;
   for (const auto& name : source.names()) {
-    if (name.size() < suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+    if (name.size() < suffix.size() ||
+        name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
       continue;
     const std::string prefix = name.substr(0, name.size() - suffix.size());
     if (!prefix.empty() && prefix.back() != '/') continue;
@@ -212,23 +214,27 @@ inline std::string keras_prefix(const io::TensorSource& source) {
     found = prefix;
   }
   if (!found)
-    fail<FormatError>("io", source.source(),
-                      ": no tensor named '[prefix/]query/kernel'; expected Keras MultiHeadAttention weights");
+    fail<FormatError>(
+        "io", source.source(),
+        ": no tensor named '[prefix/]query/kernel'; expected Keras MultiHeadAttention weights");
   return *found;
 }
 
 // Checks `shape` against `expected`, where a negative expected entry accepts any size.
 inline void expect_dims(const io::TensorSource& source, const std::string& name,
-                        const std::vector<std::int64_t>& shape, const std::vector<std::int64_t>& expected) {
+                        const std::vector<std::int64_t>& shape,
+                        const std::vector<std::int64_t>& expected) {
   bool ok = shape.size() == expected.size();
-  for (std::size_t i = 0; ok && i < shape.size(); ++i) ok = expected[i] < 0 || shape[i] == expected[i];
+  for (std::size_t i = 0; ok && i < shape.size(); ++i)
+    ok = expected[i] < 0 || shape[i] == expected[i];
   if (!ok)
     fail<ShapeError>("io", source.source(), ": tensor '", name, "' has shape ", format_shape(shape),
                      "; expected ", format_shape(expected), " (-1 = any)");
 }
 
 template <typename Scalar>
-RowMatrix<Scalar> read_matrix(const io::TensorSource& source, const std::string& name, Index rows, Index cols) {
+RowMatrix<Scalar> read_matrix(const io::TensorSource& source, const std::string& name, Index rows,
+                              Index cols) {
   const auto data = source.read<Scalar>(name);
   SDMHA_ASSERT(Index(data.size()) == rows * cols);
   return Eigen::Map<const RowMatrix<Scalar>>(data.data(), rows, cols);
@@ -241,18 +247,20 @@ Vector<Scalar> read_vector(const io::TensorSource& source, const std::string& na
 }
 
 template <typename Scalar>
-void load_keras(const io::TensorSource& source, const std::string& prefix, io::LayerFile<Scalar>& layer) {
+void load_keras(const io::TensorSource& source, const std::string& prefix,
+                io::LayerFile<Scalar>& layer) {
   const std::string q = prefix + "query/", k = prefix + "key/", v = prefix + "value/",
                     o = prefix + "attention_output/";
   const auto query_shape = source.expect_rank(q + "kernel", 3);
   // Every width must stay far from overflow once multiplied (H·Dk, Eq·H·Dk, H·Dv·O), even for
   // kernels that hold no bytes: 2^24 per dimension is beyond any real layer.
-  for (const char* kernel : {"query/kernel", "key/kernel", "value/kernel", "attention_output/kernel"}) {
+  for (const char* kernel :
+       {"query/kernel", "key/kernel", "value/kernel", "attention_output/kernel"}) {
     const std::string name = prefix + kernel;
     for (const std::int64_t dimension : source.expect_rank(name, 3))
       if (dimension > (std::int64_t(1) << 24))
-        fail<ShapeError>("io", source.source(), ": tensor '", name, "' has a dimension of ", dimension,
-                         "; expected at most 2^24");
+        fail<ShapeError>("io", source.source(), ": tensor '", name, "' has a dimension of ",
+                         dimension, "; expected at most 2^24");
   }
   const std::int64_t Eq = query_shape[0], H = query_shape[1], Dk = query_shape[2];
   const auto key_shape = source.expect_rank(k + "kernel", 3);
@@ -334,8 +342,9 @@ void load_torch(const io::TensorSource& source, Index heads, io::LayerFile<Scala
   w.output_kernel = read_matrix<Scalar>(source, "out_proj.weight", E, E).transpose();
   layer.config.use_bias = source.contains("in_proj_bias");
   if (layer.config.use_bias != source.contains("out_proj.bias"))
-    fail<FormatError>("io", source.source(),
-                      ": exactly one of 'in_proj_bias' and 'out_proj.bias' is present; expected both or neither");
+    fail<FormatError>(
+        "io", source.source(),
+        ": exactly one of 'in_proj_bias' and 'out_proj.bias' is present; expected both or neither");
   if (layer.config.use_bias) {
     expect_dims(source, "in_proj_bias", source.shape("in_proj_bias"), {3 * E});
     expect_dims(source, "out_proj.bias", source.shape("out_proj.bias"), {E});
@@ -358,17 +367,21 @@ LayerFile<Scalar> load_layer(const TensorSource& source, const LayerFileOptions&
   if (options.layout) {
     layer.layout = *options.layout;
   } else if (const auto text = source.metadata_value("layout")) {
-    if (*text == "keras") layer.layout = WeightLayout::keras;
-    else if (*text == "torch") layer.layout = WeightLayout::torch;
-    else detail::fail<FormatError>("io", source.source(), ": metadata 'layout' = '", *text,
-                                   "'; expected keras or torch");
+    if (*text == "keras")
+      layer.layout = WeightLayout::keras;
+    else if (*text == "torch")
+      layer.layout = WeightLayout::torch;
+    else
+      detail::fail<FormatError>("io", source.source(), ": metadata 'layout' = '", *text,
+                                "'; expected keras or torch");
   } else {
     const bool torch = source.contains("out_proj.weight");
     layer.layout = torch ? WeightLayout::torch : WeightLayout::keras;
   }
   const auto metadata_heads = detail::metadata_integer(source, "num_heads");
   if (layer.layout == WeightLayout::keras) {
-    detail::load_keras(source, options.prefix ? *options.prefix : detail::keras_prefix(source), layer);
+    detail::load_keras(source, options.prefix ? *options.prefix : detail::keras_prefix(source),
+                       layer);
     const Index heads = options.num_heads ? *options.num_heads : layer.config.num_heads;
     if (heads != layer.config.num_heads)
       detail::fail<ShapeError>("io", source.source(), ": num_heads = ", heads,
@@ -376,8 +389,9 @@ LayerFile<Scalar> load_layer(const TensorSource& source, const LayerFileOptions&
   } else {
     const auto heads = options.num_heads ? options.num_heads : metadata_heads;
     if (!heads)
-      detail::fail<FormatError>("io", source.source(),
-                                ": num_heads is neither in the metadata nor given; PyTorch weights need it");
+      detail::fail<FormatError>(
+          "io", source.source(),
+          ": num_heads is neither in the metadata nor given; PyTorch weights need it");
     if (*heads <= 0)
       detail::fail<ConfigError>("io", source.source(), ": num_heads = ", *heads, "; expected > 0");
     detail::load_torch(source, *heads, layer);
@@ -406,7 +420,7 @@ LayerFile<Scalar> load_layer(const TensorSource& source, const LayerFileOptions&
 template <typename Scalar>
 struct LayerInputs {
   SparseQuery<Scalar> query;
-  Eigen::Tensor<Scalar, 3, Eigen::RowMajor> key;    // equals value when the file has no key
+  Eigen::Tensor<Scalar, 3, Eigen::RowMajor> key;  // equals value when the file has no key
   Eigen::Tensor<Scalar, 3, Eigen::RowMajor> value;
   Eigen::Tensor<bool, 3, Eigen::RowMajor> attention_mask;  // all dimensions 0 when absent
   bool has_key = false;

@@ -290,7 +290,8 @@ inline void check_bool_bytes(const char* where, const std::string& source,
 // The floating-point reads: F16, BF16, F32 and F64 into float or double (F64 into float through
 // narrow_to_float). False, with `out` untouched, for any other dtype.
 template <typename T>
-bool decode_floating(io::DType dtype, const std::uint8_t* bytes, std::size_t count, std::vector<T>& out) {
+bool decode_floating(io::DType dtype, const std::uint8_t* bytes, std::size_t count,
+                     std::vector<T>& out) {
   using io::DType;
   switch (dtype) {
     case DType::F16:
@@ -316,7 +317,8 @@ bool decode_floating(io::DType dtype, const std::uint8_t* bytes, std::size_t cou
       if constexpr (std::is_same_v<T, double>) {
         if (count > 0) std::memcpy(out.data(), bytes, count * sizeof(T));
       } else {
-        for (std::size_t i = 0; i < count; ++i) out[i] = narrow_to_float(load_unaligned<double>(bytes + 8 * i));
+        for (std::size_t i = 0; i < count; ++i)
+          out[i] = narrow_to_float(load_unaligned<double>(bytes + 8 * i));
       }
       return true;
     default:
@@ -488,8 +490,9 @@ namespace io {
 // A safetensors file held in memory, its header validated on open.
 //
 // Every tensor's byte range lies inside the data buffer, matches its shape and dtype exactly and
-// overlaps no other tensor and the tensors cover the data buffer without holes. Reads copy into a std::vector and
-// work at any alignment; data_if_aligned gives a zero-copy view when the bytes allow one.
+// overlaps no other tensor and the tensors cover the data buffer without holes. Reads copy into a
+// std::vector and work at any alignment; data_if_aligned gives a zero-copy view when the bytes
+// allow one.
 class SafetensorsFile {
  public:
   // The limit the reference implementation puts on the header; a larger one is not a model file.
@@ -644,16 +647,19 @@ class SafetensorsFile {
       for (std::size_t i = 8; i < data_start_; ++i) {
         const char c = static_cast<char>(bytes_[i]);
         if (in_string) {
-          if (escaped) escaped = false;
-          else if (c == '\\') escaped = true;
-          else if (c == '"') in_string = false;
+          if (escaped)
+            escaped = false;
+          else if (c == '\\')
+            escaped = true;
+          else if (c == '"')
+            in_string = false;
         } else if (c == '"') {
           in_string = true;
         } else if (c == '[' || c == '{') {
           if (++depth > kMaxNesting)
-            detail::fail<FormatError>(where, source_, ": header nests JSON arrays or objects more than ",
-                                      kMaxNesting, " levels deep at byte ", i - 8,
-                                      "; expected a flat safetensors header");
+            detail::fail<FormatError>(
+                where, source_, ": header nests JSON arrays or objects more than ", kMaxNesting,
+                " levels deep at byte ", i - 8, "; expected a flat safetensors header");
         } else if (c == ']' || c == '}') {
           --depth;
         }
@@ -815,9 +821,10 @@ class SafetensorsFile {
                                   "] overlap; expected disjoint byte ranges");
       }
       if (current.begin > previous.end) {
-        detail::fail<FormatError>(where, source_, ": bytes [", previous.end, ", ", current.begin,
-                                  ") between tensors '", previous.name, "' and '", current.name,
-                                  "' belong to no tensor; expected contiguous data_offsets (no holes)");
+        detail::fail<FormatError>(
+            where, source_, ": bytes [", previous.end, ", ", current.begin, ") between tensors '",
+            previous.name, "' and '", current.name,
+            "' belong to no tensor; expected contiguous data_offsets (no holes)");
       }
     }
     // As in the reference implementation, the tensors tile the data buffer exactly.
@@ -825,8 +832,9 @@ class SafetensorsFile {
     const std::size_t first = occupied.empty() ? 0 : occupied.front()->begin;
     const std::size_t last = occupied.empty() ? 0 : occupied.back()->end;
     if (first != 0)
-      detail::fail<FormatError>(where, source_, ": bytes [0, ", first, ") of the data belong to no tensor ('",
-                                occupied.front()->name, "' starts at ", first,
+      detail::fail<FormatError>(where, source_, ": bytes [0, ", first,
+                                ") of the data belong to no tensor ('", occupied.front()->name,
+                                "' starts at ", first,
                                 "); expected contiguous data_offsets from 0 (no holes)");
     if (last != buffer_size)
       detail::fail<FormatError>(where, source_, ": the data buffer holds ", buffer_size,

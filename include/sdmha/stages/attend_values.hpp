@@ -1,8 +1,9 @@
 // sdmha/stages/attend_values.hpp — AttendValues: one head's output P·V_h, and its backward.
 //
 //   math:  A_h = P·V_h, written into head h's column block of the concatenated heads
-//   pre:   P rows × keys (rows sum to 1 or are all 0, or after dropout); V_h keys × Dv; A_h rows × Dv
-//   cost:  2·rows·keys·Dv flops (one GEMM); plus an O(keys·Dv) finiteness scan of V_h unless the caller knows
+//   pre:   P rows × keys (rows sum to 1 or are all 0, or after dropout); V_h keys × Dv; A_h rows ×
+//   Dv cost:  2·rows·keys·Dv flops (one GEMM); plus an O(keys·Dv) finiteness scan of V_h unless the
+//   caller knows
 //
 // Backward, given dA_h: dP = dA_h·V_hᵀ (overwritten), dV_h += Pᵀ·dA_h (accumulated over tiles).
 #pragma once
@@ -52,11 +53,11 @@ struct AttendValues {
   static void can_implement(const Arguments& args) {
     constexpr const char* where = "AttendValues";
     if (args.value.rows() != args.probabilities.cols())
-      detail::fail<ShapeError>(where, "value has ", args.value.rows(), " rows; expected ", args.probabilities.cols(),
-                               " (one per key step)");
+      detail::fail<ShapeError>(where, "value has ", args.value.rows(), " rows; expected ",
+                               args.probabilities.cols(), " (one per key step)");
     if (args.output.rows() != args.probabilities.rows() || args.output.cols() != args.value.cols())
-      detail::fail<ShapeError>(where, "output is ", args.output.rows(), " x ", args.output.cols(), "; expected ",
-                               args.probabilities.rows(), " x ", args.value.cols());
+      detail::fail<ShapeError>(where, "output is ", args.output.rows(), " x ", args.output.cols(),
+                               "; expected ", args.probabilities.rows(), " x ", args.value.cols());
   }
 
   static void can_implement(const BackwardArguments& args) {
@@ -65,40 +66,45 @@ struct AttendValues {
     if (args.value.rows() != keys)
       detail::fail<ShapeError>(where, "value has ", args.value.rows(), " rows; expected ", keys);
     if (args.d_output.rows() != rows || args.d_output.cols() != args.value.cols())
-      detail::fail<ShapeError>(where, "d_output is ", args.d_output.rows(), " x ", args.d_output.cols(),
-                               "; expected ", rows, " x ", args.value.cols());
+      detail::fail<ShapeError>(where, "d_output is ", args.d_output.rows(), " x ",
+                               args.d_output.cols(), "; expected ", rows, " x ", args.value.cols());
     if (args.d_probabilities.rows() != rows || args.d_probabilities.cols() != keys)
       detail::fail<ShapeError>(where, "d_probabilities is ", args.d_probabilities.rows(), " x ",
                                args.d_probabilities.cols(), "; expected ", rows, " x ", keys);
     if (args.d_value.rows() != keys || args.d_value.cols() != args.value.cols())
-      detail::fail<ShapeError>(where, "d_value is ", args.d_value.rows(), " x ", args.d_value.cols(),
-                               "; expected ", keys, " x ", args.value.cols());
+      detail::fail<ShapeError>(where, "d_value is ", args.d_value.rows(), " x ",
+                               args.d_value.cols(), "; expected ", keys, " x ", args.value.cols());
   }
 
   // A GEMM would turn 0 · NaN into NaN, letting a non-finite value row that is blocked for a
   // query reach that query's output. Such rows are rare, so: one GEMM when V_h is finite, and a
   // product that skips zero probabilities when it is not.
   void operator()(const Arguments& args) const {
-    if (args.value_is_finite.has_value() ? *args.value_is_finite : detail::all_finite<Scalar>(args.value)) {
-      detail::gemm<Scalar>(detail::as_operand<Scalar>(args.probabilities), detail::as_operand<Scalar>(args.value),
-                           args.output, Scalar(1), false, args.workspace);
+    if (args.value_is_finite.has_value() ? *args.value_is_finite
+                                         : detail::all_finite<Scalar>(args.value)) {
+      detail::gemm<Scalar>(detail::as_operand<Scalar>(args.probabilities),
+                           detail::as_operand<Scalar>(args.value), args.output, Scalar(1), false,
+                           args.workspace);
       return;
     }
     args.output.setZero();
     for (Index t = 0; t < args.probabilities.rows(); ++t)
       for (Index s = 0; s < args.probabilities.cols(); ++s) {
         const Scalar probability = args.probabilities(t, s);
-        if (probability != Scalar(0)) args.output.row(t).noalias() += probability * args.value.row(s);
+        if (probability != Scalar(0))
+          args.output.row(t).noalias() += probability * args.value.row(s);
       }
   }
 
   // dP may hold NaN where V_h does; the softmax's backward zeroes it where P = 0 (told so by its
   // d_probabilities_are_finite). dV_h's rows for keys that no query attends get 0·dA = 0.
   void backward(const BackwardArguments& args) const {
-    detail::gemm<Scalar>(detail::as_operand<Scalar>(args.d_output), detail::transposed<Scalar>(args.value),
-                         args.d_probabilities, Scalar(1), false, args.workspace);
-    detail::gemm<Scalar>(detail::transposed<Scalar>(args.probabilities), detail::as_operand<Scalar>(args.d_output),
-                         args.d_value, Scalar(1), true, args.workspace);
+    detail::gemm<Scalar>(detail::as_operand<Scalar>(args.d_output),
+                         detail::transposed<Scalar>(args.value), args.d_probabilities, Scalar(1),
+                         false, args.workspace);
+    detail::gemm<Scalar>(detail::transposed<Scalar>(args.probabilities),
+                         detail::as_operand<Scalar>(args.d_output), args.d_value, Scalar(1), true,
+                         args.workspace);
   }
 };
 

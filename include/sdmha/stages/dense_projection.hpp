@@ -54,60 +54,66 @@ struct DenseProjection {
   // (forward and input gradient), and a weight tile of sizes.input_width × sizes.output_width
   // over sizes.rows rows (kernel gradient).
   static std::size_t workspace_size(const TileSizes& sizes) {
-    return std::max({detail::gemm_workspace_size<Scalar>(sizes.rows, sizes.output_width, sizes.input_width),
-                     detail::gemm_workspace_size<Scalar>(sizes.rows, sizes.input_width, sizes.output_width),
-                     detail::gemm_workspace_size<Scalar>(sizes.input_width, sizes.output_width, sizes.rows)});
+    return std::max(
+        {detail::gemm_workspace_size<Scalar>(sizes.rows, sizes.output_width, sizes.input_width),
+         detail::gemm_workspace_size<Scalar>(sizes.rows, sizes.input_width, sizes.output_width),
+         detail::gemm_workspace_size<Scalar>(sizes.input_width, sizes.output_width, sizes.rows)});
   }
 
   static void can_implement(const Arguments& args) { check("DenseProjection", args); }
   static void can_implement(const KernelGradientArguments& args) {
     constexpr const char* where = "DenseProjection (kernel gradient)";
     if (args.input.rows() != args.d_output.rows())
-      detail::fail<ShapeError>(where, "input has ", args.input.rows(), " rows; expected d_output's ",
-                               args.d_output.rows());
+      detail::fail<ShapeError>(where, "input has ", args.input.rows(),
+                               " rows; expected d_output's ", args.d_output.rows());
     if (args.d_kernel.rows() != args.input.cols() || args.d_kernel.cols() != args.d_output.cols())
-      detail::fail<ShapeError>(where, "d_kernel is ", args.d_kernel.rows(), " x ", args.d_kernel.cols(),
-                               "; expected ", args.input.cols(), " x ", args.d_output.cols());
+      detail::fail<ShapeError>(where, "d_kernel is ", args.d_kernel.rows(), " x ",
+                               args.d_kernel.cols(), "; expected ", args.input.cols(), " x ",
+                               args.d_output.cols());
   }
   static void can_implement(const InputGradientArguments& args) {
     constexpr const char* where = "DenseProjection (input gradient)";
     if (args.kernel.cols() != args.d_output.cols())
-      detail::fail<ShapeError>(where, "kernel has ", args.kernel.cols(), " columns; expected d_output's ",
-                               args.d_output.cols());
+      detail::fail<ShapeError>(where, "kernel has ", args.kernel.cols(),
+                               " columns; expected d_output's ", args.d_output.cols());
     if (args.d_input.rows() != args.d_output.rows() || args.d_input.cols() != args.kernel.rows())
-      detail::fail<ShapeError>(where, "d_input is ", args.d_input.rows(), " x ", args.d_input.cols(),
-                               "; expected ", args.d_output.rows(), " x ", args.kernel.rows());
+      detail::fail<ShapeError>(where, "d_input is ", args.d_input.rows(), " x ",
+                               args.d_input.cols(), "; expected ", args.d_output.rows(), " x ",
+                               args.kernel.rows());
   }
 
   // The bias goes in first and the GEMM accumulates onto it: one pass over Y instead of two.
   void operator()(const Arguments& args) const {
     const bool has_bias = args.bias.size() != 0;
     if (has_bias) args.output.rowwise() = args.bias.transpose();
-    detail::gemm<Scalar>(detail::as_operand<Scalar>(args.input), detail::as_operand<Scalar>(args.kernel),
-                         args.output, Scalar(1), has_bias, args.workspace);
+    detail::gemm<Scalar>(detail::as_operand<Scalar>(args.input),
+                         detail::as_operand<Scalar>(args.kernel), args.output, Scalar(1), has_bias,
+                         args.workspace);
   }
 
   void backward(const KernelGradientArguments& args) const {
-    detail::gemm<Scalar>(detail::transposed<Scalar>(args.input), detail::as_operand<Scalar>(args.d_output),
-                         args.d_kernel, Scalar(1), false, args.workspace);
+    detail::gemm<Scalar>(detail::transposed<Scalar>(args.input),
+                         detail::as_operand<Scalar>(args.d_output), args.d_kernel, Scalar(1), false,
+                         args.workspace);
   }
 
   void backward(const InputGradientArguments& args) const {
-    detail::gemm<Scalar>(detail::as_operand<Scalar>(args.d_output), detail::transposed<Scalar>(args.kernel),
-                         args.d_input, Scalar(1), false, args.workspace);
+    detail::gemm<Scalar>(detail::as_operand<Scalar>(args.d_output),
+                         detail::transposed<Scalar>(args.kernel), args.d_input, Scalar(1), false,
+                         args.workspace);
   }
 
  protected:
   static void check(const char* where, const Arguments& args) {
     if (args.kernel.rows() != args.input.cols())
-      detail::fail<ShapeError>(where, "kernel has ", args.kernel.rows(), " rows; expected the input width ",
-                               args.input.cols());
+      detail::fail<ShapeError>(where, "kernel has ", args.kernel.rows(),
+                               " rows; expected the input width ", args.input.cols());
     if (args.bias.size() != 0 && args.bias.size() != args.kernel.cols())
       detail::fail<ShapeError>(where, "bias has ", args.bias.size(), " entries; expected 0 or ",
                                args.kernel.cols());
     if (args.output.rows() != args.input.rows() || args.output.cols() != args.kernel.cols())
-      detail::fail<ShapeError>(where, "output is ", args.output.rows(), " x ", args.output.cols(), "; expected ",
-                               args.input.rows(), " x ", args.kernel.cols());
+      detail::fail<ShapeError>(where, "output is ", args.output.rows(), " x ", args.output.cols(),
+                               "; expected ", args.input.rows(), " x ", args.kernel.cols());
   }
 };
 

@@ -4,8 +4,8 @@
 //   math:  P[t, s] = exp(S[t, s] − m_t) / Σ_s' exp(S[t, s'] − m_t), m_t = max_s S[t, s];
 //          a row whose scores are all −∞ (every key blocked) gets P[t, ·] = 0 (Keras 3), or 1/keys
 //          with FullyMaskedRows::uniform
-//   pre:   blocked positions hold −∞ (ScoreKernel's convention); S is rows × keys, all keys of its rows
-//   cost:  O(rows·keys) exponentials
+//   pre:   blocked positions hold −∞ (ScoreKernel's convention); S is rows × keys, all keys of its
+//   rows cost:  O(rows·keys) exponentials
 //
 // Backward: dS = P ⊙ (dP − rowsum(P ⊙ dP)), exactly 0 wherever P = 0 (blocked entries, fully
 // blocked rows), in place of dP; 0 on the rows flagged fully blocked (the uniform policy's rows,
@@ -44,10 +44,11 @@ struct MaskedSoftmax {
 
   static void can_implement(const Arguments&) {}
   static void can_implement(const BackwardArguments& args) {
-    if (args.d_scores.rows() != args.probabilities.rows() || args.d_scores.cols() != args.probabilities.cols())
-      detail::fail<ShapeError>("MaskedSoftmax (backward)", "d_scores is ", args.d_scores.rows(), " x ",
-                               args.d_scores.cols(), "; expected the probabilities' ", args.probabilities.rows(),
-                               " x ", args.probabilities.cols());
+    if (args.d_scores.rows() != args.probabilities.rows() ||
+        args.d_scores.cols() != args.probabilities.cols())
+      detail::fail<ShapeError>("MaskedSoftmax (backward)", "d_scores is ", args.d_scores.rows(),
+                               " x ", args.d_scores.cols(), "; expected the probabilities' ",
+                               args.probabilities.rows(), " x ", args.probabilities.cols());
   }
 
   // Subtracting the row maximum keeps every exponent ≤ 0, so logits of any size (±1e4 and more)

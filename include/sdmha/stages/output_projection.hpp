@@ -2,7 +2,8 @@
 //
 //   math:  Y = A·Wo + bo, A = [A_0 … A_{H−1}] (rows × H·Dv), Wo (H·Dv × O), bo (O) or none
 //   pre:   A has H·Dv columns; Y is rows × O
-//   cost:  2·rows·H·Dv·O flops in one GEMM; backward as DenseProjection's (dWo = Aᵀ·dY, dA = dY·Woᵀ)
+//   cost:  2·rows·H·Dv·O flops in one GEMM; backward as DenseProjection's (dWo = Aᵀ·dY, dA =
+//   dY·Woᵀ)
 #pragma once
 
 #include "sdmha/stages/dense_projection.hpp"
@@ -16,7 +17,9 @@ struct OutputProjection : DenseProjection<Scalar> {
   using differentiates = OutputProjection;
   using typename DenseProjection<Scalar>::Arguments;
   using DenseProjection<Scalar>::can_implement;
-  static void can_implement(const Arguments& args) { DenseProjection<Scalar>::check("OutputProjection", args); }
+  static void can_implement(const Arguments& args) {
+    DenseProjection<Scalar>::check("OutputProjection", args);
+  }
 };
 
 }  // namespace sdmha

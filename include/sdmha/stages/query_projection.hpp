@@ -34,10 +34,10 @@ struct SparseQueryProjection {
 
   struct Arguments {
     CsrView<Scalar, StorageIndex> query;  // rows × Eq
-    ConstMatrixRef<Scalar> kernel;        // Eq × N, row-major: a stored value reads one contiguous row
-    ConstVectorRef<Scalar> bias;          // N, or empty for no bias
-    mutable MatrixRef<Scalar> output;     // rows × N
-    StageScratch workspace = {};          // workspace_size() bytes for this call's sizes
+    ConstMatrixRef<Scalar> kernel;  // Eq × N, row-major: a stored value reads one contiguous row
+    ConstVectorRef<Scalar> bias;    // N, or empty for no bias
+    mutable MatrixRef<Scalar> output;  // rows × N
+    StageScratch workspace = {};       // workspace_size() bytes for this call's sizes
   };
 
   // Two register-blocked kernels (detail/csr_dense_product.hpp gives the reasons). By rows: a
@@ -77,7 +77,8 @@ struct SparseQueryProjection {
   // The by-row kernel writes Q with streaming stores when Wq fits in L2 (so that reading Wq does
   // not bound it) and the output is too large to be wanted in cache (detail::kStreamOutputBytes).
   static bool stream_output(const Arguments& args) {
-    const double output_bytes = double(args.output.rows()) * double(args.output.cols()) * sizeof(Scalar);
+    const double output_bytes =
+        double(args.output.rows()) * double(args.output.cols()) * sizeof(Scalar);
     return !kernel_beyond_cache(args.kernel.rows(), args.kernel.cols()) &&
            output_bytes >= detail::kStreamOutputBytes;
   }
@@ -86,17 +87,20 @@ struct SparseQueryProjection {
     const Scalar* bias = args.bias.size() != 0 ? args.bias.data() : nullptr;
     if (by_feature(args)) {
       detail::ScratchCarver carver(args.workspace);
-      FeatureGroups groups = FeatureGroups::carve(carver, args.query.cols, args.query.nonzeros(), false);
+      FeatureGroups groups =
+          FeatureGroups::carve(carver, args.query.cols, args.query.nonzeros(), false);
       if (groups.fits(args.query.cols, args.query.nonzeros(), false)) {
-        detail::csr_dense_product_by_feature(args.query, args.kernel.data(), args.kernel.outerStride(), bias,
-                                             args.output.data(), args.output.outerStride(), args.kernel.cols(),
-                                             groups);
+        detail::csr_dense_product_by_feature(args.query, args.kernel.data(),
+                                             args.kernel.outerStride(), bias, args.output.data(),
+                                             args.output.outerStride(), args.kernel.cols(), groups);
         return;
       }
-      // Without the planned workspace (a call on its own), by rows: the same sums, in the same order.
+      // Without the planned workspace (a call on its own), by rows: the same sums, in the same
+      // order.
     }
-    detail::csr_dense_product(args.query, args.kernel.data(), args.kernel.outerStride(), bias, args.output.data(),
-                              args.output.outerStride(), args.kernel.cols(), stream_output(args));
+    detail::csr_dense_product(args.query, args.kernel.data(), args.kernel.outerStride(), bias,
+                              args.output.data(), args.output.outerStride(), args.kernel.cols(),
+                              stream_output(args));
   }
 
   // ---- backward -------------------------------------------------------------------------------
@@ -125,17 +129,18 @@ struct SparseQueryProjection {
   static void can_implement(const KernelGradientArguments& args) {
     constexpr const char* where = "SparseQueryProjection (kernel gradient)";
     if (args.d_query.rows() != args.query.rows)
-      detail::fail<ShapeError>(where, "d_query has ", args.d_query.rows(), " rows; expected ", args.query.rows,
-                               " (one per query row)");
+      detail::fail<ShapeError>(where, "d_query has ", args.d_query.rows(), " rows; expected ",
+                               args.query.rows, " (one per query row)");
     if (args.feature_groups == nullptr) {
       if (args.d_kernel.rows() != args.query.cols || args.d_kernel.cols() != args.d_query.cols())
-        detail::fail<ShapeError>(where, "d_kernel is ", args.d_kernel.rows(), " x ", args.d_kernel.cols(),
-                                 "; expected ", args.query.cols, " x ", args.d_query.cols());
+        detail::fail<ShapeError>(where, "d_kernel is ", args.d_kernel.rows(), " x ",
+                                 args.d_kernel.cols(), "; expected ", args.query.cols, " x ",
+                                 args.d_query.cols());
       return;
     }
     if (args.d_kernel.cols() != args.d_query.cols())
-      detail::fail<ShapeError>(where, "d_kernel has ", args.d_kernel.cols(), " columns; expected d_query's ",
-                               args.d_query.cols());
+      detail::fail<ShapeError>(where, "d_kernel has ", args.d_kernel.cols(),
+                               " columns; expected d_query's ", args.d_query.cols());
     detail::check_feature_groups(where, args.query, *args.feature_groups, false);
     check_feature_range(where, args.query.cols, args.first_feature, args.d_kernel.rows());
   }
@@ -146,8 +151,9 @@ struct SparseQueryProjection {
       detail::fail<ShapeError>(where, "kernel has ", args.kernel.rows(),
                                " rows; expected the query's feature width ", args.query.cols);
     if (args.d_query.rows() != args.query.rows || args.d_query.cols() != args.kernel.cols())
-      detail::fail<ShapeError>(where, "d_query is ", args.d_query.rows(), " x ", args.d_query.cols(),
-                               "; expected ", args.query.rows, " x ", args.kernel.cols());
+      detail::fail<ShapeError>(where, "d_query is ", args.d_query.rows(), " x ",
+                               args.d_query.cols(), "; expected ", args.query.rows, " x ",
+                               args.kernel.cols());
     if (args.d_values.size() != args.query.nonzeros())
       detail::fail<ShapeError>(where, "d_values has ", args.d_values.size(),
                                " entries; expected one per stored value, ", args.query.nonzeros());
@@ -213,7 +219,8 @@ struct SparseQueryProjection {
     for (Index feature = args.first_feature; feature < last; ++feature) {
       const auto kernel_row = args.kernel.row(feature);
       for (Index k = offsets[feature]; k < offsets[feature + 1]; ++k)
-        args.d_values[Index(positions[k])] = args.d_query.row(Index(entries[k].row)).dot(kernel_row);
+        args.d_values[Index(positions[k])] =
+            args.d_query.row(Index(entries[k].row)).dot(kernel_row);
     }
   }
 };
