@@ -85,8 +85,9 @@ TYPED_TEST(AttentionSemanticsTest, ForwardMatchesReference) {
           SCOPED_TRACE(std::string(semantics.name) + " " + sdmha::to_string(strategy) + " T=" +
                        std::to_string(shape.steps) + " S=" + std::to_string(shape.key_steps));
           EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<Scalar>()));
-          if (return_scores)
+          if (return_scores) {
             EXPECT_TRUE(all_near(result.attention_scores.data(), expected.probabilities, relative_tolerance<Scalar>()));
+          }
           c.options.num_threads = 1;
           const auto single = layer.forward(c.query(), c.key, c.value, c.options);
           for (Index i = 0; i < result.output.size(); ++i)
