@@ -63,7 +63,7 @@ sdmha::RowMatrix<Scalar> random_values(Index rows, Index cols, std::uint64_t see
 template <typename Scalar>
 sdmha::RowMatrix<Scalar> attend(const sdmha::RowMatrix<Scalar>& probabilities, const sdmha::RowMatrix<Scalar>& value) {
   sdmha::RowMatrix<Scalar> output = sdmha::RowMatrix<Scalar>::Constant(probabilities.rows(), value.cols(), Scalar(-1));
-  typename Attend<Scalar>::Arguments args{probabilities, value, output};
+  typename Attend<Scalar>::Arguments args{{}, probabilities, value, output};
   Attend<Scalar>::can_implement(args);
   Attend<Scalar>{}(args);
   return output;
@@ -93,8 +93,8 @@ TYPED_TEST(AttendValuesTest, MatchesTheReferenceHeads) {
   for (Index b = 0; b < p.batch; ++b)
     for (Index h = 0; h < H; ++h) {
       const auto probabilities = to_matrix<TypeParam>(r.probabilities.data() + (b * H + h) * T * S, T, S);
-      typename Attend<TypeParam>::Arguments args{probabilities, values.block(b * S, h * Dv, S, Dv),
-                                                 heads.block(b * T, h * Dv, T, Dv)};
+      typename Attend<TypeParam>::Arguments args{sdmha::TilePosition{b, h, 0, 0}, probabilities,
+                                                 values.block(b * S, h * Dv, S, Dv), heads.block(b * T, h * Dv, T, Dv)};
       Attend<TypeParam>::can_implement(args);
       Attend<TypeParam>{}(args);
     }
@@ -149,7 +149,7 @@ TYPED_TEST(AttendValuesTest, WritesOnlyItsHeadsColumnsOfALargerMatrix) {
     if (!finite) weights.col(1).setZero();  // rows no longer sum to 1; the product does not care
     constexpr TypeParam sentinel = TypeParam(-7);
     sdmha::RowMatrix<TypeParam> heads = sdmha::RowMatrix<TypeParam>::Constant(T, 4 * Dv, sentinel);
-    typename Attend<TypeParam>::Arguments args{weights, value, heads.middleCols(2 * Dv, Dv)};
+    typename Attend<TypeParam>::Arguments args{{}, weights, value, heads.middleCols(2 * Dv, Dv)};
     ASSERT_EQ(args.output.outerStride(), 4 * Dv);
     Attend<TypeParam>::can_implement(args);
     Attend<TypeParam>{}(args);
@@ -170,12 +170,12 @@ TYPED_TEST(AttendValuesTest, CanImplementRejectsEachMismatch) {
   const sdmha::RowMatrix<Scalar> value = sdmha::RowMatrix<Scalar>::Zero(7, 3);
   const sdmha::RowMatrix<Scalar> short_value = sdmha::RowMatrix<Scalar>::Zero(6, 3);
   sdmha::RowMatrix<Scalar> output(5, 3), tall_output(6, 3), wide_output(5, 4);
-  EXPECT_NO_THROW(Attend<Scalar>::can_implement(Arguments{probabilities, value, output}));
-  SDMHA_EXPECT_THROW_WITH(Attend<Scalar>::can_implement(Arguments{probabilities, short_value, output}),
+  EXPECT_NO_THROW(Attend<Scalar>::can_implement(Arguments{{}, probabilities, value, output}));
+  SDMHA_EXPECT_THROW_WITH(Attend<Scalar>::can_implement(Arguments{{}, probabilities, short_value, output}),
                           sdmha::ShapeError, "AttendValues: value has 6 rows; expected 7 (one per key step)");
-  SDMHA_EXPECT_THROW_WITH(Attend<Scalar>::can_implement(Arguments{probabilities, value, tall_output}),
+  SDMHA_EXPECT_THROW_WITH(Attend<Scalar>::can_implement(Arguments{{}, probabilities, value, tall_output}),
                           sdmha::ShapeError, "output is 6 x 3; expected 5 x 3");
-  SDMHA_EXPECT_THROW_WITH(Attend<Scalar>::can_implement(Arguments{probabilities, value, wide_output}),
+  SDMHA_EXPECT_THROW_WITH(Attend<Scalar>::can_implement(Arguments{{}, probabilities, value, wide_output}),
                           sdmha::ShapeError, "output is 5 x 4; expected 5 x 3");
 }
 

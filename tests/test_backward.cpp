@@ -1,7 +1,8 @@
-// Tests of sdmha/backward.hpp (mha_backward) and of its two sparse stages,
-// sdmha/stages/query_values_gradient.hpp and sdmha/stages/query_kernel_gradient.hpp: gradients
-// against central finite differences of the forward over random configurations, dropout, masks,
-// non-finite blocked inputs, thread counts and bad input.
+// Tests of sdmha/backward.hpp (SparseDenseMHA::backward) and of the backward of the sparse query
+// projection (SparseQueryProjection's KernelGradientArguments and ValuesGradientArguments, in
+// sdmha/stages/query_projection.hpp): gradients against central finite differences of the forward
+// over random configurations, dropout, masks, non-finite blocked inputs, thread counts and bad
+// input.
 #include "test_support.hpp"
 
 #include <cstdio>
@@ -59,7 +60,7 @@ template <typename Scalar>
 sdmha::MhaGradients<Scalar> backward(const Case<Scalar>& c, const Tensor3<Scalar>& d_output,
                                      const sdmha::AttentionOptions<Scalar>& options) {
   const Layer<Scalar> layer(c.config, c.weights);
-  return sdmha::mha_backward(layer, c.query(), c.key, c.value, d_output, options);
+  return layer.backward(c.query(), c.key, c.value, d_output, options);
 }
 
 // Σ dY ⊙ Y, accumulated in long double so that its rounding stays far below what the finite
@@ -482,10 +483,10 @@ TYPED_TEST(BackwardTest, ThreadCountDoesNotChangeGradientsBitwise) {
       options.training = true;
       options.dropout_rate = 0.2;
       options.num_threads = 1;
-      const auto single = sdmha::mha_backward(layer, query, c.key, c.value, d_output, options);
+      const auto single = layer.backward(query, c.key, c.value, d_output, options);
       for (int threads : {2, 3, 8}) {
         options.num_threads = threads;
-        const auto multi = sdmha::mha_backward(layer, query, c.key, c.value, d_output, options);
+        const auto multi = layer.backward(query, c.key, c.value, d_output, options);
         EXPECT_TRUE(same_bits(c, single, multi)) << threads << " threads";
       }
     }
@@ -507,8 +508,8 @@ TYPED_TEST(BackwardTest, ReusingTheProjectedContextGivesTheSameGradients) {
     auto options = c.options;
     options.score_strategy = strategy;
     EXPECT_TRUE(
-        same_bits(c, sdmha::mha_backward(layer, query, c.key, c.value, d_output, options),
-                  sdmha::mha_backward(layer, query, c.key, c.value, context, d_output, options)))
+        same_bits(c, layer.backward(query, c.key, c.value, d_output, options),
+                  layer.backward(query, c.key, c.value, context, d_output, options)))
         << sdmha::to_string(strategy);
   }
   Tensor3<TypeParam> other_key(2, 6, s.key_in_dim), other_value(2, 6, s.value_in_dim);
@@ -516,7 +517,7 @@ TYPED_TEST(BackwardTest, ReusingTheProjectedContextGivesTheSameGradients) {
   other_value.setZero();
   const auto short_context = layer.project_context(other_key, other_value);
   SDMHA_EXPECT_THROW_WITH(
-      sdmha::mha_backward(layer, query, c.key, c.value, short_context, d_output, c.options),
+      layer.backward(query, c.key, c.value, short_context, d_output, c.options),
       sdmha::ShapeError, "context has batch 2, key_steps 6, keys 12 x 8");
 }
 
@@ -576,7 +577,7 @@ TYPED_TEST(BackwardTest, AWorkspaceInUseOrBadInputLeavesTheGradientsUntouched) {
     const typename sdmha::Workspace<TypeParam>::Lease held(workspace, "another call");
     SDMHA_EXPECT_THROW_WITH(
         layer.backward(query, c.key, c.value, d_output, c.options, workspace, gradients),
-        sdmha::ConfigError, "mha_backward: workspace is in use by another call");
+        sdmha::ConfigError, "SparseDenseMHA::backward: workspace is in use by another call");
   }
   Tensor3<TypeParam> short_d_output(c.problem.batch, c.problem.steps, 1);
   short_d_output.setZero();
@@ -667,7 +668,7 @@ TYPED_TEST(BackwardTest, QueryFromAnUncompressedEigenMatrixGetsOneGradientPerSto
     const auto query = sdmha::SparseQuery<TypeParam>::from_eigen(s.batch, s.steps, std::move(matrix));
     EXPECT_EQ(sdmha::detail::query_gradients_by_feature(query.csr(), s.heads * s.key_dim), wide);
     const Layer<TypeParam> layer(c.config, c.weights);
-    const auto g = sdmha::mha_backward(layer, query, c.key, c.value, d_output, c.options);
+    const auto g = layer.backward(query, c.key, c.value, d_output, c.options);
     ASSERT_EQ(g.query_values.size(), c.values.size());
     // from_coo's gradients are in COO order; the Eigen query's in CSR order.
     const auto coo_query = c.query();
@@ -741,34 +742,34 @@ TYPED_TEST(BackwardTest, RejectsBadInput) {
   wrong.setZero();
   short_steps.setZero();
   other_batch.setZero();
-  SDMHA_EXPECT_THROW_WITH(sdmha::mha_backward(layer, query, c.key, c.value, wrong, c.options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, wrong, c.options),
                           sdmha::ShapeError,
                           "d_output is (2, 5, 15); expected (B, T, O) = (2, 5, 16)");
-  SDMHA_EXPECT_THROW_WITH(sdmha::mha_backward(layer, query, c.key, c.value, short_steps, c.options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, short_steps, c.options),
                           sdmha::ShapeError, "d_output is (2, 4, 16)");
-  SDMHA_EXPECT_THROW_WITH(sdmha::mha_backward(layer, query, c.key, c.value, other_batch, c.options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, other_batch, c.options),
                           sdmha::ShapeError, "d_output is (3, 5, 16)");
   Tensor3<TypeParam> narrow_key(2, 7, 11);
   narrow_key.setZero();
   SDMHA_EXPECT_THROW_WITH(
-      sdmha::mha_backward(layer, query, narrow_key, c.value, d_output, c.options),
+      layer.backward(query, narrow_key, c.value, d_output, c.options),
       sdmha::ShapeError, "key has width 11; expected the kernel's input width 12");
   const auto wide_query = sdmha::SparseQuery<TypeParam>::from_coo(2, 5, 17, c.indices, c.values);
   SDMHA_EXPECT_THROW_WITH(
-      sdmha::mha_backward(layer, wide_query, c.key, c.value, d_output, c.options),
+      layer.backward(wide_query, c.key, c.value, d_output, c.options),
       sdmha::ShapeError, "query has 17 features; expected the query kernel's input width 16");
   auto options = c.options;
   options.attention_mask.resize(2, 5, 6);
-  SDMHA_EXPECT_THROW_WITH(sdmha::mha_backward(layer, query, c.key, c.value, d_output, options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, options),
                           sdmha::ShapeError,
                           "attention_mask is (2, 5, 6); expected (B, T, S) = (2, 5, 7)");
   options = c.options;
   options.dropout_rate = 1.0;
-  SDMHA_EXPECT_THROW_WITH(sdmha::mha_backward(layer, query, c.key, c.value, d_output, options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, options),
                           sdmha::ConfigError, "dropout_rate = 1; expected 0 <= dropout_rate < 1");
   options = c.options;
   options.num_threads = -2;
-  SDMHA_EXPECT_THROW_WITH(sdmha::mha_backward(layer, query, c.key, c.value, d_output, options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, options),
                           sdmha::ConfigError, "num_threads = -2");
 }
 
@@ -874,7 +875,23 @@ TEST(BackwardDropout, KeepsTheExpectationOverSeeds) {
   EXPECT_GT(largest_spread, 1e-3);  // dropout did act
 }
 
-// ---- the two sparse stages against dense twins ----
+// ---- the sparse query projection's backward against dense twins ----
+
+// X's CSC (detail::build_feature_groups) in memory of its own, as the backward carves it from
+// the workspace: FeatureGroups::bytes, a ScratchBuffer, FeatureGroups::carve.
+template <typename Scalar>
+struct CarvedFeatureGroups {
+  using Groups = typename sdmha::SparseQueryProjection<Scalar>::FeatureGroups;
+  sdmha::detail::ScratchBuffer memory;
+  Groups groups;
+
+  CarvedFeatureGroups(const sdmha::CsrView<Scalar>& x, bool with_positions) {
+    memory.reserve(Groups::bytes(x.cols, x.nonzeros(), with_positions));
+    sdmha::detail::ScratchCarver carver(memory.view());
+    groups = Groups::carve(carver, x.cols, x.nonzeros(), with_positions);
+    sdmha::detail::build_feature_groups(x, groups, with_positions);
+  }
+};
 
 template <typename Scalar>
 class QueryGradientStagesTest : public ::testing::Test {};
@@ -882,6 +899,7 @@ TYPED_TEST_SUITE(QueryGradientStagesTest, ScalarTypes, );
 
 TYPED_TEST(QueryGradientStagesTest, MatchDenseProducts) {
   using Scalar = TypeParam;
+  using Projection = sdmha::SparseQueryProjection<Scalar>;
   Shape s;
   s.batch = 3;
   s.steps = 9;
@@ -900,12 +918,12 @@ TYPED_TEST(QueryGradientStagesTest, MatchDenseProducts) {
   const sdmha::RowMatrix<double> dense = query.to_dense().template cast<double>();
   const sdmha::RowMatrix<double> d_query_wide = d_query.template cast<double>();
   const sdmha::RowMatrix<double> kernel_wide = kernel.template cast<double>();
+  const Projection stage;
 
   sdmha::Vector<Scalar> d_values(query.nonzeros());
-  typename sdmha::QueryValuesGradient<Scalar>::Arguments values_args{query.csr(), kernel, d_query,
-                                                                     d_values};
-  sdmha::QueryValuesGradient<Scalar>::can_implement(values_args);
-  sdmha::QueryValuesGradient<Scalar>()(values_args);
+  typename Projection::ValuesGradientArguments values_args{query.csr(), kernel, d_query, d_values};
+  Projection::can_implement(values_args);
+  stage.backward(values_args);
   const sdmha::RowMatrix<double> full = d_query_wide * kernel_wide.transpose();  // the dense twin
   std::vector<double> expected_values;
   const auto& csr = query.csr();
@@ -916,30 +934,28 @@ TYPED_TEST(QueryGradientStagesTest, MatchDenseProducts) {
 
   sdmha::RowMatrix<Scalar> d_kernel(features, width);
   d_kernel.setConstant(Scalar(42));  // overwritten, not accumulated into
-  typename sdmha::QueryKernelGradient<Scalar>::Arguments kernel_args{query.csr(), d_query,
-                                                                     d_kernel};
-  sdmha::QueryKernelGradient<Scalar>::can_implement(kernel_args);
-  sdmha::QueryKernelGradient<Scalar>()(kernel_args);
+  typename Projection::KernelGradientArguments kernel_args{query.csr(), d_query, d_kernel};
+  Projection::can_implement(kernel_args);
+  stage.backward(kernel_args);
   const sdmha::RowMatrix<double> expected_kernel = dense.transpose() * d_query_wide;
   const std::vector<double> expected_kernel_entries(
       expected_kernel.data(), expected_kernel.data() + expected_kernel.size());
   EXPECT_TRUE(all_near(d_kernel.data(), expected_kernel_entries, relative_tolerance<Scalar>()));
 
   // By feature over X's CSC, in two blocks of features as the backward splits them.
-  typename sdmha::QueryKernelGradient<Scalar>::FeatureGroups groups;
-  sdmha::detail::build_feature_groups(query.csr(), groups, true);
+  const CarvedFeatureGroups<Scalar> carved(query.csr(), true);
   const Index split = features / 2;
   sdmha::Vector<Scalar> d_values_by_feature = sdmha::Vector<Scalar>::Constant(d_values.size(), 42);
   sdmha::RowMatrix<Scalar> d_kernel_by_feature = sdmha::RowMatrix<Scalar>::Constant(features, width, 42);
   for (auto [first, count] : {std::pair<Index, Index>{0, split}, {split, features - split}}) {
-    typename sdmha::QueryValuesGradient<Scalar>::Arguments feature_values_args{
-        query.csr(), kernel, d_query, d_values_by_feature, &groups, first, count};
-    sdmha::QueryValuesGradient<Scalar>::can_implement(feature_values_args);
-    sdmha::QueryValuesGradient<Scalar>()(feature_values_args);
-    typename sdmha::QueryKernelGradient<Scalar>::Arguments feature_kernel_args{
-        query.csr(), d_query, d_kernel_by_feature.middleRows(first, count), &groups, first};
-    sdmha::QueryKernelGradient<Scalar>::can_implement(feature_kernel_args);
-    sdmha::QueryKernelGradient<Scalar>()(feature_kernel_args);
+    typename Projection::ValuesGradientArguments feature_values_args{
+        query.csr(), kernel, d_query, d_values_by_feature, &carved.groups, first, count};
+    Projection::can_implement(feature_values_args);
+    stage.backward(feature_values_args);
+    typename Projection::KernelGradientArguments feature_kernel_args{
+        query.csr(), d_query, d_kernel_by_feature.middleRows(first, count), &carved.groups, first};
+    Projection::can_implement(feature_kernel_args);
+    stage.backward(feature_kernel_args);
   }
   EXPECT_TRUE(all_near(d_values_by_feature.data(), expected_values, relative_tolerance<Scalar>()));
   EXPECT_TRUE(all_near(d_kernel_by_feature.data(), expected_kernel_entries,
@@ -948,6 +964,7 @@ TYPED_TEST(QueryGradientStagesTest, MatchDenseProducts) {
 
 TYPED_TEST(QueryGradientStagesTest, RejectMismatchedShapes) {
   using Scalar = TypeParam;
+  using Projection = sdmha::SparseQueryProjection<Scalar>;
   const auto c = make_case<Scalar>(Shape{}, 93);  // 10 rows, 16 features
   const auto query = c.query();
   sdmha::RowMatrix<Scalar> kernel = sdmha::RowMatrix<Scalar>::Zero(16, 8),
@@ -955,42 +972,46 @@ TYPED_TEST(QueryGradientStagesTest, RejectMismatchedShapes) {
   sdmha::RowMatrix<Scalar> short_kernel = sdmha::RowMatrix<Scalar>::Zero(15, 8);
   sdmha::RowMatrix<Scalar> narrow_d_query = sdmha::RowMatrix<Scalar>::Zero(10, 7);
   sdmha::Vector<Scalar> d_values(query.nonzeros()), short_values(query.nonzeros() - 1);
-  using Values = sdmha::QueryValuesGradient<Scalar>;
-  SDMHA_EXPECT_THROW_WITH(Values::can_implement({query.csr(), short_kernel, d_query, d_values}),
+  using Values = typename Projection::ValuesGradientArguments;
+  SDMHA_EXPECT_THROW_WITH(Projection::can_implement(Values{query.csr(), short_kernel, d_query, d_values}),
                           sdmha::ShapeError,
-                          "query_kernel has 15 rows; expected the query's feature width 16");
-  SDMHA_EXPECT_THROW_WITH(Values::can_implement({query.csr(), kernel, narrow_d_query, d_values}),
+                          "SparseQueryProjection (values gradient): kernel has 15 rows; expected the "
+                          "query's feature width 16");
+  SDMHA_EXPECT_THROW_WITH(Projection::can_implement(Values{query.csr(), kernel, narrow_d_query, d_values}),
                           sdmha::ShapeError, "d_query is 10 x 7; expected 10 x 8");
-  SDMHA_EXPECT_THROW_WITH(Values::can_implement({query.csr(), kernel, d_query, short_values}),
+  SDMHA_EXPECT_THROW_WITH(Projection::can_implement(Values{query.csr(), kernel, d_query, short_values}),
                           sdmha::ShapeError,
                           "d_values has " + std::to_string(query.nonzeros() - 1) + " entries");
-  using Kernel = sdmha::QueryKernelGradient<Scalar>;
+  using Kernel = typename Projection::KernelGradientArguments;
   sdmha::RowMatrix<Scalar> d_kernel(16, 8), wrong_d_kernel(16, 7);
-  SDMHA_EXPECT_THROW_WITH(Kernel::can_implement({query.csr(), d_query.topRows(9), d_kernel}),
-                          sdmha::ShapeError, "d_query has 9 rows; expected 10");
-  SDMHA_EXPECT_THROW_WITH(Kernel::can_implement({query.csr(), d_query, wrong_d_kernel}),
+  SDMHA_EXPECT_THROW_WITH(Projection::can_implement(Kernel{query.csr(), d_query.topRows(9), d_kernel}),
+                          sdmha::ShapeError,
+                          "SparseQueryProjection (kernel gradient): d_query has 9 rows; expected 10");
+  SDMHA_EXPECT_THROW_WITH(Projection::can_implement(Kernel{query.csr(), d_query, wrong_d_kernel}),
                           sdmha::ShapeError, "d_kernel is 16 x 7; expected 16 x 8");
 
   // The by-feature forms: a CSC that is not the query's (or lacks positions), a feature range
   // outside [0, Eq).
-  typename Kernel::FeatureGroups groups, without_positions, stale;
-  sdmha::detail::build_feature_groups(query.csr(), groups, true);
-  sdmha::detail::build_feature_groups(query.csr(), without_positions, false);
-  sdmha::detail::build_feature_groups(query.csr().middle_rows(0, 5), stale, true);
-  SDMHA_EXPECT_THROW_WITH(Values::can_implement({query.csr(), kernel, d_query, d_values, &stale, 0, 16}),
-                          sdmha::ShapeError, "expected build_feature_groups of the query");
+  const CarvedFeatureGroups<Scalar> groups(query.csr(), true), without_positions(query.csr(), false),
+      stale(query.csr().middle_rows(0, 5), true);
   SDMHA_EXPECT_THROW_WITH(
-      Values::can_implement({query.csr(), kernel, d_query, d_values, &without_positions, 0, 16}),
+      Projection::can_implement(Values{query.csr(), kernel, d_query, d_values, &stale.groups, 0, 16}),
+      sdmha::ShapeError, "expected build_feature_groups of the query");
+  SDMHA_EXPECT_THROW_WITH(
+      Projection::can_implement(Values{query.csr(), kernel, d_query, d_values, &without_positions.groups, 0, 16}),
       sdmha::ShapeError, "and positions");
-  SDMHA_EXPECT_THROW_WITH(Values::can_implement({query.csr(), kernel, d_query, d_values, &groups, 8, 9}),
-                          sdmha::ShapeError, "features [8, 17) asked for; expected a range in [0, 16)");
-  SDMHA_EXPECT_THROW_WITH(Kernel::can_implement({query.csr(), d_query, d_kernel, &stale, 0}),
+  SDMHA_EXPECT_THROW_WITH(
+      Projection::can_implement(Values{query.csr(), kernel, d_query, d_values, &groups.groups, 8, 9}),
+      sdmha::ShapeError, "features [8, 17) asked for; expected a range in [0, 16)");
+  SDMHA_EXPECT_THROW_WITH(Projection::can_implement(Kernel{query.csr(), d_query, d_kernel, &stale.groups, 0}),
                           sdmha::ShapeError, "expected build_feature_groups of the query");
-  SDMHA_EXPECT_THROW_WITH(Kernel::can_implement({query.csr(), d_query, d_kernel, &groups, 1}),
-                          sdmha::ShapeError, "d_kernel holds features [1, 17); expected a range in [0, 16)");
-  SDMHA_EXPECT_THROW_WITH(Kernel::can_implement({query.csr(), d_query, wrong_d_kernel, &groups, 0}),
-                          sdmha::ShapeError, "d_kernel has 7 columns; expected d_query's 8");
-  EXPECT_NO_THROW(Kernel::can_implement({query.csr(), d_query, d_kernel.middleRows(4, 12), &groups, 4}));
+  SDMHA_EXPECT_THROW_WITH(Projection::can_implement(Kernel{query.csr(), d_query, d_kernel, &groups.groups, 1}),
+                          sdmha::ShapeError, "features [1, 17) asked for; expected a range in [0, 16)");
+  SDMHA_EXPECT_THROW_WITH(
+      Projection::can_implement(Kernel{query.csr(), d_query, wrong_d_kernel, &groups.groups, 0}),
+      sdmha::ShapeError, "d_kernel has 7 columns; expected d_query's 8");
+  EXPECT_NO_THROW(
+      Projection::can_implement(Kernel{query.csr(), d_query, d_kernel.middleRows(4, 12), &groups.groups, 4}));
 }
 
 }  // namespace

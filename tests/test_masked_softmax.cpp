@@ -39,7 +39,7 @@ std::vector<double> naive_softmax(const sdmha::RowMatrix<Scalar>& scores) {
 
 template <typename Scalar>
 void run_softmax(sdmha::MatrixRef<Scalar> scores) {
-  typename Softmax<Scalar>::Arguments args{scores};
+  typename Softmax<Scalar>::Arguments args{{}, scores};
   Softmax<Scalar>::can_implement(args);
   Softmax<Scalar>{}(args);
 }

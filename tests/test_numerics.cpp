@@ -109,7 +109,7 @@ TYPED_TEST(Numerics, EqualHugeLogitsShareTheProbabilityAndNegativeOnesVanish) {
             Scalar(-1e4), Scalar(-1e4), Scalar(-1e4), Scalar(-1e4),
             Scalar(1e4), Scalar(0), Scalar(-1e4), Scalar(1e4) - Scalar(1);
   sdmha::MaskedSoftmax<Scalar> softmax;
-  softmax(typename sdmha::MaskedSoftmax<Scalar>::Arguments{scores});
+  softmax(typename sdmha::MaskedSoftmax<Scalar>::Arguments{{}, scores});
   // exp(−2e4) is 0, or a denormal from a vectorised exp that clamps its argument: either way
   // below the smallest normal number.
   const double epsilon = 4 * double(std::numeric_limits<Scalar>::epsilon());

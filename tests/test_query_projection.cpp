@@ -16,6 +16,38 @@ using Projection = sdmha::SparseQueryProjection<Scalar>;
 template <typename Scalar>
 using EigenSparse = typename sdmha::SparseQuery<Scalar>::SparseMatrixType;
 
+// The by-feature kernel's memory for X of `features` columns and up to `nonzeros` stored values
+// (its CSC, detail::FeatureGroups), carved from a ScratchBuffer of its own as a stage carves it
+// from its workspace.
+template <typename Scalar>
+struct CarvedFeatureGroups {
+  using Groups = sdmha::detail::FeatureGroups<Scalar, int>;
+  sdmha::detail::ScratchBuffer memory;
+  Groups groups;
+
+  CarvedFeatureGroups(Index features, Index nonzeros) {
+    memory.reserve(Groups::bytes(features, nonzeros, false));
+    sdmha::detail::ScratchCarver carver(memory.view());
+    groups = Groups::carve(carver, features, nonzeros, false);
+  }
+};
+
+// A stage's workspace of workspace_size() bytes for a by-feature call over `features` columns,
+// `width` outputs and up to `nonzeros` stored values.
+template <typename Scalar>
+struct StageWorkspace {
+  sdmha::detail::ScratchBuffer memory;
+
+  StageWorkspace(Index features, Index width, Index nonzeros) {
+    sdmha::TileSizes sizes;
+    sizes.features = features;
+    sizes.output_width = width;
+    sizes.nonzeros = nonzeros;
+    memory.reserve(Projection<Scalar>::workspace_size(sizes));
+  }
+  sdmha::StageScratch view() const { return memory.view(); }
+};
+
 std::vector<double> twin_rows(const std::vector<double>& twin, Index first, Index count, Index width) {
   return std::vector<double>(twin.begin() + first * width, twin.begin() + (first + count) * width);
 }
@@ -230,8 +262,9 @@ TYPED_TEST(QueryProjectionKernelsTest, ByRowsAndByFeaturesMatchTheNaiveProductAn
       sdmha::RowMatrix<Scalar> by_rows(query.rows(), columns), by_features(query.rows(), columns);
       const Scalar* bias_data = with_bias ? bias.data() : nullptr;
       sdmha::detail::csr_dense_product(query.csr(), kernel.data(), columns, bias_data, by_rows.data(), columns, columns);
+      CarvedFeatureGroups<Scalar> scratch(query.features(), query.nonzeros());
       sdmha::detail::csr_dense_product_by_feature(query.csr(), kernel.data(), columns, bias_data,
-                                                  by_features.data(), columns, columns);
+                                                  by_features.data(), columns, columns, scratch.groups);
       EXPECT_TRUE(all_near(by_rows.data(), expected, relative_tolerance<Scalar>())) << columns << " columns";
       EXPECT_TRUE(all_near(by_features.data(), expected, relative_tolerance<Scalar>())) << columns << " columns";
       EXPECT_EQ(0, std::memcmp(by_rows.data(), by_features.data(), sizeof(Scalar) * std::size_t(by_rows.size())))
@@ -240,8 +273,9 @@ TYPED_TEST(QueryProjectionKernelsTest, ByRowsAndByFeaturesMatchTheNaiveProductAn
   }
 }
 
-// The stage takes the by-feature kernel for a kernel beyond the cache that the rows reuse, and
-// still gives the naive product.
+// The stage takes the by-feature kernel for a kernel beyond the cache that the rows reuse (given
+// its workspace_size() bytes of workspace), and still gives the naive product; without a workspace
+// it falls back to the by-row kernel, with the same bits.
 TYPED_TEST(QueryProjectionKernelsTest, StageOnAWideKernelMatchesTheNaiveProduct) {
   using Scalar = TypeParam;
   const Index features = 4200, columns = 40 + 4 * 1024 * 1024 / (4200 * Index(sizeof(Scalar)));
@@ -256,10 +290,19 @@ TYPED_TEST(QueryProjectionKernelsTest, StageOnAWideKernelMatchesTheNaiveProduct)
   for (Index i = 0; i < kernel.size(); ++i) kernel.data()[i] = Scalar(uniform(generator));
   sdmha::Vector<Scalar> bias = sdmha::Vector<Scalar>::Constant(columns, Scalar(0.25));
   sdmha::RowMatrix<Scalar> output(query.rows(), columns), by_rows(query.rows(), columns);
+  sdmha::RowMatrix<Scalar> without_workspace(query.rows(), columns);
   const sdmha::SparseQueryProjection<Scalar> stage;
-  stage({query.csr(), kernel, bias, output});
+  const StageWorkspace<Scalar> workspace(features, columns, query.nonzeros());
+  const typename sdmha::SparseQueryProjection<Scalar>::Arguments args{query.csr(), kernel, bias, output,
+                                                                      workspace.view()};
+  EXPECT_TRUE(sdmha::SparseQueryProjection<Scalar>::by_feature(args));
+  EXPECT_GT(workspace.view().bytes, 0u);
+  stage(args);
+  // Without a workspace the stage goes by rows: the same sums in the same order.
+  stage({query.csr(), kernel, bias, without_workspace});
   sdmha::detail::csr_dense_product(query.csr(), kernel.data(), columns, bias.data(), by_rows.data(), columns, columns);
   EXPECT_EQ(0, std::memcmp(output.data(), by_rows.data(), sizeof(Scalar) * std::size_t(output.size())));
+  EXPECT_EQ(0, std::memcmp(without_workspace.data(), by_rows.data(), sizeof(Scalar) * std::size_t(output.size())));
   const auto& csr = query.csr();
   for (Index r = 0; r < query.rows(); r += 17)
     for (Index j = 0; j < columns; j += 13) {
@@ -357,7 +400,7 @@ TYPED_TEST(QueryProjectionCsrKernelsTest, EveryPanelTailOnStridedOperandsMatches
   constexpr Scalar sentinel = Scalar(-777);
   const Index features = 37;
   const HandCsr<Scalar> x(23, features, {0, 1, 2, 7, features, 3, 0, 20}, 901);
-  sdmha::detail::CsrProductScratch<Scalar> scratch;  // reused over all widths
+  CarvedFeatureGroups<Scalar> scratch(features, Index(x.columns.size()));  // reused over all widths
   for (const Index width : panel_tail_widths<Scalar>()) {
     SCOPED_TRACE(::testing::Message() << width << " columns");
     const Index weight_stride = width + 3, output_stride = width + 5;
@@ -374,7 +417,7 @@ TYPED_TEST(QueryProjectionCsrKernelsTest, EveryPanelTailOnStridedOperandsMatches
                                        width, /*stream=*/true);
       EXPECT_EQ(0, std::memcmp(by_rows.data(), streamed.data(), sizeof(Scalar) * by_rows.size()));
       sdmha::detail::csr_dense_product_by_feature(x.view(), weight.data(), weight_stride, bias, by_features.data(),
-                                                  output_stride, width, scratch);
+                                                  output_stride, width, scratch.groups);
       for (const auto* result : {&by_rows, &by_features}) {
         std::vector<Scalar> packed(std::size_t(x.rows * width));
         for (Index r = 0; r < x.rows; ++r)
@@ -405,17 +448,18 @@ TYPED_TEST(QueryProjectionCsrKernelsTest, RowsWithManyStoredValuesMatchTheDouble
   const auto expected = x.reference(weight.data(), width, bias.data(), width);
   sdmha::RowMatrix<Scalar> by_rows(x.rows, width), by_features(x.rows, width);
   sdmha::detail::csr_dense_product(x.view(), weight.data(), width, bias.data(), by_rows.data(), width, width);
+  CarvedFeatureGroups<Scalar> scratch(features, Index(x.columns.size()));
   sdmha::detail::csr_dense_product_by_feature(x.view(), weight.data(), width, bias.data(), by_features.data(),
-                                              width, width);
+                                              width, width, scratch.groups);
   EXPECT_TRUE(all_near(by_rows.data(), expected, relative_tolerance<Scalar>()));
   EXPECT_TRUE(all_near(by_features.data(), expected, relative_tolerance<Scalar>()));
   EXPECT_EQ(0, std::memcmp(by_rows.data(), by_features.data(), sizeof(Scalar) * std::size_t(by_rows.size())));
 }
 
 // The stage on a kernel beyond L2 that its rows reuse takes the by-feature path; with a caller
-// scratch reused over row ranges of different sizes (it grows and shrinks), writing into a
-// block of a larger output from a block of a larger kernel, it matches the double reference and
-// leaves the rest of the output alone.
+// workspace (workspace_size() bytes for the largest call) reused over row ranges of different
+// sizes (larger and smaller), writing into a block of a larger output from a block of a larger
+// kernel, it matches the double reference and leaves the rest of the output alone.
 TYPED_TEST(QueryProjectionCsrKernelsTest, StageByFeaturesWithCallerScratchOnStridedOutputAndKernel) {
   using Scalar = TypeParam;
   using Projection = sdmha::SparseQueryProjection<Scalar>;
@@ -434,14 +478,14 @@ TYPED_TEST(QueryProjectionCsrKernelsTest, StageByFeaturesWithCallerScratchOnStri
   const auto bias_values = random_values<Scalar>(width, 923);
   const sdmha::Vector<Scalar> bias = Eigen::Map<const sdmha::Vector<Scalar>>(bias_values.data(), width);
   const auto expected = x.reference(kernel_copy.data(), width, bias.data(), width);
-  sdmha::detail::CsrProductScratch<Scalar> scratch;
+  // One workspace for every call, sized by workspace_size() for the largest (all 160 rows).
+  const StageWorkspace<Scalar> workspace(features, width, Index(x.columns.size()));
   const Projection stage;
   for (const auto& [first, count] : std::vector<std::pair<Index, Index>>{{0, 160}, {7, 40}, {3, 150}, {159, 1}}) {
     SCOPED_TRACE(::testing::Message() << "rows [" << first << ", " << first + count << ")");
     sdmha::RowMatrix<Scalar> big = sdmha::RowMatrix<Scalar>::Constant(count + 2, width + 3, sentinel);
     typename Projection::Arguments args{x.view().middle_rows(first, count), kernel, bias,
-                                        big.block(1, 1, count, width)};
-    args.scratch = &scratch;
+                                        big.block(1, 1, count, width), workspace.view()};
     Projection::can_implement(args);
     if (count >= 150) {
       EXPECT_TRUE(Projection::by_feature(args));

@@ -65,7 +65,8 @@ struct ScoreProblem {
 
   sdmha::RowMatrix<Scalar> project_first(Index b, Index h) const {
     sdmha::RowMatrix<Scalar> scores(T(), S());
-    typename Kernel<Scalar>::Arguments args{head_block(projected_query, b * T(), h * Dk(), T(), Dk()),
+    typename Kernel<Scalar>::Arguments args{sdmha::TilePosition{b, h, 0, 0},
+                                            head_block(projected_query, b * T(), h * Dk(), T(), Dk()),
                                             head_block(projected_key, b * S(), h * Dk(), S(), Dk()), scale(),
                                             mask(b), scores};
     Kernel<Scalar>::can_implement(args);
@@ -77,6 +78,7 @@ struct ScoreProblem {
     const auto& weights = c.weights;
     sdmha::RowMatrix<Scalar> scores(T(), S());
     typename Kernel<Scalar>::SparseArguments args{
+        sdmha::TilePosition{b, h, 0, 0},
         query.batch_rows(b),
         weights.query_kernel.middleCols(h * Dk(), Dk()),
         weights.query_bias.size() != 0 ? sdmha::ConstVectorRef<Scalar>(weights.query_bias.segment(h * Dk(), Dk()))
@@ -212,7 +214,7 @@ TYPED_TEST(ScoreKernelTest, TheScaleIsTheCallersArgument) {
   sdmha::RowMatrix<TypeParam> scores(T, S);
   const auto query = problem.projected_query.block(T, Dk, T, Dk);  // b = 1, h = 1
   const auto key = problem.projected_key.block(S, Dk, S, Dk);
-  typename Kernel<TypeParam>::Arguments args{query, key, scale, sdmha::BatchMask{}, scores};
+  typename Kernel<TypeParam>::Arguments args{sdmha::TilePosition{1, 1, 0, 0}, query, key, scale, sdmha::BatchMask{}, scores};
   Kernel<TypeParam>::can_implement(args);
   Kernel<TypeParam>{}(args);
   std::vector<double> expected;
@@ -254,15 +256,15 @@ TYPED_TEST(ScoreKernelTest, CanImplementRejectsEachMismatch) {
 
   using Arguments = typename Kernel<Scalar>::Arguments;
   const Scalar scale = Scalar(0.5);
-  EXPECT_NO_THROW(Kernel<Scalar>::can_implement(Arguments{query, key, scale, problem.mask(0), scores}));
-  EXPECT_NO_THROW(Kernel<Scalar>::can_implement(Arguments{query, key, scale, unused_mask, scores}));
-  SDMHA_EXPECT_THROW_WITH(Kernel<Scalar>::can_implement(Arguments{query, narrow_key, scale, {}, scores}),
+  EXPECT_NO_THROW(Kernel<Scalar>::can_implement(Arguments{{}, query, key, scale, problem.mask(0), scores}));
+  EXPECT_NO_THROW(Kernel<Scalar>::can_implement(Arguments{{}, query, key, scale, unused_mask, scores}));
+  SDMHA_EXPECT_THROW_WITH(Kernel<Scalar>::can_implement(Arguments{{}, query, narrow_key, scale, {}, scores}),
                           sdmha::ShapeError, "ScoreKernel: query has width 4 but key has width 3; expected equal key_dim");
-  SDMHA_EXPECT_THROW_WITH(Kernel<Scalar>::can_implement(Arguments{query, key, scale, {}, wrong_scores}),
+  SDMHA_EXPECT_THROW_WITH(Kernel<Scalar>::can_implement(Arguments{{}, query, key, scale, {}, wrong_scores}),
                           sdmha::ShapeError, "scores is 5 x 6; expected 5 x 7");
-  SDMHA_EXPECT_THROW_WITH(Kernel<Scalar>::can_implement(Arguments{query, key, scale, {}, tall_scores}),
+  SDMHA_EXPECT_THROW_WITH(Kernel<Scalar>::can_implement(Arguments{{}, query, key, scale, {}, tall_scores}),
                           sdmha::ShapeError, "scores is 6 x 7; expected 5 x 7");
-  SDMHA_EXPECT_THROW_WITH(Kernel<Scalar>::can_implement(Arguments{query, key, scale, wrong_mask, scores}),
+  SDMHA_EXPECT_THROW_WITH(Kernel<Scalar>::can_implement(Arguments{{}, query, key, scale, wrong_mask, scores}),
                           sdmha::ShapeError, "mask is for 5 x 8; expected 5 x 7");
 
   using SparseArguments = typename Kernel<Scalar>::SparseArguments;
@@ -270,25 +272,25 @@ TYPED_TEST(ScoreKernelTest, CanImplementRejectsEachMismatch) {
   const auto kernel = weights.query_kernel.middleCols(0, 4);
   const sdmha::RowMatrix<Scalar> short_kernel = sdmha::RowMatrix<Scalar>::Zero(15, 4);
   const sdmha::Vector<Scalar> bias = weights.query_bias.segment(0, 4), long_bias = sdmha::Vector<Scalar>::Zero(5);
-  EXPECT_NO_THROW(Kernel<Scalar>::can_implement(SparseArguments{rows, kernel, bias, key, scale, problem.mask(0), scores}));
-  EXPECT_NO_THROW(Kernel<Scalar>::can_implement(SparseArguments{rows, kernel, problem.no_bias, key, scale, {}, scores}));
+  EXPECT_NO_THROW(Kernel<Scalar>::can_implement(SparseArguments{{}, rows, kernel, bias, key, scale, problem.mask(0), scores}));
+  EXPECT_NO_THROW(Kernel<Scalar>::can_implement(SparseArguments{{}, rows, kernel, problem.no_bias, key, scale, {}, scores}));
   SDMHA_EXPECT_THROW_WITH(
-      Kernel<Scalar>::can_implement(SparseArguments{rows, short_kernel, bias, key, scale, {}, scores}),
+      Kernel<Scalar>::can_implement(SparseArguments{{}, rows, short_kernel, bias, key, scale, {}, scores}),
       sdmha::ShapeError, "ScoreKernel (sparse): query_kernel has 15 rows; expected the query's feature width 16");
   SDMHA_EXPECT_THROW_WITH(
-      Kernel<Scalar>::can_implement(SparseArguments{rows, kernel, bias, narrow_key, scale, {}, scores}),
+      Kernel<Scalar>::can_implement(SparseArguments{{}, rows, kernel, bias, narrow_key, scale, {}, scores}),
       sdmha::ShapeError, "query_kernel has 4 columns but key has width 3; expected equal");
   SDMHA_EXPECT_THROW_WITH(
-      Kernel<Scalar>::can_implement(SparseArguments{rows, kernel, long_bias, key, scale, {}, scores}),
+      Kernel<Scalar>::can_implement(SparseArguments{{}, rows, kernel, long_bias, key, scale, {}, scores}),
       sdmha::ShapeError, "query_bias has 5 entries; expected 0 or 4");
   SDMHA_EXPECT_THROW_WITH(
-      Kernel<Scalar>::can_implement(SparseArguments{rows, kernel, bias, key, scale, {}, wrong_scores}),
+      Kernel<Scalar>::can_implement(SparseArguments{{}, rows, kernel, bias, key, scale, {}, wrong_scores}),
       sdmha::ShapeError, "scores is 5 x 6; expected 5 x 7");
   SDMHA_EXPECT_THROW_WITH(
-      Kernel<Scalar>::can_implement(SparseArguments{problem.query.csr(), kernel, bias, key, scale, {}, scores}),
+      Kernel<Scalar>::can_implement(SparseArguments{{}, problem.query.csr(), kernel, bias, key, scale, {}, scores}),
       sdmha::ShapeError, "scores is 5 x 7; expected 10 x 7");
   SDMHA_EXPECT_THROW_WITH(
-      Kernel<Scalar>::can_implement(SparseArguments{rows, kernel, bias, key, scale, wrong_mask, scores}),
+      Kernel<Scalar>::can_implement(SparseArguments{{}, rows, kernel, bias, key, scale, wrong_mask, scores}),
       sdmha::ShapeError, "mask is for 5 x 8; expected 5 x 7");
 }
 
