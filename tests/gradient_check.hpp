@@ -28,15 +28,21 @@ struct GradientView {
 
 inline std::vector<GradientView> views(Case<double>& c, const sdmha::MhaGradients<double>& g) {
   auto view = [](const char* name, auto& parameter, const auto& gradient) {
-    return GradientView{name, parameter.data(), gradient.data(), Index(parameter.size()), Index(gradient.size())};
+    return GradientView{name, parameter.data(), gradient.data(), Index(parameter.size()),
+                        Index(gradient.size())};
   };
   auto& w = c.weights;
-  return {view("query_kernel", w.query_kernel, g.query_kernel), view("query_bias", w.query_bias, g.query_bias),
-          view("key_kernel", w.key_kernel, g.key_kernel),       view("key_bias", w.key_bias, g.key_bias),
-          view("value_kernel", w.value_kernel, g.value_kernel), view("value_bias", w.value_bias, g.value_bias),
+  return {view("query_kernel", w.query_kernel, g.query_kernel),
+          view("query_bias", w.query_bias, g.query_bias),
+          view("key_kernel", w.key_kernel, g.key_kernel),
+          view("key_bias", w.key_bias, g.key_bias),
+          view("value_kernel", w.value_kernel, g.value_kernel),
+          view("value_bias", w.value_bias, g.value_bias),
           view("output_kernel", w.output_kernel, g.output_kernel),
-          view("output_bias", w.output_bias, g.output_bias),    view("query_values", c.values, g.query_values),
-          view("key", c.key, g.key),                            view("value", c.value, g.value)};
+          view("output_bias", w.output_bias, g.output_bias),
+          view("query_values", c.values, g.query_values),
+          view("key", c.key, g.key),
+          view("value", c.value, g.value)};
 }
 
 inline Tensor3<double> random_d_output(const Case<double>& c, std::uint64_t seed) {
@@ -50,11 +56,13 @@ inline Tensor3<double> random_d_output(const Case<double>& c, std::uint64_t seed
 // Σ dY ⊙ Y through `Layer`'s forward, accumulated in long double so that its rounding stays far
 // below what the finite differences resolve.
 template <typename Layer>
-double loss(const Case<double>& c, const Tensor3<double>& d_output, const sdmha::AttentionOptions<double>& options) {
+double loss(const Case<double>& c, const Tensor3<double>& d_output,
+            const sdmha::AttentionOptions<double>& options) {
   const Layer layer(c.config, c.weights);
   const auto output = layer.forward(c.query(), c.key, c.value, options).output;
   long double total = 0;
-  for (Index i = 0; i < output.size(); ++i) total += (long double)d_output.data()[i] * output.data()[i];
+  for (Index i = 0; i < output.size(); ++i)
+    total += (long double)d_output.data()[i] * output.data()[i];
   return double(total);
 }
 
@@ -84,10 +92,11 @@ long check(Case<double> c, const sdmha::AttentionOptions<double>& options, std::
       const double below = loss<Layer>(c, d_output, options);
       parameter = saved;
       const double numeric = (above - below) / (2 * kStep), analytic = view.gradient[entry];
-      if (!(std::abs(numeric - analytic) <= kAbsoluteTolerance + kRelativeTolerance * std::abs(analytic)) &&
+      if (!(std::abs(numeric - analytic) <=
+            kAbsoluteTolerance + kRelativeTolerance * std::abs(analytic)) &&
           ++failed <= 10)
-        ADD_FAILURE() << view.name << "[" << entry << "]: analytic " << analytic << ", central difference "
-                      << numeric;
+        ADD_FAILURE() << view.name << "[" << entry << "]: analytic " << analytic
+                      << ", central difference " << numeric;
     }
   }
   return failed;

@@ -23,13 +23,15 @@ sdmha::RowMatrix<Scalar> to_matrix(const double* twin, Index rows, Index cols) {
 // Σ_s P[t, s]·V[s, d] in float64, over the nonzero probabilities only (a zero weight means the
 // key is not attended, whatever its value row holds).
 template <typename Scalar>
-std::vector<double> naive_attend(const sdmha::RowMatrix<Scalar>& probabilities, const sdmha::RowMatrix<Scalar>& value) {
+std::vector<double> naive_attend(const sdmha::RowMatrix<Scalar>& probabilities,
+                                 const sdmha::RowMatrix<Scalar>& value) {
   std::vector<double> result(static_cast<std::size_t>(probabilities.rows() * value.cols()), 0.0);
   for (Index t = 0; t < probabilities.rows(); ++t)
     for (Index d = 0; d < value.cols(); ++d) {
       double sum = 0.0;
       for (Index s = 0; s < probabilities.cols(); ++s)
-        if (probabilities(t, s) != Scalar(0)) sum += double(probabilities(t, s)) * double(value(s, d));
+        if (probabilities(t, s) != Scalar(0))
+          sum += double(probabilities(t, s)) * double(value(s, d));
       result[t * value.cols() + d] = sum;
     }
   return result;
@@ -37,14 +39,16 @@ std::vector<double> naive_attend(const sdmha::RowMatrix<Scalar>& probabilities, 
 
 // Random rows that sum to 1, ~30% of entries exactly 0, and row `zero_row` (if any) all 0.
 template <typename Scalar>
-sdmha::RowMatrix<Scalar> random_probabilities(Index rows, Index cols, std::uint64_t seed, Index zero_row = -1) {
+sdmha::RowMatrix<Scalar> random_probabilities(Index rows, Index cols, std::uint64_t seed,
+                                              Index zero_row = -1) {
   std::mt19937_64 generator(seed);
   std::uniform_real_distribution<double> weight(0.1, 1.0);
   std::bernoulli_distribution blocked(0.3);
   sdmha::RowMatrix<Scalar> probabilities = sdmha::RowMatrix<Scalar>::Zero(rows, cols);
   for (Index t = 0; t < rows; ++t) {
     if (t == zero_row || cols == 0) continue;
-    for (Index s = 0; s < cols; ++s) probabilities(t, s) = blocked(generator) ? Scalar(0) : Scalar(weight(generator));
+    for (Index s = 0; s < cols; ++s)
+      probabilities(t, s) = blocked(generator) ? Scalar(0) : Scalar(weight(generator));
     if (probabilities.row(t).sum() == Scalar(0)) probabilities(t, 0) = Scalar(1);
     probabilities.row(t) /= probabilities.row(t).sum();
   }
@@ -61,8 +65,10 @@ sdmha::RowMatrix<Scalar> random_values(Index rows, Index cols, std::uint64_t see
 }
 
 template <typename Scalar>
-sdmha::RowMatrix<Scalar> attend(const sdmha::RowMatrix<Scalar>& probabilities, const sdmha::RowMatrix<Scalar>& value) {
-  sdmha::RowMatrix<Scalar> output = sdmha::RowMatrix<Scalar>::Constant(probabilities.rows(), value.cols(), Scalar(-1));
+sdmha::RowMatrix<Scalar> attend(const sdmha::RowMatrix<Scalar>& probabilities,
+                                const sdmha::RowMatrix<Scalar>& value) {
+  sdmha::RowMatrix<Scalar> output =
+      sdmha::RowMatrix<Scalar>::Constant(probabilities.rows(), value.cols(), Scalar(-1));
   typename Attend<Scalar>::Arguments args{{}, probabilities, value, output};
   Attend<Scalar>::can_implement(args);
   Attend<Scalar>{}(args);
@@ -71,19 +77,28 @@ sdmha::RowMatrix<Scalar> attend(const sdmha::RowMatrix<Scalar>& probabilities, c
 
 TYPED_TEST(AttendValuesTest, MatchesANaiveLoop) {
   std::uint64_t seed = 900;
-  for (auto dims : std::vector<std::array<Index, 3>>{{1, 1, 1}, {5, 7, 4}, {9, 3, 11}, {6, 40, 8}, {3, 0, 5}, {0, 4, 3}}) {
-    SCOPED_TRACE(::testing::Message() << "T " << dims[0] << ", S " << dims[1] << ", Dv " << dims[2]);
+  for (auto dims : std::vector<std::array<Index, 3>>{
+           {1, 1, 1}, {5, 7, 4}, {9, 3, 11}, {6, 40, 8}, {3, 0, 5}, {0, 4, 3}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "T " << dims[0] << ", S " << dims[1] << ", Dv " << dims[2]);
     const auto probabilities = random_probabilities<TypeParam>(dims[0], dims[1], seed++, 1);
     const auto value = random_values<TypeParam>(dims[1], dims[2], seed++);
     const auto output = attend(probabilities, value);
-    EXPECT_TRUE(all_near(output.data(), naive_attend(probabilities, value), relative_tolerance<TypeParam>()));
-    for (Index d = 0; dims[0] > 1 && d < dims[2]; ++d) EXPECT_EQ(output(1, d), TypeParam(0)) << "all-zero row " << d;
+    EXPECT_TRUE(all_near(output.data(), naive_attend(probabilities, value),
+                         relative_tolerance<TypeParam>()));
+    for (Index d = 0; dims[0] > 1 && d < dims[2]; ++d)
+      EXPECT_EQ(output(1, d), TypeParam(0)) << "all-zero row " << d;
   }
 }
 
 TYPED_TEST(AttendValuesTest, MatchesTheReferenceHeads) {
   Shape s;
-  s.steps = 6; s.key_steps = 9; s.heads = 3; s.value_dim = 5; s.random_mask = true; s.fully_blocked_rows = true;
+  s.steps = 6;
+  s.key_steps = 9;
+  s.heads = 3;
+  s.value_dim = 5;
+  s.random_mask = true;
+  s.fully_blocked_rows = true;
   const auto c = make_case<TypeParam>(s, 910);
   const auto& p = c.problem;
   const auto r = sdmha_reference::forward(p);
@@ -92,9 +107,11 @@ TYPED_TEST(AttendValuesTest, MatchesTheReferenceHeads) {
   sdmha::RowMatrix<TypeParam> heads(p.batch * T, H * Dv);
   for (Index b = 0; b < p.batch; ++b)
     for (Index h = 0; h < H; ++h) {
-      const auto probabilities = to_matrix<TypeParam>(r.probabilities.data() + (b * H + h) * T * S, T, S);
+      const auto probabilities =
+          to_matrix<TypeParam>(r.probabilities.data() + (b * H + h) * T * S, T, S);
       typename Attend<TypeParam>::Arguments args{sdmha::TilePosition{b, h, 0, 0}, probabilities,
-                                                 values.block(b * S, h * Dv, S, Dv), heads.block(b * T, h * Dv, T, Dv)};
+                                                 values.block(b * S, h * Dv, S, Dv),
+                                                 heads.block(b * T, h * Dv, T, Dv)};
       Attend<TypeParam>::can_implement(args);
       Attend<TypeParam>{}(args);
     }
@@ -125,7 +142,8 @@ TYPED_TEST(AttendValuesTest, NonFiniteValueRowsWithZeroProbabilityDoNotReachTheO
     for (Index d = 0; d < Dv; ++d) {
       const double want = expected[t * Dv + d];
       if (std::isfinite(want)) {
-        EXPECT_NEAR(double(output(t, d)), want, relative_tolerance<TypeParam>() * (1.0 + std::abs(want)))
+        EXPECT_NEAR(double(output(t, d)), want,
+                    relative_tolerance<TypeParam>() * (1.0 + std::abs(want)))
             << t << ", " << d;
       } else {
         // Only query 0 attends key step 5: a non-finite value it does attend stays visible.
@@ -154,7 +172,8 @@ TYPED_TEST(AttendValuesTest, WritesOnlyItsHeadsColumnsOfALargerMatrix) {
     Attend<TypeParam>::can_implement(args);
     Attend<TypeParam>{}(args);
     const sdmha::RowMatrix<TypeParam> block = heads.middleCols(2 * Dv, Dv);
-    EXPECT_TRUE(all_near(block.data(), naive_attend(weights, value), relative_tolerance<TypeParam>()));
+    EXPECT_TRUE(
+        all_near(block.data(), naive_attend(weights, value), relative_tolerance<TypeParam>()));
     for (Index t = 0; t < T; ++t)
       for (Index k = 0; k < 4 * Dv; ++k)
         if (k < 2 * Dv || k >= 3 * Dv) {
@@ -171,12 +190,15 @@ TYPED_TEST(AttendValuesTest, CanImplementRejectsEachMismatch) {
   const sdmha::RowMatrix<Scalar> short_value = sdmha::RowMatrix<Scalar>::Zero(6, 3);
   sdmha::RowMatrix<Scalar> output(5, 3), tall_output(6, 3), wide_output(5, 4);
   EXPECT_NO_THROW(Attend<Scalar>::can_implement(Arguments{{}, probabilities, value, output}));
-  SDMHA_EXPECT_THROW_WITH(Attend<Scalar>::can_implement(Arguments{{}, probabilities, short_value, output}),
-                          sdmha::ShapeError, "AttendValues: value has 6 rows; expected 7 (one per key step)");
-  SDMHA_EXPECT_THROW_WITH(Attend<Scalar>::can_implement(Arguments{{}, probabilities, value, tall_output}),
-                          sdmha::ShapeError, "output is 6 x 3; expected 5 x 3");
-  SDMHA_EXPECT_THROW_WITH(Attend<Scalar>::can_implement(Arguments{{}, probabilities, value, wide_output}),
-                          sdmha::ShapeError, "output is 5 x 4; expected 5 x 3");
+  SDMHA_EXPECT_THROW_WITH(
+      Attend<Scalar>::can_implement(Arguments{{}, probabilities, short_value, output}),
+      sdmha::ShapeError, "AttendValues: value has 6 rows; expected 7 (one per key step)");
+  SDMHA_EXPECT_THROW_WITH(
+      Attend<Scalar>::can_implement(Arguments{{}, probabilities, value, tall_output}),
+      sdmha::ShapeError, "output is 6 x 3; expected 5 x 3");
+  SDMHA_EXPECT_THROW_WITH(
+      Attend<Scalar>::can_implement(Arguments{{}, probabilities, value, wide_output}),
+      sdmha::ShapeError, "output is 5 x 4; expected 5 x 3");
 }
 
 }  // namespace

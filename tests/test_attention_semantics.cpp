@@ -33,13 +33,17 @@ void apply(const Semantics& semantics, Case<Scalar>& c) {
     c.options.causal_alignment = sdmha::CausalAlignment::bottom_right;
     c.problem.causal_offset = c.shape.key_steps - c.shape.steps;
   }
-  c.options.fully_masked_rows = semantics.uniform ? sdmha::FullyMaskedRows::uniform : sdmha::FullyMaskedRows::zeros;
+  c.options.fully_masked_rows =
+      semantics.uniform ? sdmha::FullyMaskedRows::uniform : sdmha::FullyMaskedRows::zeros;
   c.problem.uniform_fully_masked = semantics.uniform;
 }
 
 std::vector<Semantics> settings() {
-  return {{"scale", 0.37}, {"negative_scale", -0.8}, {"bottom_right", 0.0, true},
-          {"uniform", 0.0, false, true}, {"bottom_right_uniform_scale", 0.5, true, true}};
+  return {{"scale", 0.37},
+          {"negative_scale", -0.8},
+          {"bottom_right", 0.0, true},
+          {"uniform", 0.0, false, true},
+          {"bottom_right_uniform_scale", 0.5, true, true}};
 }
 
 std::vector<Shape> shapes() {
@@ -60,7 +64,8 @@ std::vector<Shape> shapes() {
   s.causal = true;
   s.batch = 1;
   s.steps = 70;
-  s.key_steps = sdmha::detail::kKeyTile + 45;  // several key tiles: the online softmax when it applies
+  s.key_steps =
+      sdmha::detail::kKeyTile + 45;  // several key tiles: the online softmax when it applies
   s.query_dim = 20;
   s.random_mask = true;
   list.push_back(s);
@@ -72,7 +77,8 @@ TYPED_TEST(AttentionSemanticsTest, ForwardMatchesReference) {
   int seed = 0;
   for (const Shape& shape : shapes())
     for (const Semantics& semantics : settings())
-      for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped})
+      for (auto strategy :
+           {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped})
         for (bool return_scores : {false, true}) {
           auto c = make_case<Scalar>(shape, 300 + seed++);
           apply(semantics, c);
@@ -84,14 +90,17 @@ TYPED_TEST(AttentionSemanticsTest, ForwardMatchesReference) {
           const auto expected = sdmha_reference::forward(c.problem);
           SCOPED_TRACE(std::string(semantics.name) + " " + sdmha::to_string(strategy) + " T=" +
                        std::to_string(shape.steps) + " S=" + std::to_string(shape.key_steps));
-          EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<Scalar>()));
+          EXPECT_TRUE(
+              all_near(result.output.data(), expected.output, relative_tolerance<Scalar>()));
           if (return_scores) {
-            EXPECT_TRUE(all_near(result.attention_scores.data(), expected.probabilities, relative_tolerance<Scalar>()));
+            EXPECT_TRUE(all_near(result.attention_scores.data(), expected.probabilities,
+                                 relative_tolerance<Scalar>()));
           }
           c.options.num_threads = 1;
           const auto single = layer.forward(c.query(), c.key, c.value, c.options);
           for (Index i = 0; i < result.output.size(); ++i)
-            ASSERT_EQ(single.output.data()[i], result.output.data()[i]) << "thread counts differ at " << i;
+            ASSERT_EQ(single.output.data()[i], result.output.data()[i])
+                << "thread counts differ at " << i;
         }
 }
 
@@ -116,7 +125,8 @@ TEST(AttentionSemantics, GradientsMatchCentralDifferences) {
   int seed = 0;
   for (const Shape& base : {shapes()[0], shapes()[1]})
     for (const Semantics& semantics : settings())
-      for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+      for (auto strategy :
+           {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
         auto c = make_case<double>(base, 500 + seed++);
         apply(semantics, c);
         c.options.score_strategy = strategy;
@@ -128,7 +138,8 @@ TEST(AttentionSemantics, GradientsMatchCentralDifferences) {
 TEST(AttentionSemantics, BadScaleIsRejected) {
   auto c = make_case<double>(Shape{}, 1);
   const sdmha::SparseDenseMHA<double> layer(c.config, c.weights);
-  for (double scale : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+  for (double scale :
+       {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
     c.options.scale = scale;
     SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), c.key, c.value, c.options), sdmha::ConfigError,
                             "expected a finite number");

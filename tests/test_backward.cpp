@@ -294,7 +294,8 @@ TEST(BackwardGradientCheck, WideQueryKernelTakesTheFeatureOrder) {
   ASSERT_TRUE(sdmha::detail::query_gradients_by_feature(c.query().csr(), s.heads * s.key_dim));
   auto options = c.options;
   options.num_threads = 1;
-  options.score_strategy = sdmha::ScoreStrategy::project_first;  // the query gradients are the point
+  options.score_strategy =
+      sdmha::ScoreStrategy::project_first;  // the query gradients are the point
   GradientCheckSummary summary;
   check_against_finite_differences(c, options, "wide query kernel", 62, summary, 150);
   EXPECT_EQ(summary.failed, 0) << "of " << summary.checked << " entries checked";
@@ -507,18 +508,16 @@ TYPED_TEST(BackwardTest, ReusingTheProjectedContextGivesTheSameGradients) {
                         sdmha::ScoreStrategy::sparse_regrouped}) {
     auto options = c.options;
     options.score_strategy = strategy;
-    EXPECT_TRUE(
-        same_bits(c, layer.backward(query, c.key, c.value, d_output, options),
-                  layer.backward(query, c.key, c.value, context, d_output, options)))
+    EXPECT_TRUE(same_bits(c, layer.backward(query, c.key, c.value, d_output, options),
+                          layer.backward(query, c.key, c.value, context, d_output, options)))
         << sdmha::to_string(strategy);
   }
   Tensor3<TypeParam> other_key(2, 6, s.key_in_dim), other_value(2, 6, s.value_in_dim);
   other_key.setZero();
   other_value.setZero();
   const auto short_context = layer.project_context(other_key, other_value);
-  SDMHA_EXPECT_THROW_WITH(
-      layer.backward(query, c.key, c.value, short_context, d_output, c.options),
-      sdmha::ShapeError, "context has batch 2, key_steps 6, keys 12 x 8");
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, short_context, d_output, c.options),
+                          sdmha::ShapeError, "context has batch 2, key_steps 6, keys 12 x 8");
 }
 
 // One Workspace and one MhaGradients kept across calls of different shapes (growing, then
@@ -558,7 +557,8 @@ TYPED_TEST(BackwardTest, AKeptWorkspaceAndGradientsGiveTheBitsOfAFreshCall) {
     layer.backward(query, c.key, c.value, d_output, options, workspace, kept);
     EXPECT_TRUE(same_bits(c, layer.backward(query, c.key, c.value, d_output, options), kept));
     layer.backward(query, c.key, c.value, context, d_output, options, workspace, kept);
-    EXPECT_TRUE(same_bits(c, layer.backward(query, c.key, c.value, context, d_output, options), kept));
+    EXPECT_TRUE(
+        same_bits(c, layer.backward(query, c.key, c.value, context, d_output, options), kept));
     ++call;
   }
   EXPECT_GT(workspace.bytes(), 0u);
@@ -665,7 +665,8 @@ TYPED_TEST(BackwardTest, QueryFromAnUncompressedEigenMatrixGetsOneGradientPerSto
     for (Index e = 0; e < c.values.size(); ++e)
       matrix.insert(c.indices(e, 0) * s.steps + c.indices(e, 1), c.indices(e, 2)) = c.values[e];
     ASSERT_FALSE(matrix.isCompressed());
-    const auto query = sdmha::SparseQuery<TypeParam>::from_eigen(s.batch, s.steps, std::move(matrix));
+    const auto query =
+        sdmha::SparseQuery<TypeParam>::from_eigen(s.batch, s.steps, std::move(matrix));
     EXPECT_EQ(sdmha::detail::query_gradients_by_feature(query.csr(), s.heads * s.key_dim), wide);
     const Layer<TypeParam> layer(c.config, c.weights);
     const auto g = layer.backward(query, c.key, c.value, d_output, c.options);
@@ -677,8 +678,8 @@ TYPED_TEST(BackwardTest, QueryFromAnUncompressedEigenMatrixGetsOneGradientPerSto
     for (std::size_t e = 0; e < coo_to_stored.size(); ++e)
       expected[std::size_t(coo_to_stored[e])] = double(from_coo.query_values[Index(e)]);
     EXPECT_TRUE(all_near(g.query_values.data(), expected, relative_tolerance<TypeParam>()));
-    const std::vector<double> expected_kernel(from_coo.query_kernel.data(),
-                                              from_coo.query_kernel.data() + from_coo.query_kernel.size());
+    const std::vector<double> expected_kernel(
+        from_coo.query_kernel.data(), from_coo.query_kernel.data() + from_coo.query_kernel.size());
     EXPECT_TRUE(all_near(g.query_kernel.data(), expected_kernel, relative_tolerance<TypeParam>()));
   }
 }
@@ -720,8 +721,8 @@ TYPED_TEST(BackwardTest, ZeroSizedDimensionsWithGradientsWiderThanATile) {
       ASSERT_EQ(view.gradient_size, view.parameter_size) << view.name;
       if (view.name == "output_bias") continue;
       for (Index k = 0; k < view.gradient_size; ++k)
-        ASSERT_EQ(view.gradient[k], TypeParam(0)) << view.name << "[" << k << "], dims " << dims[0]
-                                                  << ", " << dims[1] << ", " << dims[2];
+        ASSERT_EQ(view.gradient[k], TypeParam(0))
+            << view.name << "[" << k << "], dims " << dims[0] << ", " << dims[1] << ", " << dims[2];
     }
     ASSERT_EQ(g.output_bias.size(), 300);
     for (Index o = 0; o < 300; ++o) {
@@ -751,13 +752,13 @@ TYPED_TEST(BackwardTest, RejectsBadInput) {
                           sdmha::ShapeError, "d_output is (3, 5, 16)");
   Tensor3<TypeParam> narrow_key(2, 7, 11);
   narrow_key.setZero();
-  SDMHA_EXPECT_THROW_WITH(
-      layer.backward(query, narrow_key, c.value, d_output, c.options),
-      sdmha::ShapeError, "key has width 11; expected the kernel's input width 12");
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, narrow_key, c.value, d_output, c.options),
+                          sdmha::ShapeError,
+                          "key has width 11; expected the kernel's input width 12");
   const auto wide_query = sdmha::SparseQuery<TypeParam>::from_coo(2, 5, 17, c.indices, c.values);
-  SDMHA_EXPECT_THROW_WITH(
-      layer.backward(wide_query, c.key, c.value, d_output, c.options),
-      sdmha::ShapeError, "query has 17 features; expected the query kernel's input width 16");
+  SDMHA_EXPECT_THROW_WITH(layer.backward(wide_query, c.key, c.value, d_output, c.options),
+                          sdmha::ShapeError,
+                          "query has 17 features; expected the query kernel's input width 16");
   auto options = c.options;
   options.attention_mask.resize(2, 5, 6);
   SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, options),
@@ -946,7 +947,8 @@ TYPED_TEST(QueryGradientStagesTest, MatchDenseProducts) {
   const CarvedFeatureGroups<Scalar> carved(query.csr(), true);
   const Index split = features / 2;
   sdmha::Vector<Scalar> d_values_by_feature = sdmha::Vector<Scalar>::Constant(d_values.size(), 42);
-  sdmha::RowMatrix<Scalar> d_kernel_by_feature = sdmha::RowMatrix<Scalar>::Constant(features, width, 42);
+  sdmha::RowMatrix<Scalar> d_kernel_by_feature =
+      sdmha::RowMatrix<Scalar>::Constant(features, width, 42);
   for (auto [first, count] : {std::pair<Index, Index>{0, split}, {split, features - split}}) {
     typename Projection::ValuesGradientArguments feature_values_args{
         query.csr(), kernel, d_query, d_values_by_feature, &carved.groups, first, count};
@@ -958,8 +960,8 @@ TYPED_TEST(QueryGradientStagesTest, MatchDenseProducts) {
     stage.backward(feature_kernel_args);
   }
   EXPECT_TRUE(all_near(d_values_by_feature.data(), expected_values, relative_tolerance<Scalar>()));
-  EXPECT_TRUE(all_near(d_kernel_by_feature.data(), expected_kernel_entries,
-                       relative_tolerance<Scalar>()));
+  EXPECT_TRUE(
+      all_near(d_kernel_by_feature.data(), expected_kernel_entries, relative_tolerance<Scalar>()));
 }
 
 TYPED_TEST(QueryGradientStagesTest, RejectMismatchedShapes) {
@@ -973,45 +975,51 @@ TYPED_TEST(QueryGradientStagesTest, RejectMismatchedShapes) {
   sdmha::RowMatrix<Scalar> narrow_d_query = sdmha::RowMatrix<Scalar>::Zero(10, 7);
   sdmha::Vector<Scalar> d_values(query.nonzeros()), short_values(query.nonzeros() - 1);
   using Values = typename Projection::ValuesGradientArguments;
-  SDMHA_EXPECT_THROW_WITH(Projection::can_implement(Values{query.csr(), short_kernel, d_query, d_values}),
-                          sdmha::ShapeError,
-                          "SparseQueryProjection (values gradient): kernel has 15 rows; expected the "
-                          "query's feature width 16");
-  SDMHA_EXPECT_THROW_WITH(Projection::can_implement(Values{query.csr(), kernel, narrow_d_query, d_values}),
-                          sdmha::ShapeError, "d_query is 10 x 7; expected 10 x 8");
-  SDMHA_EXPECT_THROW_WITH(Projection::can_implement(Values{query.csr(), kernel, d_query, short_values}),
-                          sdmha::ShapeError,
-                          "d_values has " + std::to_string(query.nonzeros() - 1) + " entries");
+  SDMHA_EXPECT_THROW_WITH(
+      Projection::can_implement(Values{query.csr(), short_kernel, d_query, d_values}),
+      sdmha::ShapeError,
+      "SparseQueryProjection (values gradient): kernel has 15 rows; expected the "
+      "query's feature width 16");
+  SDMHA_EXPECT_THROW_WITH(
+      Projection::can_implement(Values{query.csr(), kernel, narrow_d_query, d_values}),
+      sdmha::ShapeError, "d_query is 10 x 7; expected 10 x 8");
+  SDMHA_EXPECT_THROW_WITH(
+      Projection::can_implement(Values{query.csr(), kernel, d_query, short_values}),
+      sdmha::ShapeError, "d_values has " + std::to_string(query.nonzeros() - 1) + " entries");
   using Kernel = typename Projection::KernelGradientArguments;
   sdmha::RowMatrix<Scalar> d_kernel(16, 8), wrong_d_kernel(16, 7);
-  SDMHA_EXPECT_THROW_WITH(Projection::can_implement(Kernel{query.csr(), d_query.topRows(9), d_kernel}),
-                          sdmha::ShapeError,
-                          "SparseQueryProjection (kernel gradient): d_query has 9 rows; expected 10");
+  SDMHA_EXPECT_THROW_WITH(
+      Projection::can_implement(Kernel{query.csr(), d_query.topRows(9), d_kernel}),
+      sdmha::ShapeError,
+      "SparseQueryProjection (kernel gradient): d_query has 9 rows; expected 10");
   SDMHA_EXPECT_THROW_WITH(Projection::can_implement(Kernel{query.csr(), d_query, wrong_d_kernel}),
                           sdmha::ShapeError, "d_kernel is 16 x 7; expected 16 x 8");
 
   // The by-feature forms: a CSC that is not the query's (or lacks positions), a feature range
   // outside [0, Eq).
-  const CarvedFeatureGroups<Scalar> groups(query.csr(), true), without_positions(query.csr(), false),
-      stale(query.csr().middle_rows(0, 5), true);
+  const CarvedFeatureGroups<Scalar> groups(query.csr(), true),
+      without_positions(query.csr(), false), stale(query.csr().middle_rows(0, 5), true);
+  SDMHA_EXPECT_THROW_WITH(Projection::can_implement(
+                              Values{query.csr(), kernel, d_query, d_values, &stale.groups, 0, 16}),
+                          sdmha::ShapeError, "expected build_feature_groups of the query");
+  SDMHA_EXPECT_THROW_WITH(Projection::can_implement(Values{query.csr(), kernel, d_query, d_values,
+                                                           &without_positions.groups, 0, 16}),
+                          sdmha::ShapeError, "and positions");
+  SDMHA_EXPECT_THROW_WITH(Projection::can_implement(
+                              Values{query.csr(), kernel, d_query, d_values, &groups.groups, 8, 9}),
+                          sdmha::ShapeError,
+                          "features [8, 17) asked for; expected a range in [0, 16)");
   SDMHA_EXPECT_THROW_WITH(
-      Projection::can_implement(Values{query.csr(), kernel, d_query, d_values, &stale.groups, 0, 16}),
+      Projection::can_implement(Kernel{query.csr(), d_query, d_kernel, &stale.groups, 0}),
       sdmha::ShapeError, "expected build_feature_groups of the query");
   SDMHA_EXPECT_THROW_WITH(
-      Projection::can_implement(Values{query.csr(), kernel, d_query, d_values, &without_positions.groups, 0, 16}),
-      sdmha::ShapeError, "and positions");
-  SDMHA_EXPECT_THROW_WITH(
-      Projection::can_implement(Values{query.csr(), kernel, d_query, d_values, &groups.groups, 8, 9}),
-      sdmha::ShapeError, "features [8, 17) asked for; expected a range in [0, 16)");
-  SDMHA_EXPECT_THROW_WITH(Projection::can_implement(Kernel{query.csr(), d_query, d_kernel, &stale.groups, 0}),
-                          sdmha::ShapeError, "expected build_feature_groups of the query");
-  SDMHA_EXPECT_THROW_WITH(Projection::can_implement(Kernel{query.csr(), d_query, d_kernel, &groups.groups, 1}),
-                          sdmha::ShapeError, "features [1, 17) asked for; expected a range in [0, 16)");
+      Projection::can_implement(Kernel{query.csr(), d_query, d_kernel, &groups.groups, 1}),
+      sdmha::ShapeError, "features [1, 17) asked for; expected a range in [0, 16)");
   SDMHA_EXPECT_THROW_WITH(
       Projection::can_implement(Kernel{query.csr(), d_query, wrong_d_kernel, &groups.groups, 0}),
       sdmha::ShapeError, "d_kernel has 7 columns; expected d_query's 8");
-  EXPECT_NO_THROW(
-      Projection::can_implement(Kernel{query.csr(), d_query, d_kernel.middleRows(4, 12), &groups.groups, 4}));
+  EXPECT_NO_THROW(Projection::can_implement(
+      Kernel{query.csr(), d_query, d_kernel.middleRows(4, 12), &groups.groups, 4}));
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 // Bad input that no other test file covers (each case is a row of docs/bad_input.md), and the
-// regression tests for what the hardening work of issue 7 found (marked REGRESSION below).
+// regression tests for what the hardening work found (marked REGRESSION below).
 #include "test_support.hpp"
 
 #include <sdmha/io/layer_files.hpp>
@@ -25,7 +25,8 @@ class FileBuilder {
     writer_.add<double>(name, shape, data.data());
     return *this;
   }
-  FileBuilder& i64(const std::string& name, std::vector<std::int64_t> shape, std::vector<std::int64_t> data) {
+  FileBuilder& i64(const std::string& name, std::vector<std::int64_t> shape,
+                   std::vector<std::int64_t> data) {
     writer_.add<std::int64_t>(name, shape, data.data());
     return *this;
   }
@@ -59,7 +60,9 @@ class FileBuilder {
     f64("query/values", {std::int64_t(indices.size() / 3)}, 1.5);
     return f64("value", value_shape);
   }
-  TensorSource source() const { return TensorSource(SafetensorsFile::from_bytes(writer_.to_bytes(), "<test>")); }
+  TensorSource source() const {
+    return TensorSource(SafetensorsFile::from_bytes(writer_.to_bytes(), "<test>"));
+  }
 
  private:
   SafetensorsWriter writer_;
@@ -107,21 +110,30 @@ TEST(BadInputFiles, KerasLayerProblems) {
   EXPECT_NO_THROW(load(FileBuilder().keras_layer()));
   SDMHA_EXPECT_THROW_WITH(load(FileBuilder().f64("key/kernel", {4, 2, 2})), sdmha::FormatError,
                           "no tensor named '[prefix/]query/kernel'");
-  SDMHA_EXPECT_THROW_WITH(load(FileBuilder().keras_layer("a/").keras_layer("b/")), sdmha::FormatError,
-                          "several layers ('a/', 'b/') hold a query/kernel");
+  SDMHA_EXPECT_THROW_WITH(load(FileBuilder().keras_layer("a/").keras_layer("b/")),
+                          sdmha::FormatError, "several layers ('a/', 'b/') hold a query/kernel");
   SDMHA_EXPECT_THROW_WITH(load(FileBuilder().keras_layer("", false).f64("key/bias", {2, 2})),
                           sdmha::FormatError, "some projections have a bias and others not");
-  SDMHA_EXPECT_THROW_WITH(load(FileBuilder().keras_layer().metadata("layout", "jax")), sdmha::FormatError,
-                          "metadata 'layout' = 'jax'; expected keras or torch");
+  SDMHA_EXPECT_THROW_WITH(load(FileBuilder().keras_layer().metadata("layout", "jax")),
+                          sdmha::FormatError, "metadata 'layout' = 'jax'; expected keras or torch");
   SDMHA_EXPECT_THROW_WITH(load(FileBuilder().keras_layer().metadata("use_causal_mask", "maybe")),
-                          sdmha::FormatError, "metadata 'use_causal_mask' = 'maybe'; expected true or false");
-  SDMHA_EXPECT_THROW_WITH(load(FileBuilder().keras_layer().metadata("key_dim", "3")), sdmha::ShapeError,
+                          sdmha::FormatError,
+                          "metadata 'use_causal_mask' = 'maybe'; expected true or false");
+  SDMHA_EXPECT_THROW_WITH(load(FileBuilder().keras_layer().metadata("key_dim", "3")),
+                          sdmha::ShapeError,
                           "metadata 'key_dim' = 3 but the weights' shapes give 2");
   auto wrong_bias = FileBuilder().keras_layer("", false);
-  wrong_bias.f64("query/bias", {2, 3}).f64("key/bias", {2, 2}).f64("value/bias", {2, 2}).f64("attention_output/bias", {3});
-  SDMHA_EXPECT_THROW_WITH(load(wrong_bias), sdmha::ShapeError, "tensor 'query/bias' has shape [2, 3]; expected [2, 2]");
-  SDMHA_EXPECT_THROW_WITH(load(FileBuilder().f64("query/kernel", {3, 2, 2}).f64("key/kernel", {4, 2, 2})
-                                   .f64("value/kernel", {4, 2, 2}).f64("attention_output/kernel", {2, 2, 3}),
+  wrong_bias.f64("query/bias", {2, 3})
+      .f64("key/bias", {2, 2})
+      .f64("value/bias", {2, 2})
+      .f64("attention_output/bias", {3});
+  SDMHA_EXPECT_THROW_WITH(load(wrong_bias), sdmha::ShapeError,
+                          "tensor 'query/bias' has shape [2, 3]; expected [2, 2]");
+  SDMHA_EXPECT_THROW_WITH(load(FileBuilder()
+                                   .f64("query/kernel", {3, 2, 2})
+                                   .f64("key/kernel", {4, 2, 2})
+                                   .f64("value/kernel", {4, 2, 2})
+                                   .f64("attention_output/kernel", {2, 2, 3}),
                                LayerFileOptions{std::nullopt, 3, std::nullopt, std::nullopt}),
                           sdmha::ShapeError, "num_heads = 3 but the Keras kernels hold 2 heads");
 }
@@ -137,23 +149,28 @@ TEST(BadInputFiles, TorchLayerProblems) {
     return sdmha::io::load_layer<double>(file.source(), options);
   };
   EXPECT_NO_THROW(load(torch().metadata("num_heads", "2")));
-  SDMHA_EXPECT_THROW_WITH(load(torch()), sdmha::FormatError,
-                          "num_heads is neither in the metadata nor given; PyTorch weights need it");
+  SDMHA_EXPECT_THROW_WITH(
+      load(torch()), sdmha::FormatError,
+      "num_heads is neither in the metadata nor given; PyTorch weights need it");
   SDMHA_EXPECT_THROW_WITH(load(torch().metadata("num_heads", "3")), sdmha::ShapeError,
                           "embed_dim 4 is not divisible by num_heads 3");
-  SDMHA_EXPECT_THROW_WITH(load(torch().metadata("num_heads", "0")), sdmha::ConfigError, "num_heads = 0; expected > 0");
+  SDMHA_EXPECT_THROW_WITH(load(torch().metadata("num_heads", "0")), sdmha::ConfigError,
+                          "num_heads = 0; expected > 0");
   SDMHA_EXPECT_THROW_WITH(load(torch().metadata("num_heads", "two")), sdmha::FormatError,
                           "metadata 'num_heads' = 'two'; expected an integer");
-  SDMHA_EXPECT_THROW_WITH(load(torch().metadata("num_heads", "2").f64("bias_k", {1, 1, 4})), sdmha::FormatError,
-                          "tensor 'bias_k' (add_bias_kv) is not supported");
+  SDMHA_EXPECT_THROW_WITH(load(torch().metadata("num_heads", "2").f64("bias_k", {1, 1, 4})),
+                          sdmha::FormatError, "tensor 'bias_k' (add_bias_kv) is not supported");
   SDMHA_EXPECT_THROW_WITH(load(torch(false).metadata("num_heads", "2")), sdmha::FormatError,
                           "exactly one of 'in_proj_bias' and 'out_proj.bias' is present");
   FileBuilder separate;
   separate.f64("q_proj_weight", {4, 3}).f64("k_proj_weight", {4, 5}).f64("out_proj.weight", {4, 4});
-  SDMHA_EXPECT_THROW_WITH(load(separate, LayerFileOptions{std::nullopt, 2, std::nullopt, std::nullopt}),
-                          sdmha::FormatError, "neither 'in_proj_weight' nor 'v_proj_weight' is present");
+  SDMHA_EXPECT_THROW_WITH(
+      load(separate, LayerFileOptions{std::nullopt, 2, std::nullopt, std::nullopt}),
+      sdmha::FormatError, "neither 'in_proj_weight' nor 'v_proj_weight' is present");
   FileBuilder packed_wrong;
-  packed_wrong.f64("in_proj_weight", {12, 3}).f64("out_proj.weight", {4, 4}).metadata("num_heads", "2");
+  packed_wrong.f64("in_proj_weight", {12, 3})
+      .f64("out_proj.weight", {4, 4})
+      .metadata("num_heads", "2");
   SDMHA_EXPECT_THROW_WITH(load(packed_wrong), sdmha::ShapeError,
                           "tensor 'in_proj_weight' has shape [12, 3]; expected [12, 4]");
 }
@@ -165,26 +182,33 @@ TEST(BadInputFiles, InputProblems) {
                           "tensor 'query/dense_shape' is missing");
   FileBuilder wrong_rank;
   wrong_rank.i64("query/dense_shape", {1, 3}, {2, 2, 3});
-  SDMHA_EXPECT_THROW_WITH(load(wrong_rank), sdmha::ShapeError, "tensor 'query/dense_shape' has rank 2; expected rank 1");
+  SDMHA_EXPECT_THROW_WITH(load(wrong_rank), sdmha::ShapeError,
+                          "tensor 'query/dense_shape' has rank 2; expected rank 1");
   FileBuilder short_values;
-  short_values.i64("query/dense_shape", {3}, {2, 2, 3}).i64("query/indices", {2, 3}, {0, 0, 1, 1, 1, 2});
+  short_values.i64("query/dense_shape", {3}, {2, 2, 3})
+      .i64("query/indices", {2, 3}, {0, 0, 1, 1, 1, 2});
   short_values.f64("query/values", {3}).f64("value", {2, 3, 4});
   SDMHA_EXPECT_THROW_WITH(load(short_values), sdmha::ShapeError,
                           "tensor 'query/values' has shape [3]; expected [2] (-1 = any)");
-  SDMHA_EXPECT_THROW_WITH(load(FileBuilder().inputs({2, 2, 3}, {0, 0, 1, 1, 5, 2})), sdmha::IndexError,
+  SDMHA_EXPECT_THROW_WITH(load(FileBuilder().inputs({2, 2, 3}, {0, 0, 1, 1, 5, 2})),
+                          sdmha::IndexError,
                           "tensors 'query/indices', 'query/values', 'query/dense_shape': sdmha: "
                           "SparseQuery::from_coo: indices[1] step = 5 is out of range");
-  SDMHA_EXPECT_THROW_WITH(load(FileBuilder().inputs({2, -2, 3})), sdmha::ShapeError, "steps = -2; expected >= 0");
-  SDMHA_EXPECT_THROW_WITH(load(FileBuilder().inputs({2, 2, 3}, {0, 0, 1}, {3, 3, 4})), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(load(FileBuilder().inputs({2, -2, 3})), sdmha::ShapeError,
+                          "steps = -2; expected >= 0");
+  SDMHA_EXPECT_THROW_WITH(load(FileBuilder().inputs({2, 2, 3}, {0, 0, 1}, {3, 3, 4})),
+                          sdmha::ShapeError,
                           "tensor 'value' has batch 3; expected the query's batch 2");
   SDMHA_EXPECT_THROW_WITH(load(FileBuilder().inputs().boolean("attention_mask", {2, 2, 4}, true)),
-                          sdmha::ShapeError, "tensor 'attention_mask' has shape [2, 2, 4]; expected [2, 2, 3]");
+                          sdmha::ShapeError,
+                          "tensor 'attention_mask' has shape [2, 2, 4]; expected [2, 2, 3]");
   FileBuilder byte_mask;
   byte_mask.inputs().f64("attention_mask", {2, 2, 3});
-  SDMHA_EXPECT_THROW_WITH(load(byte_mask), sdmha::FormatError, "has dtype F64, which cannot be read as bool");
+  SDMHA_EXPECT_THROW_WITH(load(byte_mask), sdmha::FormatError,
+                          "has dtype F64, which cannot be read as bool");
 }
 
-// ---- REGRESSION: found by the fuzzers and sanitizers of issue 7 ----
+// ---- REGRESSION: found by the fuzzers and sanitizers ----
 // Each of these failed (crash, sanitizer report or an exception outside sdmha::Error) when it was
 // written; the comment says how. The ones marked "UBSan" pass by luck in a Release build (the
 // overflow wraps to a harmless value) and fail in the ASan + UBSan build of .ci/hardening.sh.
@@ -211,7 +235,8 @@ TEST(BadInputRegression, DeeplyNestedHeaderValueIsAFormatError) {
   const std::string text = "{\"a\":{\"dtype\":\"F64\",\"shape\":" + std::string(depth, '[') +
                            std::string(depth, ']') + ",\"data_offsets\":[0,0]}}";
   std::vector<std::uint8_t> bytes(8);
-  for (int i = 0; i < 8; ++i) bytes[std::size_t(i)] = std::uint8_t(std::uint64_t(text.size()) >> (8 * i));
+  for (int i = 0; i < 8; ++i)
+    bytes[std::size_t(i)] = std::uint8_t(std::uint64_t(text.size()) >> (8 * i));
   bytes.insert(bytes.end(), text.begin(), text.end());
   EXPECT_THROW(SafetensorsFile::from_bytes(bytes, "<deep>"), sdmha::FormatError);
 }
@@ -225,10 +250,11 @@ TEST(BadInputRegression, ZeroBatchWithStepsNearTheIndexLimit) {
   const CooIndices no_entries(0, 3);
   const sdmha::Vector<double> no_values;
   try {
-    const auto query = sdmha::SparseQuery<double>::from_coo(0, std::numeric_limits<Index>::max(),
-                                                            c.shape.query_dim, no_entries, no_values);
+    const auto query = sdmha::SparseQuery<double>::from_coo(
+        0, std::numeric_limits<Index>::max(), c.shape.query_dim, no_entries, no_values);
     Tensor3<double> empty(0, 7, 12);
-    for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+    for (auto strategy :
+         {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
       auto options = c.options;
       options.score_strategy = strategy;
       EXPECT_EQ(layer.forward(query, empty, empty, options).output.size(), 0);
@@ -253,7 +279,8 @@ TEST(BadInputRegression, HugeBatchWithZeroStepsAndScores) {
   const sdmha::TensorRef3<double> empty(nothing.data(), huge, 0, 12);
   for (bool scores : {false, true}) {
     try {
-      const auto query = sdmha::SparseQuery<double>::from_coo(huge, 0, c.shape.query_dim, no_entries, no_values);
+      const auto query =
+          sdmha::SparseQuery<double>::from_coo(huge, 0, c.shape.query_dim, no_entries, no_values);
       auto options = c.options;
       options.return_attention_scores = scores;
       const auto result = layer.forward(query, empty, empty, options);
@@ -261,7 +288,8 @@ TEST(BadInputRegression, HugeBatchWithZeroStepsAndScores) {
     } catch (const sdmha::Error&) {
       // Rejecting the shape is fine; any other exception is the bug.
     } catch (const std::exception& error) {
-      ADD_FAILURE() << "an exception other than sdmha::Error: " << error.what() << " (scores: " << scores << ")";
+      ADD_FAILURE() << "an exception other than sdmha::Error: " << error.what()
+                    << " (scores: " << scores << ")";
     }
   }
 }
@@ -275,7 +303,8 @@ TEST(BadInputRegression, NoKeyStepsWithSeveralHeadsGiveTheOutputBias) {
   const auto c = make_case<double>(s, 65);
   const sdmha::SparseDenseMHA<double> layer(c.config, c.weights);
   Tensor3<double> no_keys(s.batch, 0, s.key_in_dim), no_values(s.batch, 0, s.value_in_dim);
-  for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+  for (auto strategy :
+       {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
     sdmha::AttentionOptions<double> options;
     options.score_strategy = strategy;
     options.return_attention_scores = true;

@@ -134,10 +134,10 @@ TYPED_TEST(Concurrency, OneLayerFromEightThreadsGivesTheSingleThreadedResultsBit
             else
               layer.forward(w.query, w.problem.key, w.problem.value, w.options, workspace, kept);
           }
-          const auto& result = keep_workspace ? kept
-                               : w.use_context
-                                   ? layer.forward(w.query, w.context, w.options)
-                                   : layer.forward(w.query, w.problem.key, w.problem.value, w.options);
+          const auto& result =
+              keep_workspace  ? kept
+              : w.use_context ? layer.forward(w.query, w.context, w.options)
+                              : layer.forward(w.query, w.problem.key, w.problem.value, w.options);
           const bool same =
               result.output.size() == w.expected.output.size() &&
               bitwise_equal(result.output.data(), w.expected.output.data(), result.output.size()) &&
@@ -176,8 +176,9 @@ TYPED_TEST(Concurrency, DenseBaselineFromEightThreadsGivesTheSingleThreadedResul
   }
   const sdmha::DenseMHA<Scalar> layer(problems[0].config, problems[0].weights);
   for (int thread = 0; thread < kThreads; ++thread)
-    expected.push_back(layer.forward(queries[std::size_t(thread)], problems[std::size_t(thread)].key,
-                                     problems[std::size_t(thread)].value, problems[std::size_t(thread)].options));
+    expected.push_back(
+        layer.forward(queries[std::size_t(thread)], problems[std::size_t(thread)].key,
+                      problems[std::size_t(thread)].value, problems[std::size_t(thread)].options));
 
   StartingGate gate;
   std::atomic<int> mismatches{0}, failures{0};
@@ -189,7 +190,8 @@ TYPED_TEST(Concurrency, DenseBaselineFromEightThreadsGivesTheSingleThreadedResul
       gate.wait();
       try {
         for (int call = 0; call < kCallsPerThread / 2; ++call) {
-          const auto result = layer.forward(queries[std::size_t(thread)], c.key, c.value, c.options);
+          const auto result =
+              layer.forward(queries[std::size_t(thread)], c.key, c.value, c.options);
           if (result.output.size() != want.size() ||
               !bitwise_equal(result.output.data(), want.data(), want.size()))
             mismatches.fetch_add(1);

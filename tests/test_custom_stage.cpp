@@ -70,7 +70,8 @@ struct TileLocalBias : sdmha::ScoreKernel<Scalar> {
       for (Index s = 0; s < args.scores.cols(); ++s) {
         Scalar& score = args.scores(t, s);
         if (std::isfinite(score))
-          score = score * row_factor<Scalar>(t) - slope.at(std::size_t(args.head)) * Scalar(std::abs(t - s));
+          score = score * row_factor<Scalar>(t) -
+                  slope.at(std::size_t(args.head)) * Scalar(std::abs(t - s));
       }
   }
   void backward(const typename Base::BackwardArguments& args) const {
@@ -103,11 +104,13 @@ struct TemperatureSoftmax : sdmha::MaskedSoftmax<Scalar> {
   }
 };
 
-using BiasLayer = sdmha::SparseDenseMHA<double, sdmha::SparseQueryProjection<double>, RelativeBias<double>>;
-using TemperatureLayer = sdmha::SparseDenseMHA<double, sdmha::SparseQueryProjection<double>,
-                                               sdmha::ScoreKernel<double>, TemperatureSoftmax<double>>;
-using BothLayer = sdmha::SparseDenseMHA<double, sdmha::SparseQueryProjection<double>, RelativeBias<double>,
-                                        TemperatureSoftmax<double>>;
+using BiasLayer =
+    sdmha::SparseDenseMHA<double, sdmha::SparseQueryProjection<double>, RelativeBias<double>>;
+using TemperatureLayer =
+    sdmha::SparseDenseMHA<double, sdmha::SparseQueryProjection<double>, sdmha::ScoreKernel<double>,
+                          TemperatureSoftmax<double>>;
+using BothLayer = sdmha::SparseDenseMHA<double, sdmha::SparseQueryProjection<double>,
+                                        RelativeBias<double>, TemperatureSoftmax<double>>;
 
 const std::vector<double> kSlopes = {0.15, 0.4, 0.07};
 const std::vector<double> kTemperatures = {0.7, 1.9, 1.3};
@@ -135,8 +138,10 @@ struct Hooks {
 
 void apply_semantics(const Hooks& hooks, sdmha::AttentionOptions<double>& options) {
   if (hooks.scale != 0.0) options.scale = hooks.scale;
-  options.causal_alignment = hooks.bottom_right ? sdmha::CausalAlignment::bottom_right : sdmha::CausalAlignment::top_left;
-  options.fully_masked_rows = hooks.uniform ? sdmha::FullyMaskedRows::uniform : sdmha::FullyMaskedRows::zeros;
+  options.causal_alignment =
+      hooks.bottom_right ? sdmha::CausalAlignment::bottom_right : sdmha::CausalAlignment::top_left;
+  options.fully_masked_rows =
+      hooks.uniform ? sdmha::FullyMaskedRows::uniform : sdmha::FullyMaskedRows::zeros;
 }
 
 struct ReferenceResult {
@@ -148,7 +153,8 @@ bool allowed(const sdmha_reference::Problem& p, const Hooks& hooks, long b, long
   const long offset = hooks.bottom_right ? p.key_steps - p.steps : 0;
   if (p.causal && s > t + offset) return false;
   if (!p.key_padding_mask.empty() && p.key_padding_mask[b * p.key_steps + s]) return false;
-  if (!p.attention_mask.empty() && !p.attention_mask[(b * p.steps + t) * p.key_steps + s]) return false;
+  if (!p.attention_mask.empty() && !p.attention_mask[(b * p.steps + t) * p.key_steps + s])
+    return false;
   return true;
 }
 
@@ -156,7 +162,8 @@ bool allowed(const sdmha_reference::Problem& p, const Hooks& hooks, long b, long
 // tests/reference/ (whose projections it uses; neither calls sdmha).
 ReferenceResult reference(const sdmha_reference::Problem& p, const Hooks& hooks) {
   using sdmha_reference::project;
-  const long B = p.batch, T = p.steps, S = p.key_steps, H = p.heads, Dk = p.key_dim, Dv = p.value_dim;
+  const long B = p.batch, T = p.steps, S = p.key_steps, H = p.heads, Dk = p.key_dim,
+             Dv = p.value_dim;
   const auto query = project(p.query, B * T, p.query_dim, p.query_kernel, p.query_bias, H * Dk);
   const auto key = project(p.key, B * S, p.key_in_dim, p.key_kernel, p.key_bias, H * Dk);
   const auto value = project(p.value, B * S, p.value_in_dim, p.value_kernel, p.value_bias, H * Dv);
@@ -176,7 +183,8 @@ ReferenceResult reference(const sdmha_reference::Problem& p, const Hooks& hooks)
           if (!allowed(p, hooks, b, t, s)) continue;
           double dot = 0.0;
           for (long d = 0; d < Dk; ++d)
-            dot += (query[(b * T + t) * H * Dk + h * Dk + d] * scale) * key[(b * S + s) * H * Dk + h * Dk + d];
+            dot += (query[(b * T + t) * H * Dk + h * Dk + d] * scale) *
+                   key[(b * S + s) * H * Dk + h * Dk + d];
           if (!hooks.slope.empty()) {
             const double factor = 1.0 + 0.01 * double(t % 7);
             dot = dot * factor - hooks.slope[h] * double(std::labs(t - s));
@@ -185,7 +193,8 @@ ReferenceResult reference(const sdmha_reference::Problem& p, const Hooks& hooks)
           score[s] = dot;
           row_max = std::max(row_max, dot);
         }
-        if (row_max == minus_infinity && !hooks.uniform) continue;  // every key blocked: P = 0, head = 0
+        if (row_max == minus_infinity && !hooks.uniform)
+          continue;  // every key blocked: P = 0, head = 0
         if (row_max == minus_infinity) {
           for (long s = 0; s < S; ++s) probability[s] = 1.0 / double(S);
         } else {
@@ -198,7 +207,8 @@ ReferenceResult reference(const sdmha_reference::Problem& p, const Hooks& hooks)
         }
         for (long d = 0; d < Dv; ++d) {
           double sum = 0.0;
-          for (long s = 0; s < S; ++s) sum += probability[s] * value[(b * S + s) * H * Dv + h * Dv + d];
+          for (long s = 0; s < S; ++s)
+            sum += probability[s] * value[(b * S + s) * H * Dv + h * Dv + d];
           heads[(b * T + t) * H * Dv + h * Dv + d] = sum;
         }
       }
@@ -230,12 +240,14 @@ Shape small_shape(long steps, long key_steps, bool causal, bool padding) {
 template <typename Tensor>
 bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return a.size() == b.size() &&
-         (a.size() == 0 || std::memcmp(a.data(), b.data(), sizeof(double) * std::size_t(a.size())) == 0);
+         (a.size() == 0 ||
+          std::memcmp(a.data(), b.data(), sizeof(double) * std::size_t(a.size())) == 0);
 }
 
 std::string describe(const Shape& s, sdmha::ScoreStrategy strategy, int threads) {
-  return "B=" + std::to_string(s.batch) + " T=" + std::to_string(s.steps) + " S=" + std::to_string(s.key_steps) +
-         " H=" + std::to_string(s.heads) + (s.causal ? " causal" : "") + (s.key_padding ? " padding" : "") + " " +
+  return "B=" + std::to_string(s.batch) + " T=" + std::to_string(s.steps) +
+         " S=" + std::to_string(s.key_steps) + " H=" + std::to_string(s.heads) +
+         (s.causal ? " causal" : "") + (s.key_padding ? " padding" : "") + " " +
          sdmha::to_string(strategy) + " threads=" + std::to_string(threads);
 }
 
@@ -255,7 +267,8 @@ void check_forward(const Case<double>& c, const Hooks& hooks) {
     for (const bool return_scores : {true, false}) {
       sdmha::AttentionResult<double> by_threads[2];
       for (int threads = 1; threads <= 2; ++threads) {
-        SCOPED_TRACE(describe(c.shape, strategy, threads) + (return_scores ? " returning scores" : ""));
+        SCOPED_TRACE(describe(c.shape, strategy, threads) +
+                     (return_scores ? " returning scores" : ""));
         auto options = c.options;
         apply_semantics(hooks, options);
         options.num_threads = threads;
@@ -267,11 +280,13 @@ void check_forward(const Case<double>& c, const Hooks& hooks) {
         EXPECT_TRUE(all_near(result.output.data(), expected.output, kForwardTolerance)) << "output";
         if (!return_scores) continue;
         ASSERT_EQ(result.attention_scores.size(), Index(expected.probabilities.size()));
-        EXPECT_TRUE(all_near(result.attention_scores.data(), expected.probabilities, kForwardTolerance))
+        EXPECT_TRUE(
+            all_near(result.attention_scores.data(), expected.probabilities, kForwardTolerance))
             << "attention_scores";
       }
       SCOPED_TRACE(describe(c.shape, strategy, 2) + (return_scores ? " returning scores" : ""));
-      EXPECT_TRUE(bitwise_equal(by_threads[0].output, by_threads[1].output)) << "output, 1 vs 2 threads";
+      EXPECT_TRUE(bitwise_equal(by_threads[0].output, by_threads[1].output))
+          << "output, 1 vs 2 threads";
       EXPECT_TRUE(bitwise_equal(by_threads[0].attention_scores, by_threads[1].attention_scores))
           << "attention_scores, 1 vs 2 threads";
     }
@@ -282,8 +297,8 @@ void check_forward(const Case<double>& c, const Hooks& hooks) {
 TEST(CustomScoreStage, RelativeBiasMatchesReferenceAcrossTilesStrategiesThreadsAndMasks) {
   // Up to 300 query steps (query tiles of 64) and 1100 key steps (key tiles of 512 in the online
   // softmax); masks: none, causal, padding, causal + padding.
-  const std::pair<long, long> sizes[] = {{1, 1},     {63, 65},  {64, 64},  {65, 130},
-                                         {130, 70},  {300, 300}, {64, 1100}, {130, 1030}};
+  const std::pair<long, long> sizes[] = {{1, 1},    {63, 65},   {64, 64},   {65, 130},
+                                         {130, 70}, {300, 300}, {64, 1100}, {130, 1030}};
   std::uint64_t seed = 100;
   for (const auto& [steps, key_steps] : sizes)
     for (int masks = 0; masks < 4; ++masks) {
@@ -298,7 +313,8 @@ TEST(CustomScoreStage, RelativeBiasMatchesReferenceAcrossTilesStrategiesThreadsA
 // fully blocked rows averaging every value (FullyMaskedRows::uniform), with both custom stages.
 TEST(CustomScoreStage, CustomStagesUnderScaleAlignmentAndFullyMaskedRowOptions) {
   std::uint64_t seed = 150;
-  for (const auto& [steps, key_steps] : {std::pair<long, long>(130, 70), std::pair<long, long>(70, 1100)})
+  for (const auto& [steps, key_steps] :
+       {std::pair<long, long>(130, 70), std::pair<long, long>(70, 1100)})
     for (int variant = 0; variant < 3; ++variant) {
       Shape s = small_shape(steps, key_steps, variant != 0, variant == 2);
       s.heads = 3;
@@ -322,14 +338,15 @@ TEST(CustomScoreStage, TileLocalStepsAreCaughtBeyondTheFirstTile) {
   const std::pair<long, long> sizes[] = {{64, 70}, {130, 70}, {64, 1100}};
   for (const auto& [steps, key_steps] : sizes) {
     const auto c = make_case<double>(small_shape(steps, key_steps, false, false), 7);
-    sdmha::SparseDenseMHA<double, sdmha::SparseQueryProjection<double>, TileLocalBias<double>> layer(c.config,
-                                                                                                   c.weights);
+    sdmha::SparseDenseMHA<double, sdmha::SparseQueryProjection<double>, TileLocalBias<double>>
+        layer(c.config, c.weights);
     layer.score_kernel().slope = kSlopes;
     auto options = c.options;
     options.score_strategy = sdmha::ScoreStrategy::project_first;
     options.num_threads = 1;
     const auto output = layer.forward(c.query(), c.key, c.value, options).output;
-    const bool matches = all_near(output.data(), reference(c.problem, Hooks{kSlopes, {}}).output, kForwardTolerance);
+    const bool matches =
+        all_near(output.data(), reference(c.problem, Hooks{kSlopes, {}}).output, kForwardTolerance);
     EXPECT_EQ(matches, steps <= sdmha::detail::kQueryTile && key_steps <= 512)
         << "T = " << steps << ", S = " << key_steps;
   }
@@ -345,10 +362,12 @@ TEST(CustomScoreStage, StageParametersAreReadOnEveryCall) {
   options.num_threads = 1;
   const auto query = c.query();
   const auto flat = layer.forward(query, c.key, c.value, options).output;
-  EXPECT_TRUE(all_near(flat.data(), reference(c.problem, Hooks{{0.0, 0.0}, {}}).output, kForwardTolerance));
+  EXPECT_TRUE(
+      all_near(flat.data(), reference(c.problem, Hooks{{0.0, 0.0}, {}}).output, kForwardTolerance));
   layer.score_kernel().slope = {0.3, 0.05};
   const auto sloped = layer.forward(query, c.key, c.value, options).output;
-  EXPECT_TRUE(all_near(sloped.data(), reference(c.problem, Hooks{{0.3, 0.05}, {}}).output, kForwardTolerance));
+  EXPECT_TRUE(all_near(sloped.data(), reference(c.problem, Hooks{{0.3, 0.05}, {}}).output,
+                       kForwardTolerance));
   EXPECT_FALSE(bitwise_equal(flat, sloped));
 }
 
@@ -376,19 +395,22 @@ struct GradientCheck {
 // with the check, which perturbs them in place through the shared_ptr. `report` false: count
 // the failures without adding test failures (for the negative control).
 template <typename Layer>
-GradientCheck check_gradients(Case<double> c, const sdmha::AttentionOptions<double>& options, std::uint64_t seed,
-                              int per_group, bool report = true) {
+GradientCheck check_gradients(Case<double> c, const sdmha::AttentionOptions<double>& options,
+                              std::uint64_t seed, int per_group, bool report = true) {
   auto weights = std::make_shared<sdmha::MhaWeights<double>>(c.weights);
   Layer layer(c.config, weights);
   configure(layer);
   const auto d_output = random_d_output(c, seed);
-  auto query_of = [&] { return sdmha::SparseQuery<double>::from_coo(c.shape.batch, c.shape.steps, c.shape.query_dim,
-                                                                    c.indices, c.values); };
+  auto query_of = [&] {
+    return sdmha::SparseQuery<double>::from_coo(c.shape.batch, c.shape.steps, c.shape.query_dim,
+                                                c.indices, c.values);
+  };
   const auto gradients = layer.backward(query_of(), c.key, c.value, d_output, options);
   auto loss = [&] {
     const auto output = layer.forward(query_of(), c.key, c.value, options).output;
     long double total = 0;
-    for (Index i = 0; i < output.size(); ++i) total += (long double)d_output.data()[i] * output.data()[i];
+    for (Index i = 0; i < output.size(); ++i)
+      total += (long double)d_output.data()[i] * output.data()[i];
     return double(total);
   };
   struct Group {
@@ -399,7 +421,8 @@ GradientCheck check_gradients(Case<double> c, const sdmha::AttentionOptions<doub
   };
   auto& w = *weights;
   auto group = [](const char* name, auto& parameter, const auto& gradient) {
-    return Group{name, parameter.data(), gradient.data(), Index(parameter.size()), Index(gradient.size())};
+    return Group{name, parameter.data(), gradient.data(), Index(parameter.size()),
+                 Index(gradient.size())};
   };
   const Group groups[] = {group("query_kernel", w.query_kernel, gradients.query_kernel),
                           group("query_bias", w.query_bias, gradients.query_bias),
@@ -435,7 +458,8 @@ GradientCheck check_gradients(Case<double> c, const sdmha::AttentionOptions<doub
       ++summary.checked;
       summary.worst = std::max(summary.worst, error / tolerance);
       if (!(error <= tolerance) && ++summary.failed <= 10 && report)
-        ADD_FAILURE() << g.name << "[" << entry << "]: analytic " << analytic << ", central difference " << numeric;
+        ADD_FAILURE() << g.name << "[" << entry << "]: analytic " << analytic
+                      << ", central difference " << numeric;
     }
   }
   return summary;
@@ -462,7 +486,8 @@ void check_gradients_over_configurations(const char* name, std::uint64_t seed) {
     }
   EXPECT_EQ(total.failed, 0) << "of " << total.checked;
   EXPECT_GE(total.checked, 4 * 11 * 6);
-  std::printf("%s: %ld entries checked, worst error / tolerance %.3g\n", name, total.checked, total.worst);
+  std::printf("%s: %ld entries checked, worst error / tolerance %.3g\n", name, total.checked,
+              total.worst);
 }
 
 TEST(CustomScoreStage, RelativeBiasGradientsMatchCentralDifferences) {
@@ -481,8 +506,8 @@ TEST(CustomScoreStage, RelativeBiasGradientsWithBackwardTilesUnlikeTheForwards) 
   options.score_strategy = sdmha::ScoreStrategy::project_first;
   const GradientCheck check = check_gradients<BiasLayer>(c, options, 311, 5);
   EXPECT_EQ(check.failed, 0) << "of " << check.checked;
-  std::printf("RelativeBias, T = 200, S = 400: %ld entries checked, worst error / tolerance %.3g\n", check.checked,
-              check.worst);
+  std::printf("RelativeBias, T = 200, S = 400: %ld entries checked, worst error / tolerance %.3g\n",
+              check.checked, check.worst);
 }
 
 // Dropout (a fixed seed, so forward and backward drop the same entries) between the custom
@@ -526,7 +551,8 @@ TEST(CustomScoreStage, WorkspaceReuseGivesTheSameResults) {
       layer.forward(query, c.key, c.value, options, workspace, result);
       EXPECT_TRUE(bitwise_equal(fresh, result.output)) << "call " << call;
       layer.backward(query, c.key, c.value, d_output, options, workspace, gradients);
-      EXPECT_TRUE(bitwise_equal(fresh_gradients.query_kernel, gradients.query_kernel)) << "call " << call;
+      EXPECT_TRUE(bitwise_equal(fresh_gradients.query_kernel, gradients.query_kernel))
+          << "call " << call;
       EXPECT_TRUE(bitwise_equal(fresh_gradients.key, gradients.key)) << "call " << call;
     }
   }
@@ -539,7 +565,8 @@ TEST(CustomScoreStage, WorkspaceReuseGivesTheSameResults) {
 TEST(CustomScoreStage, GradientsThroughOnlineSoftmaxAndAttentionOptions) {
   GradientCheck total;
   for (int variant = 0; variant < 4; ++variant) {
-    Shape s = small_shape(variant == 0 ? 70 : 130, variant == 0 ? 1100 : 70, variant >= 2, variant == 3);
+    Shape s =
+        small_shape(variant == 0 ? 70 : 130, variant == 0 ? 1100 : 70, variant >= 2, variant == 3);
     s.heads = 3;
     s.fully_blocked_rows = variant == 3;
     const auto c = make_case<double>(s, 340 + variant);
@@ -550,8 +577,10 @@ TEST(CustomScoreStage, GradientsThroughOnlineSoftmaxAndAttentionOptions) {
     auto options = c.options;
     apply_semantics(hooks, options);
     options.num_threads = 2;
-    options.score_strategy = variant == 1 ? sdmha::ScoreStrategy::sparse_regrouped : sdmha::ScoreStrategy::project_first;
-    SCOPED_TRACE("variant " + std::to_string(variant) + ": " + describe(s, options.score_strategy, 2));
+    options.score_strategy =
+        variant == 1 ? sdmha::ScoreStrategy::sparse_regrouped : sdmha::ScoreStrategy::project_first;
+    SCOPED_TRACE("variant " + std::to_string(variant) + ": " +
+                 describe(s, options.score_strategy, 2));
     const GradientCheck bias = check_gradients<BiasLayer>(c, options, 350 + variant, 4);
     const GradientCheck both = check_gradients<BothLayer>(c, options, 360 + variant, 4);
     total.checked += bias.checked + both.checked;
@@ -559,8 +588,8 @@ TEST(CustomScoreStage, GradientsThroughOnlineSoftmaxAndAttentionOptions) {
     total.worst = std::max({total.worst, bias.worst, both.worst});
   }
   EXPECT_EQ(total.failed, 0) << "of " << total.checked;
-  std::printf("online softmax and options: %ld entries checked, worst error / tolerance %.3g\n", total.checked,
-              total.worst);
+  std::printf("online softmax and options: %ld entries checked, worst error / tolerance %.3g\n",
+              total.checked, total.worst);
 }
 
 // The check is sensitive to the stage's backward: one that forgets the row factor fails it.
@@ -592,7 +621,8 @@ TEST(CustomScoreStage, BackwardIsBitwiseTheSameForOneAndTwoThreads) {
     SCOPED_TRACE(sdmha::to_string(strategy));
     const auto &one = by_threads[0], &two = by_threads[1];
     auto same = [](const auto& a, const auto& b) {
-      return a.size() == b.size() && std::memcmp(a.data(), b.data(), sizeof(double) * std::size_t(a.size())) == 0;
+      return a.size() == b.size() &&
+             std::memcmp(a.data(), b.data(), sizeof(double) * std::size_t(a.size())) == 0;
     };
     EXPECT_TRUE(same(one.query_kernel, two.query_kernel));
     EXPECT_TRUE(same(one.key_kernel, two.key_kernel));
@@ -705,11 +735,16 @@ TEST(SharedWeights, InPlaceUpdatesAreSeenByTheNextCall) {
   EXPECT_TRUE(bitwise_equal(after, fresh.forward(query, c.key, c.value, options).output));
   // And the reference agrees with the updated weights.
   auto problem = c.problem;
-  problem.query_kernel.assign(weights->query_kernel.data(), weights->query_kernel.data() + weights->query_kernel.size());
-  problem.key_kernel.assign(weights->key_kernel.data(), weights->key_kernel.data() + weights->key_kernel.size());
-  problem.value_kernel.assign(weights->value_kernel.data(), weights->value_kernel.data() + weights->value_kernel.size());
-  problem.output_bias.assign(weights->output_bias.data(), weights->output_bias.data() + weights->output_bias.size());
-  EXPECT_TRUE(all_near(after.data(), reference(problem, Hooks{kSlopes, {}}).output, kForwardTolerance));
+  problem.query_kernel.assign(weights->query_kernel.data(),
+                              weights->query_kernel.data() + weights->query_kernel.size());
+  problem.key_kernel.assign(weights->key_kernel.data(),
+                            weights->key_kernel.data() + weights->key_kernel.size());
+  problem.value_kernel.assign(weights->value_kernel.data(),
+                              weights->value_kernel.data() + weights->value_kernel.size());
+  problem.output_bias.assign(weights->output_bias.data(),
+                             weights->output_bias.data() + weights->output_bias.size());
+  EXPECT_TRUE(
+      all_near(after.data(), reference(problem, Hooks{kSlopes, {}}).output, kForwardTolerance));
 
   // Two layers over one set of weights see the same updates; the backward reads them too.
   BiasLayer second(c.config, weights);
@@ -747,24 +782,28 @@ TEST(SharedWeights, ReshapingThroughTheHandleIsAShapeErrorOnTheNextCall) {
 
   const sdmha::RowMatrix<double> key_kernel = weights->key_kernel;
   weights->key_kernel.conservativeResize(key_kernel.rows(), key_kernel.cols() + 1);
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError, "key_kernel");
-  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, options), sdmha::ShapeError, "key_kernel");
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
+                          "key_kernel");
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, options),
+                          sdmha::ShapeError, "key_kernel");
   weights->key_kernel = key_kernel;
   EXPECT_TRUE(bitwise_equal(expected, layer.forward(query, c.key, c.value, options).output));
 
   // More rows in the query kernel: the query's features no longer match.
   const sdmha::RowMatrix<double> query_kernel = weights->query_kernel;
   weights->query_kernel.conservativeResize(query_kernel.rows() + 1, query_kernel.cols());
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError, "features");
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
+                          "features");
   weights->query_kernel = query_kernel;
 
   // A bias of the wrong length, and an output kernel of the wrong height.
   weights->value_bias.conservativeResize(weights->value_bias.size() - 1);
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError, "value_bias");
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
+                          "value_bias");
   weights->value_bias = c.weights.value_bias;
   weights->output_kernel.resize(weights->output_kernel.rows() + 2, weights->output_kernel.cols());
-  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, options), sdmha::ShapeError,
-                          "output_kernel");
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, options),
+                          sdmha::ShapeError, "output_kernel");
   weights->output_kernel = c.weights.output_kernel;
   EXPECT_TRUE(bitwise_equal(expected, layer.forward(query, c.key, c.value, options).output));
 }
@@ -773,7 +812,8 @@ TEST(SharedWeights, NullSharedPointerIsAConfigError) {
   const auto c = make_case<double>(small_shape(4, 4, false, false), 820);
   const std::shared_ptr<sdmha::MhaWeights<double>> none;
   SDMHA_EXPECT_THROW_WITH(BiasLayer(c.config, none), sdmha::ConfigError, "null");
-  SDMHA_EXPECT_THROW_WITH(sdmha::SparseDenseMHA<double>(c.config, none), sdmha::ConfigError, "null");
+  SDMHA_EXPECT_THROW_WITH(sdmha::SparseDenseMHA<double>(c.config, none), sdmha::ConfigError,
+                          "null");
 }
 
 }  // namespace

@@ -12,7 +12,6 @@ template <typename Scalar>
 class DenseMhaTest : public ::testing::Test {};
 TYPED_TEST_SUITE(DenseMhaTest, ScalarTypes, );
 
-
 template <typename Scalar>
 void check_layer(const Case<Scalar>& c, const char* name) {
   SCOPED_TRACE(name);
@@ -29,7 +28,8 @@ void check_layer(const Case<Scalar>& c, const char* name) {
   ASSERT_EQ(result.attention_scores.dimension(2), c.problem.steps);
   ASSERT_EQ(result.attention_scores.dimension(3), c.problem.key_steps);
   EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<Scalar>()));
-  EXPECT_TRUE(all_near(result.attention_scores.data(), expected.probabilities, relative_tolerance<Scalar>()));
+  EXPECT_TRUE(all_near(result.attention_scores.data(), expected.probabilities,
+                       relative_tolerance<Scalar>()));
   // The score strategy is ignored: a dense query has only the project-first form.
   options.score_strategy = sdmha::ScoreStrategy::sparse_regrouped;
   const auto regrouped = layer.forward(c.dense_query(), c.key, c.value, options);
@@ -38,19 +38,33 @@ void check_layer(const Case<Scalar>& c, const char* name) {
 
 TYPED_TEST(DenseMhaTest, MatchesReferenceOverVariants) {
   std::uint64_t seed = 1100;
-  for (const auto& variant : variants()) check_layer(make_case<TypeParam>(variant.shape, seed++), variant.name);
+  for (const auto& variant : variants())
+    check_layer(make_case<TypeParam>(variant.shape, seed++), variant.name);
 }
 
 TYPED_TEST(DenseMhaTest, MatchesReferenceOnRandomShapes) {
   std::mt19937_64 generator(1110);
-  auto pick = [&](long low, long high) { return std::uniform_int_distribution<long>(low, high)(generator); };
+  auto pick = [&](long low, long high) {
+    return std::uniform_int_distribution<long>(low, high)(generator);
+  };
   for (int round = 0; round < 10; ++round) {
     Shape s;
-    s.batch = pick(1, 3); s.steps = pick(1, 9); s.key_steps = pick(1, 9);
-    s.query_dim = pick(1, 40); s.key_in_dim = pick(1, 10); s.value_in_dim = pick(1, 10);
-    s.heads = pick(1, 3); s.key_dim = pick(1, 6); s.value_dim = pick(0, 5); s.output_dim = pick(0, 7);
-    s.density = 0.15; s.random_mask = round % 2 == 0; s.causal = round % 3 == 0;
-    s.empty_rows = round % 4 == 0; s.key_padding = round % 5 == 0; s.use_bias = round % 6 != 5;
+    s.batch = pick(1, 3);
+    s.steps = pick(1, 9);
+    s.key_steps = pick(1, 9);
+    s.query_dim = pick(1, 40);
+    s.key_in_dim = pick(1, 10);
+    s.value_in_dim = pick(1, 10);
+    s.heads = pick(1, 3);
+    s.key_dim = pick(1, 6);
+    s.value_dim = pick(0, 5);
+    s.output_dim = pick(0, 7);
+    s.density = 0.15;
+    s.random_mask = round % 2 == 0;
+    s.causal = round % 3 == 0;
+    s.empty_rows = round % 4 == 0;
+    s.key_padding = round % 5 == 0;
+    s.use_bias = round % 6 != 5;
     check_layer(make_case<TypeParam>(s, 1120 + round), "random");
   }
 }
@@ -70,23 +84,32 @@ TYPED_TEST(DenseMhaTest, AgreesWithTheSparseLayerOnTheDensifiedQuery) {
     const sdmha::TensorRef3<TypeParam> dense_query(dense_rows.data(), query.batch(), query.steps(),
                                                    query.features());
     const auto dense = dense_layer.forward(dense_query, c.key, c.value, options);
-    for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+    for (auto strategy :
+         {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
       SCOPED_TRACE(sdmha::to_string(strategy));
       options.score_strategy = strategy;
       const auto sparse = sparse_layer.forward(query, c.key, c.value, options);
       ASSERT_EQ(sparse.output.size(), dense.output.size());
-      const std::vector<double> dense_output(dense.output.data(), dense.output.data() + dense.output.size());
-      const std::vector<double> dense_scores(dense.attention_scores.data(),
-                                             dense.attention_scores.data() + dense.attention_scores.size());
+      const std::vector<double> dense_output(dense.output.data(),
+                                             dense.output.data() + dense.output.size());
+      const std::vector<double> dense_scores(
+          dense.attention_scores.data(),
+          dense.attention_scores.data() + dense.attention_scores.size());
       EXPECT_TRUE(all_near(sparse.output.data(), dense_output, relative_tolerance<TypeParam>()));
-      EXPECT_TRUE(all_near(sparse.attention_scores.data(), dense_scores, relative_tolerance<TypeParam>()));
+      EXPECT_TRUE(
+          all_near(sparse.attention_scores.data(), dense_scores, relative_tolerance<TypeParam>()));
     }
   }
 }
 
 TYPED_TEST(DenseMhaTest, OutputIsBitwiseTheSameForAnyThreadCount) {
   Shape s;
-  s.batch = 3; s.steps = 70; s.key_steps = 20; s.query_dim = 50; s.heads = 3; s.random_mask = true;
+  s.batch = 3;
+  s.steps = 70;
+  s.key_steps = 20;
+  s.query_dim = 50;
+  s.heads = 3;
+  s.random_mask = true;
   const auto c = make_case<TypeParam>(s, 1140);
   const sdmha::DenseMHA<TypeParam> layer(c.config, c.weights);
   const auto dense_query = c.dense_query();
@@ -108,11 +131,13 @@ TYPED_TEST(DenseMhaTest, FullyBlockedRowGivesTheOutputBias) {
   const auto c = make_case<TypeParam>(s, 1150);
   auto options = c.options;
   options.attention_mask.setConstant(true);
-  for (long key_step = 0; key_step < s.key_steps; ++key_step) options.attention_mask(1, 2, key_step) = false;
+  for (long key_step = 0; key_step < s.key_steps; ++key_step)
+    options.attention_mask(1, 2, key_step) = false;
   options.return_attention_scores = true;
   const sdmha::DenseMHA<TypeParam> layer(c.config, c.weights);
   const auto result = layer.forward(c.dense_query(), c.key, c.value, options);
-  for (long o = 0; o < result.output.dimension(2); ++o) EXPECT_EQ(result.output(1, 2, o), c.weights.output_bias[o]);
+  for (long o = 0; o < result.output.dimension(2); ++o)
+    EXPECT_EQ(result.output(1, 2, o), c.weights.output_bias[o]);
   for (long h = 0; h < s.heads; ++h)
     for (long key_step = 0; key_step < s.key_steps; ++key_step)
       EXPECT_EQ(result.attention_scores(1, h, 2, key_step), TypeParam(0));
@@ -127,9 +152,11 @@ TYPED_TEST(DenseMhaTest, NonFiniteKeyAndValueInBlockedPositionsDoNotReachTheOutp
     c.problem.attention_mask[(0 * s.steps + t) * s.key_steps + 3] = 0;
   }
   const auto expected = sdmha_reference::forward(c.problem);
-  for (long e = 0; e < s.key_in_dim; ++e) c.key(0, 3, e) = std::numeric_limits<TypeParam>::quiet_NaN();
+  for (long e = 0; e < s.key_in_dim; ++e)
+    c.key(0, 3, e) = std::numeric_limits<TypeParam>::quiet_NaN();
   for (long e = 0; e < s.value_in_dim; ++e)
-    c.value(0, 3, e) = e % 2 ? std::numeric_limits<TypeParam>::infinity() : std::numeric_limits<TypeParam>::quiet_NaN();
+    c.value(0, 3, e) = e % 2 ? std::numeric_limits<TypeParam>::infinity()
+                             : std::numeric_limits<TypeParam>::quiet_NaN();
   const sdmha::DenseMHA<TypeParam> layer(c.config, c.weights);
   const auto result = layer.forward(c.dense_query(), c.key, c.value, c.options);
   EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<TypeParam>()));
@@ -138,7 +165,9 @@ TYPED_TEST(DenseMhaTest, NonFiniteKeyAndValueInBlockedPositionsDoNotReachTheOutp
 TYPED_TEST(DenseMhaTest, ZeroSizeBatchStepsAndKeysGiveEmptyOrBiasOutputs) {
   for (auto dims : std::vector<std::array<long, 3>>{{0, 5, 7}, {2, 0, 7}, {2, 5, 0}}) {
     Shape s;
-    s.batch = dims[0]; s.steps = dims[1]; s.key_steps = dims[2];
+    s.batch = dims[0];
+    s.steps = dims[1];
+    s.key_steps = dims[2];
     const auto c = make_case<TypeParam>(s, 1170);
     const auto expected = sdmha_reference::forward(c.problem);
     const sdmha::DenseMHA<TypeParam> layer(c.config, c.weights);
@@ -162,13 +191,16 @@ TYPED_TEST(DenseMhaTest, KeyDefaultsToValueAndTensorMapsAreAccepted) {
   const auto self = layer.forward(dense_query, c.value);
   EXPECT_TRUE(all_near(self.output.data(), expected.output, relative_tolerance<TypeParam>()));
   std::vector<TypeParam> query_memory(dense_query.data(), dense_query.data() + dense_query.size());
-  Eigen::TensorMap<const Tensor3<TypeParam>> query_map(query_memory.data(), s.batch, s.steps, s.query_dim);
+  Eigen::TensorMap<const Tensor3<TypeParam>> query_map(query_memory.data(), s.batch, s.steps,
+                                                       s.query_dim);
   std::vector<TypeParam> value_memory(c.value.data(), c.value.data() + c.value.size());
-  Eigen::TensorMap<Tensor3<TypeParam>> value_map(value_memory.data(), s.batch, s.key_steps, s.value_in_dim);
+  Eigen::TensorMap<Tensor3<TypeParam>> value_map(value_memory.data(), s.batch, s.key_steps,
+                                                 s.value_in_dim);
   const auto mapped = layer.forward(query_map, value_map, value_map);
   EXPECT_TRUE(all_near(mapped.output.data(), expected.output, relative_tolerance<TypeParam>()));
   const sdmha::TensorRef3<TypeParam> raw(query_memory.data(), s.batch, s.steps, s.query_dim);
-  EXPECT_TRUE(all_near(layer.forward(raw, c.value).output.data(), expected.output, relative_tolerance<TypeParam>()));
+  EXPECT_TRUE(all_near(layer.forward(raw, c.value).output.data(), expected.output,
+                       relative_tolerance<TypeParam>()));
 }
 
 // ---- bad input ----
@@ -179,8 +211,9 @@ TYPED_TEST(DenseMhaTest, RejectsADenseQueryOfTheWrongShape) {
   Tensor3<TypeParam> wide_query(2, 5, 17), other_batch(3, 5, 16);
   wide_query.setZero();
   other_batch.setZero();
-  SDMHA_EXPECT_THROW_WITH(layer.forward(wide_query, c.key, c.value), sdmha::ShapeError,
-                          "DenseMHA::forward: query has width 17; expected the query kernel's input width 16");
+  SDMHA_EXPECT_THROW_WITH(
+      layer.forward(wide_query, c.key, c.value), sdmha::ShapeError,
+      "DenseMHA::forward: query has width 17; expected the query kernel's input width 16");
   SDMHA_EXPECT_THROW_WITH(layer.forward(other_batch, c.key, c.value), sdmha::ShapeError,
                           "key has batch 2; expected the query's batch 3");
   const sdmha::TensorRef3<TypeParam> no_data(nullptr, 2, 5, 16);
@@ -208,7 +241,8 @@ TYPED_TEST(DenseMhaTest, RejectsKeysValuesAndMasksOfTheWrongShape) {
                           "attention_mask is (2, 4, 7); expected (B, T, S) = (2, 5, 7)");
   options = c.options;
   options.num_threads = -2;
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ConfigError, "num_threads = -2");
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ConfigError,
+                          "num_threads = -2");
   auto config = c.config;
   config.num_heads = 0;
   SDMHA_EXPECT_THROW_WITH((sdmha::DenseMHA<TypeParam>(config, c.weights)), sdmha::ConfigError,

@@ -43,9 +43,15 @@ std::vector<double> twin_of(const Eigen::MatrixBase<Derived>& matrix) {
 
 TYPED_TEST(DenseProjectionTest, KeyAndValueProjectionsMatchTheReference) {
   std::vector<Shape> shapes(4);
-  shapes[1].batch = 1; shapes[1].key_steps = 1; shapes[1].heads = 1;
-  shapes[2].key_steps = 13; shapes[2].key_in_dim = 9; shapes[2].value_in_dim = 5; shapes[2].heads = 3;
-  shapes[2].key_dim = 5; shapes[2].value_dim = 7;
+  shapes[1].batch = 1;
+  shapes[1].key_steps = 1;
+  shapes[1].heads = 1;
+  shapes[2].key_steps = 13;
+  shapes[2].key_in_dim = 9;
+  shapes[2].value_in_dim = 5;
+  shapes[2].heads = 3;
+  shapes[2].key_dim = 5;
+  shapes[2].value_dim = 7;
   shapes[3].use_bias = false;
   std::uint64_t seed = 500;
   for (const auto& shape : shapes) {
@@ -56,14 +62,16 @@ TYPED_TEST(DenseProjectionTest, KeyAndValueProjectionsMatchTheReference) {
     const sdmha::Vector<TypeParam> no_bias;
     const auto keys = project<TypeParam>(key.as_matrix(), c.weights.key_kernel, c.weights.key_bias);
     EXPECT_TRUE(all_near(keys.data(),
-                         sdmha_reference::project(p.key, p.batch * p.key_steps, p.key_in_dim, p.key_kernel,
-                                                  p.key_bias, p.heads * p.key_dim),
+                         sdmha_reference::project(p.key, p.batch * p.key_steps, p.key_in_dim,
+                                                  p.key_kernel, p.key_bias, p.heads * p.key_dim),
                          relative_tolerance<TypeParam>()));
-    const auto values = project<TypeParam>(value.as_matrix(), c.weights.value_kernel, c.weights.value_bias);
-    EXPECT_TRUE(all_near(values.data(),
-                         sdmha_reference::project(p.value, p.batch * p.key_steps, p.value_in_dim,
-                                                  p.value_kernel, p.value_bias, p.heads * p.value_dim),
-                         relative_tolerance<TypeParam>()));
+    const auto values =
+        project<TypeParam>(value.as_matrix(), c.weights.value_kernel, c.weights.value_bias);
+    EXPECT_TRUE(
+        all_near(values.data(),
+                 sdmha_reference::project(p.value, p.batch * p.key_steps, p.value_in_dim,
+                                          p.value_kernel, p.value_bias, p.heads * p.value_dim),
+                 relative_tolerance<TypeParam>()));
     const auto unbiased = project<TypeParam>(value.as_matrix(), c.weights.value_kernel, no_bias);
     EXPECT_TRUE(all_near(unbiased.data(),
                          sdmha_reference::project(p.value, p.batch * p.key_steps, p.value_in_dim,
@@ -74,12 +82,18 @@ TYPED_TEST(DenseProjectionTest, KeyAndValueProjectionsMatchTheReference) {
 
 TYPED_TEST(DenseProjectionTest, DenseQueryProjectionMatchesTheReference) {
   Shape s;
-  s.steps = 9; s.query_dim = 21; s.heads = 3; s.key_dim = 5; s.density = 0.4; s.empty_rows = true;
+  s.steps = 9;
+  s.query_dim = 21;
+  s.heads = 3;
+  s.key_dim = 5;
+  s.density = 0.4;
+  s.empty_rows = true;
   const auto c = make_case<TypeParam>(s, 510);
   const auto dense_query = c.dense_query();
   const auto output = project<TypeParam>(sdmha::TensorRef3<TypeParam>(dense_query).as_matrix(),
                                          c.weights.query_kernel, c.weights.query_bias);
-  EXPECT_TRUE(all_near(output.data(), sdmha_reference::forward(c.problem).query, relative_tolerance<TypeParam>()));
+  EXPECT_TRUE(all_near(output.data(), sdmha_reference::forward(c.problem).query,
+                       relative_tolerance<TypeParam>()));
 }
 
 TYPED_TEST(DenseProjectionTest, WorksOnBlocksOfLargerMatrices) {
@@ -91,11 +105,13 @@ TYPED_TEST(DenseProjectionTest, WorksOnBlocksOfLargerMatrices) {
   const auto input = big_input.block(2, 1, rows, in);
   const auto kernel = big_kernel.middleCols(5, out);
   const auto bias = big_bias.segment(3, out);
-  const auto expected = sdmha_reference::project(twin_of(input), rows, in, twin_of(kernel),
-                                                 twin_of(bias), out);
+  const auto expected =
+      sdmha_reference::project(twin_of(input), rows, in, twin_of(kernel), twin_of(bias), out);
   constexpr TypeParam sentinel = TypeParam(-555);
-  sdmha::RowMatrix<TypeParam> big_output = sdmha::RowMatrix<TypeParam>::Constant(rows + 2, out + 4, sentinel);
-  typename Projection<TypeParam>::Arguments args{input, kernel, bias, big_output.block(1, 3, rows, out)};
+  sdmha::RowMatrix<TypeParam> big_output =
+      sdmha::RowMatrix<TypeParam>::Constant(rows + 2, out + 4, sentinel);
+  typename Projection<TypeParam>::Arguments args{input, kernel, bias,
+                                                 big_output.block(1, 3, rows, out)};
   ASSERT_EQ(args.input.outerStride(), in + 3);
   ASSERT_EQ(args.kernel.outerStride(), out + 9);
   ASSERT_EQ(args.output.outerStride(), out + 4);
@@ -124,19 +140,23 @@ TYPED_TEST(DenseProjectionTest, CanImplementRejectsEachMismatch) {
   const sdmha::RowMatrix<Scalar> input = sdmha::RowMatrix<Scalar>::Zero(5, 4);
   const sdmha::RowMatrix<Scalar> kernel = sdmha::RowMatrix<Scalar>::Zero(4, 6);
   const sdmha::RowMatrix<Scalar> tall_kernel = sdmha::RowMatrix<Scalar>::Zero(5, 6);
-  const sdmha::Vector<Scalar> bias = sdmha::Vector<Scalar>::Zero(6), short_bias = sdmha::Vector<Scalar>::Zero(5),
-                              no_bias;
+  const sdmha::Vector<Scalar> bias = sdmha::Vector<Scalar>::Zero(6),
+                              short_bias = sdmha::Vector<Scalar>::Zero(5), no_bias;
   sdmha::RowMatrix<Scalar> output(5, 6), short_output(4, 6), wide_output(5, 7);
   EXPECT_NO_THROW(Projection<Scalar>::can_implement(Arguments{input, kernel, bias, output}));
   EXPECT_NO_THROW(Projection<Scalar>::can_implement(Arguments{input, kernel, no_bias, output}));
-  SDMHA_EXPECT_THROW_WITH(Projection<Scalar>::can_implement(Arguments{input, tall_kernel, bias, output}),
-                          sdmha::ShapeError, "DenseProjection: kernel has 5 rows; expected the input width 4");
-  SDMHA_EXPECT_THROW_WITH(Projection<Scalar>::can_implement(Arguments{input, kernel, short_bias, output}),
-                          sdmha::ShapeError, "bias has 5 entries; expected 0 or 6");
-  SDMHA_EXPECT_THROW_WITH(Projection<Scalar>::can_implement(Arguments{input, kernel, bias, short_output}),
-                          sdmha::ShapeError, "output is 4 x 6; expected 5 x 6");
-  SDMHA_EXPECT_THROW_WITH(Projection<Scalar>::can_implement(Arguments{input, kernel, bias, wide_output}),
-                          sdmha::ShapeError, "output is 5 x 7; expected 5 x 6");
+  SDMHA_EXPECT_THROW_WITH(
+      Projection<Scalar>::can_implement(Arguments{input, tall_kernel, bias, output}),
+      sdmha::ShapeError, "DenseProjection: kernel has 5 rows; expected the input width 4");
+  SDMHA_EXPECT_THROW_WITH(
+      Projection<Scalar>::can_implement(Arguments{input, kernel, short_bias, output}),
+      sdmha::ShapeError, "bias has 5 entries; expected 0 or 6");
+  SDMHA_EXPECT_THROW_WITH(
+      Projection<Scalar>::can_implement(Arguments{input, kernel, bias, short_output}),
+      sdmha::ShapeError, "output is 4 x 6; expected 5 x 6");
+  SDMHA_EXPECT_THROW_WITH(
+      Projection<Scalar>::can_implement(Arguments{input, kernel, bias, wide_output}),
+      sdmha::ShapeError, "output is 5 x 7; expected 5 x 6");
 }
 
 }  // namespace

@@ -14,7 +14,7 @@ namespace sdmha_test {
 namespace {
 
 const char* const kGoldenCases[] = {
-    "keras_basic_f64",      "keras_value_dim_f64", "keras_mask_f64",   "keras_causal_f64",
+    "keras_basic_f64",      "keras_value_dim_f64",    "keras_mask_f64",   "keras_causal_f64",
     "keras_empty_rows_f64", "keras_fully_masked_f64", "torch_packed_f64", "keras_medium_f32"};
 
 std::string golden_path(const std::string& name) {
@@ -41,7 +41,8 @@ void run_golden(const std::string& name, double tolerance) {
   options.attention_mask = inputs.attention_mask;
   options.use_causal_mask = layer_file.use_causal_mask;
   options.return_attention_scores = true;
-  for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+  for (auto strategy :
+       {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
     SCOPED_TRACE(sdmha::to_string(strategy));
     options.score_strategy = strategy;
     const auto result = layer.forward(inputs.query, inputs.key, inputs.value, options);
@@ -53,8 +54,8 @@ void run_golden(const std::string& name, double tolerance) {
   // The dense baseline meets the same tolerance on the densified query.
   const sdmha::DenseMHA<Scalar> baseline(layer_file.config, layer_file.weights);
   const auto dense = inputs.query.to_dense();
-  Eigen::TensorMap<const Tensor3<Scalar>> dense_query(dense.data(), inputs.query.batch(),
-                                                      inputs.query.steps(), inputs.query.features());
+  Eigen::TensorMap<const Tensor3<Scalar>> dense_query(
+      dense.data(), inputs.query.batch(), inputs.query.steps(), inputs.query.features());
   const auto result = baseline.forward(dense_query, inputs.key, inputs.value, options);
   EXPECT_TRUE(all_near(result.output.data(), expected_output, tolerance));
 }
@@ -81,9 +82,9 @@ TEST(Goldens, FloatAgreesWithDoubleOnEveryCase) {
 // d_output and the gradients of Σ d_output ⊙ output, in float64 from the case's numbers; its
 // forward was checked against the case's expected output first. The torch-layout case is not
 // among them (the weight mapping is the forward goldens' to check).
-const char* const kGradientCases[] = {"keras_basic_f64",  "keras_value_dim_f64", "keras_mask_f64",
-                                      "keras_causal_f64", "keras_empty_rows_f64",
-                                      "keras_fully_masked_f64", "keras_medium_f32"};
+const char* const kGradientCases[] = {
+    "keras_basic_f64",      "keras_value_dim_f64",    "keras_mask_f64",  "keras_causal_f64",
+    "keras_empty_rows_f64", "keras_fully_masked_f64", "keras_medium_f32"};
 
 template <typename Scalar>
 void run_gradient_golden(const std::string& name, double tolerance) {
@@ -91,19 +92,19 @@ void run_gradient_golden(const std::string& name, double tolerance) {
   const auto source = sdmha::io::TensorSource::open(golden_path(name));
   const auto layer_file = sdmha::io::load_layer<Scalar>(source);
   const auto inputs = sdmha::io::load_inputs<Scalar>(source);
-  const auto gradients = sdmha::io::TensorSource::open(std::string(SDMHA_TEST_DATA_DIR) +
-                                                       "/gradient_goldens/" + name + ".safetensors");
+  const auto gradients = sdmha::io::TensorSource::open(
+      std::string(SDMHA_TEST_DATA_DIR) + "/gradient_goldens/" + name + ".safetensors");
   const sdmha::SparseDenseMHA<Scalar> layer(layer_file.config, layer_file.weights);
   const std::vector<Scalar> d_output_values = gradients.read<Scalar>("d_output");
   const Index O = layer.dims().output_dim;
-  ASSERT_EQ(d_output_values.size(),
-            std::size_t(inputs.query.batch() * inputs.query.steps() * O));
+  ASSERT_EQ(d_output_values.size(), std::size_t(inputs.query.batch() * inputs.query.steps() * O));
   Eigen::TensorMap<const Tensor3<Scalar>> d_output(d_output_values.data(), inputs.query.batch(),
                                                    inputs.query.steps(), O);
   sdmha::AttentionOptions<Scalar> options;
   options.attention_mask = inputs.attention_mask;
   options.use_causal_mask = layer_file.use_causal_mask;
-  for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+  for (auto strategy :
+       {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
     SCOPED_TRACE(sdmha::to_string(strategy));
     options.score_strategy = strategy;
     const auto g = layer.backward(inputs.query, inputs.key, inputs.value, d_output, options);
@@ -149,10 +150,12 @@ TEST(GradientGoldens, EveryKerasCaseAgreesWithPyTorchAutograd) {
 }
 
 TEST(Goldens, LayoutAndCausalFlagComeFromTheMetadata) {
-  const auto torch = sdmha::io::load_layer<double>(sdmha::io::TensorSource::open(golden_path("torch_packed_f64")));
+  const auto torch =
+      sdmha::io::load_layer<double>(sdmha::io::TensorSource::open(golden_path("torch_packed_f64")));
   EXPECT_EQ(torch.layout, sdmha::io::WeightLayout::torch);
   EXPECT_EQ(torch.config.num_heads, 4);
-  const auto causal = sdmha::io::load_layer<double>(sdmha::io::TensorSource::open(golden_path("keras_causal_f64")));
+  const auto causal =
+      sdmha::io::load_layer<double>(sdmha::io::TensorSource::open(golden_path("keras_causal_f64")));
   EXPECT_TRUE(causal.use_causal_mask);
   EXPECT_EQ(causal.layout, sdmha::io::WeightLayout::keras);
 }

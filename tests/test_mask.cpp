@@ -19,10 +19,10 @@ struct MaskVariant {
 };
 
 const MaskVariant kMaskVariants[] = {
-    {"causal_t_gt_s", 7, 4, true, false, false},  {"causal_t_lt_s", 3, 8, true, false, false},
-    {"causal_square", 5, 5, true, false, false},  {"key_padding", 5, 7, false, false, true},
-    {"attention", 5, 7, false, true, false},      {"attention_padding", 6, 3, false, true, true},
-    {"all_combined", 6, 9, true, true, true},     {"all_combined_t_gt_s", 9, 4, true, true, true},
+    {"causal_t_gt_s", 7, 4, true, false, false}, {"causal_t_lt_s", 3, 8, true, false, false},
+    {"causal_square", 5, 5, true, false, false}, {"key_padding", 5, 7, false, false, true},
+    {"attention", 5, 7, false, true, false},     {"attention_padding", 6, 3, false, true, true},
+    {"all_combined", 6, 9, true, true, true},    {"all_combined_t_gt_s", 9, 4, true, true, true},
 };
 
 template <typename Scalar>
@@ -60,7 +60,9 @@ sdmha::RowMatrix<Scalar> random_scores(Index rows, Index cols, std::uint64_t see
   return scores;
 }
 
-bool same_bits(const void* a, const void* b, std::size_t bytes) { return std::memcmp(a, b, bytes) == 0; }
+bool same_bits(const void* a, const void* b, std::size_t bytes) {
+  return std::memcmp(a, b, bytes) == 0;
+}
 
 TEST(BatchMaskTest, IsEmptyOnlyWithoutAnyMask) {
   const bool attention[1] = {true};
@@ -161,7 +163,8 @@ TYPED_TEST(MaskTest, TilesOfAMaskFollowTheReferenceAtTheirOffsets) {
           mask.first_key_step = first_key_step;
           mask.causal = c.shape.causal;
           if (c.options.attention_mask.size() != 0) {
-            mask.attention = c.options.attention_mask.data() + (b * T + first_step) * S + first_key_step;
+            mask.attention =
+                c.options.attention_mask.data() + (b * T + first_step) * S + first_key_step;
             mask.attention_stride = S;
           }
           if (c.options.key_padding_mask.size() != 0)
@@ -171,9 +174,10 @@ TYPED_TEST(MaskTest, TilesOfAMaskFollowTheReferenceAtTheirOffsets) {
           sdmha::apply_mask<TypeParam>(mask, scores);
           for (long t = 0; t < rows; ++t)
             for (long s = 0; s < cols; ++s) {
-              const bool expected = sdmha_reference::allowed(c.problem, b, first_step + t, first_key_step + s);
-              SCOPED_TRACE(::testing::Message() << "b " << b << ", step " << first_step + t << ", key step "
-                                                << first_key_step + s);
+              const bool expected =
+                  sdmha_reference::allowed(c.problem, b, first_step + t, first_key_step + s);
+              SCOPED_TRACE(::testing::Message() << "b " << b << ", step " << first_step + t
+                                                << ", key step " << first_key_step + s);
               ASSERT_EQ(mask.allowed(t, s), expected);
               ASSERT_EQ(scores(t, s), expected ? original(t, s) : minus_infinity);
             }
@@ -189,7 +193,8 @@ TYPED_TEST(MaskTest, AnEmptyMaskLeavesScoresUntouched) {
   const sdmha::RowMatrix<TypeParam> original = scores;
   // An empty mask is not checked against the shape: it has nothing to apply.
   sdmha::apply_mask<TypeParam>(sdmha::BatchMask{}, scores);
-  EXPECT_TRUE(same_bits(scores.data(), original.data(), sizeof(TypeParam) * std::size_t(scores.size())));
+  EXPECT_TRUE(
+      same_bits(scores.data(), original.data(), sizeof(TypeParam) * std::size_t(scores.size())));
 }
 
 TYPED_TEST(MaskTest, NonFiniteScoresAtBlockedPositionsBecomeMinusInfinity) {

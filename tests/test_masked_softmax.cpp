@@ -54,7 +54,8 @@ sdmha::RowMatrix<Scalar> random_scores(Index rows, Index cols, double spread, st
   for (Index t = 0; t < rows; ++t) {
     const bool row_blocked = whole_row(generator);
     for (Index s = 0; s < cols; ++s)
-      scores(t, s) = row_blocked || blocked(generator) ? kMinusInfinity<Scalar> : Scalar(logit(generator));
+      scores(t, s) =
+          row_blocked || blocked(generator) ? kMinusInfinity<Scalar> : Scalar(logit(generator));
   }
   return scores;
 }
@@ -62,7 +63,8 @@ sdmha::RowMatrix<Scalar> random_scores(Index rows, Index cols, double spread, st
 // Every row sums to 1, or is exactly 0 everywhere when every entry was −∞; blocked entries are
 // exactly 0 (not a denormal); everything is finite.
 template <typename Scalar>
-void expect_probabilities(const sdmha::RowMatrix<Scalar>& input, const sdmha::RowMatrix<Scalar>& output) {
+void expect_probabilities(const sdmha::RowMatrix<Scalar>& input,
+                          const sdmha::RowMatrix<Scalar>& output) {
   for (Index t = 0; t < input.rows(); ++t) {
     bool any_allowed = false;
     double total = 0.0;
@@ -84,7 +86,8 @@ void expect_probabilities(const sdmha::RowMatrix<Scalar>& input, const sdmha::Ro
 
 TYPED_TEST(MaskedSoftmaxTest, MatchesANaiveSoftmax) {
   std::uint64_t seed = 800;
-  for (auto dims : std::vector<std::array<Index, 2>>{{1, 1}, {3, 1}, {5, 7}, {8, 16}, {9, 37}, {4, 130}}) {
+  for (auto dims :
+       std::vector<std::array<Index, 2>>{{1, 1}, {3, 1}, {5, 7}, {8, 16}, {9, 37}, {4, 130}}) {
     SCOPED_TRACE(::testing::Message() << dims[0] << " x " << dims[1]);
     const auto input = random_scores<TypeParam>(dims[0], dims[1], 6.0, seed++);
     sdmha::RowMatrix<TypeParam> scores = input;
@@ -95,7 +98,8 @@ TYPED_TEST(MaskedSoftmaxTest, MatchesANaiveSoftmax) {
 }
 
 TYPED_TEST(MaskedSoftmaxTest, RowsBlockedEverywhereGiveZeros) {
-  sdmha::RowMatrix<TypeParam> scores = sdmha::RowMatrix<TypeParam>::Constant(3, 9, kMinusInfinity<TypeParam>);
+  sdmha::RowMatrix<TypeParam> scores =
+      sdmha::RowMatrix<TypeParam>::Constant(3, 9, kMinusInfinity<TypeParam>);
   scores(1, 4) = TypeParam(2);
   run_softmax<TypeParam>(scores);
   for (Index s = 0; s < 9; ++s) {
@@ -107,7 +111,8 @@ TYPED_TEST(MaskedSoftmaxTest, RowsBlockedEverywhereGiveZeros) {
 
 TYPED_TEST(MaskedSoftmaxTest, BlockedEntriesAreExactlyZeroNextToHugeLogits) {
   // A long row (vectorised body and tail) with few allowed entries, far from the blocked ones.
-  sdmha::RowMatrix<TypeParam> scores = sdmha::RowMatrix<TypeParam>::Constant(2, 37, kMinusInfinity<TypeParam>);
+  sdmha::RowMatrix<TypeParam> scores =
+      sdmha::RowMatrix<TypeParam>::Constant(2, 37, kMinusInfinity<TypeParam>);
   scores(0, 3) = TypeParam(1e4);
   scores(0, 20) = TypeParam(1e4);
   scores(0, 36) = TypeParam(-1e4);

@@ -1,4 +1,4 @@
-// Numerical robustness of the whole layer (issue 7): logits up to ±1e4 through the stable
+// Numerical robustness of the whole layer: logits up to ±1e4 through the stable
 // softmax, NaN and Inf in key and value rows at blocked positions (attention mask, causal mask,
 // key padding; both score strategies), and float against double on every golden case's shape.
 #include "test_support.hpp"
@@ -56,7 +56,11 @@ void scale_logits(Case<Scalar>& c, double factor) {
 TYPED_TEST(Numerics, LogitsOfTenThousandGiveFiniteProbabilitiesThatSumToOne) {
   using Scalar = TypeParam;
   Shape s;
-  s.batch = 2; s.steps = 9; s.key_steps = 11; s.random_mask = true; s.fully_blocked_rows = true;
+  s.batch = 2;
+  s.steps = 9;
+  s.key_steps = 11;
+  s.random_mask = true;
+  s.fully_blocked_rows = true;
   auto c = make_case<Scalar>(s, 31);
   // Bring the largest logit to 1e4 (the scores are bilinear in the two projections).
   const double largest = max_abs_finite(sdmha_reference::forward(c.problem).scores);
@@ -76,7 +80,8 @@ TYPED_TEST(Numerics, LogitsOfTenThousandGiveFiniteProbabilitiesThatSumToOne) {
     options.score_strategy = strategy;
     options.return_attention_scores = true;
     const auto result = layer.forward(c.query(), c.key, c.value, options);
-    for (Index i = 0; i < result.output.size(); ++i) ASSERT_TRUE(std::isfinite(result.output.data()[i]));
+    for (Index i = 0; i < result.output.size(); ++i)
+      ASSERT_TRUE(std::isfinite(result.output.data()[i]));
     const auto& p = result.attention_scores;
     const Index S = p.dimension(3);
     for (Index row = 0; row < p.size() / S; ++row) {
@@ -105,9 +110,8 @@ TYPED_TEST(Numerics, EqualHugeLogitsShareTheProbabilityAndNegativeOnesVanish) {
   // The softmax alone, on rows that would overflow exp without the max subtraction.
   sdmha::RowMatrix<Scalar> scores(3, 4);
   const Scalar blocked = -std::numeric_limits<Scalar>::infinity();
-  scores << Scalar(1e4), Scalar(1e4), Scalar(-1e4), blocked,
-            Scalar(-1e4), Scalar(-1e4), Scalar(-1e4), Scalar(-1e4),
-            Scalar(1e4), Scalar(0), Scalar(-1e4), Scalar(1e4) - Scalar(1);
+  scores << Scalar(1e4), Scalar(1e4), Scalar(-1e4), blocked, Scalar(-1e4), Scalar(-1e4),
+      Scalar(-1e4), Scalar(-1e4), Scalar(1e4), Scalar(0), Scalar(-1e4), Scalar(1e4) - Scalar(1);
   sdmha::MaskedSoftmax<Scalar> softmax;
   softmax(typename sdmha::MaskedSoftmax<Scalar>::Arguments{{}, scores});
   // exp(−2e4) is 0, or a denormal from a vectorised exp that clamps its argument: either way
@@ -134,9 +138,12 @@ enum class Blocking { attention_mask, causal, key_padding };
 
 const char* name_of(Blocking blocking) {
   switch (blocking) {
-    case Blocking::attention_mask: return "attention_mask";
-    case Blocking::causal: return "causal";
-    default: return "key_padding";
+    case Blocking::attention_mask:
+      return "attention_mask";
+    case Blocking::causal:
+      return "causal";
+    default:
+      return "key_padding";
   }
 }
 
@@ -146,7 +153,10 @@ template <typename Scalar>
 Case<Scalar> blocked_problem(Blocking blocking, long steps, long key_steps,
                              std::vector<std::pair<long, long>>& blocked) {
   Shape s;
-  s.batch = 2; s.steps = steps; s.key_steps = key_steps; s.heads = 2;
+  s.batch = 2;
+  s.steps = steps;
+  s.key_steps = key_steps;
+  s.heads = 2;
   s.random_mask = blocking == Blocking::attention_mask;
   s.causal = blocking == Blocking::causal;
   s.key_padding = blocking == Blocking::key_padding;
@@ -179,8 +189,9 @@ Case<Scalar> blocked_problem(Blocking blocking, long steps, long key_steps,
 
 TYPED_TEST(Numerics, NonFiniteKeysAndValuesAtBlockedPositionsNeverReachTheOutput) {
   using Scalar = TypeParam;
-  const Scalar poisons[] = {std::numeric_limits<Scalar>::quiet_NaN(), std::numeric_limits<Scalar>::infinity(),
-                            -std::numeric_limits<Scalar>::infinity(), std::numeric_limits<Scalar>::max()};
+  const Scalar poisons[] = {
+      std::numeric_limits<Scalar>::quiet_NaN(), std::numeric_limits<Scalar>::infinity(),
+      -std::numeric_limits<Scalar>::infinity(), std::numeric_limits<Scalar>::max()};
   // (T, S): a small case, and one whose T crosses the 64-step query tile (causal skips tiles).
   const std::pair<long, long> sizes[] = {{5, 9}, {70, 75}};
   for (Blocking blocking : {Blocking::attention_mask, Blocking::causal, Blocking::key_padding}) {
@@ -204,19 +215,23 @@ TYPED_TEST(Numerics, NonFiniteKeysAndValuesAtBlockedPositionsNeverReachTheOutput
         options.score_strategy = strategy;
         options.return_attention_scores = true;
         const auto result = layer.forward(c.query(), c.key, c.value, options);
-        for (Index i = 0; i < result.output.size(); ++i) ASSERT_TRUE(std::isfinite(result.output.data()[i])) << i;
+        for (Index i = 0; i < result.output.size(); ++i)
+          ASSERT_TRUE(std::isfinite(result.output.data()[i])) << i;
         EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<Scalar>()));
-        EXPECT_TRUE(all_near(result.attention_scores.data(), expected.probabilities, relative_tolerance<Scalar>()));
+        EXPECT_TRUE(all_near(result.attention_scores.data(), expected.probabilities,
+                             relative_tolerance<Scalar>()));
         for (const auto& [b, k] : blocked)
           for (long h = 0; h < c.shape.heads; ++h)
-            for (long t = 0; t < steps; ++t) EXPECT_EQ(result.attention_scores(b, h, t, k), Scalar(0));
+            for (long t = 0; t < steps; ++t)
+              EXPECT_EQ(result.attention_scores(b, h, t, k), Scalar(0));
         // Through a context projected once, too.
         const auto context = layer.project_context(c.key, c.value);
-        EXPECT_TRUE(all_near(layer.forward(c.query(), context, options).output.data(), expected.output,
-                             relative_tolerance<Scalar>()));
+        EXPECT_TRUE(all_near(layer.forward(c.query(), context, options).output.data(),
+                             expected.output, relative_tolerance<Scalar>()));
       }
       const auto dense_result = dense.forward(c.dense_query(), c.key, c.value, c.options);
-      EXPECT_TRUE(all_near(dense_result.output.data(), expected.output, relative_tolerance<Scalar>()));
+      EXPECT_TRUE(
+          all_near(dense_result.output.data(), expected.output, relative_tolerance<Scalar>()));
     }
   }
 }
@@ -247,7 +262,8 @@ Shape golden_shape(const std::string& name) {
   s.use_bias = layer.config.use_bias;
   s.causal = layer.use_causal_mask;
   s.random_mask = inputs.attention_mask.size() != 0;
-  s.density = double(inputs.query.nonzeros()) / double(std::max<Index>(1, inputs.query.rows() * dims.query_dim));
+  s.density = double(inputs.query.nonzeros()) /
+              double(std::max<Index>(1, inputs.query.rows() * dims.query_dim));
   return s;
 }
 
@@ -272,7 +288,8 @@ TYPED_TEST(Numerics, AllFiniteFindsEveryNonFiniteEntryAndNoFiniteOne) {
         ASSERT_FALSE(sdmha::detail::all_finite<Scalar>(copy)) << row << ", " << column;
         // A block that holds the entry sees it; one beside it, with the same stride, does not.
         const Index first = column >= 16 ? 16 : 0;
-        ASSERT_FALSE(sdmha::detail::all_finite<Scalar>(copy.block(0, first, 7, first == 16 ? 21 : 16)))
+        ASSERT_FALSE(
+            sdmha::detail::all_finite<Scalar>(copy.block(0, first, 7, first == 16 ? 21 : 16)))
             << row << ", " << column;
         const Index other = first == 16 ? 0 : 16;
         ASSERT_TRUE(sdmha::detail::all_finite<Scalar>(copy.block(0, other, 7, 16)))
@@ -281,8 +298,8 @@ TYPED_TEST(Numerics, AllFiniteFindsEveryNonFiniteEntryAndNoFiniteOne) {
 }
 
 TEST(NumericsPrecision, FloatAgreesWithDoubleOnEveryGoldenShape) {
-  const char* const cases[] = {"keras_basic_f64",  "keras_value_dim_f64",    "keras_mask_f64",
-                               "keras_causal_f64", "keras_empty_rows_f64",   "keras_fully_masked_f64",
+  const char* const cases[] = {"keras_basic_f64",  "keras_value_dim_f64",  "keras_mask_f64",
+                               "keras_causal_f64", "keras_empty_rows_f64", "keras_fully_masked_f64",
                                "torch_packed_f64", "keras_medium_f32"};
   for (const char* name : cases) {
     SCOPED_TRACE(name);
@@ -306,8 +323,8 @@ TEST(NumericsPrecision, FloatAgreesWithDoubleOnEveryGoldenShape) {
     options.attention_mask = c.options.attention_mask;
     options.use_causal_mask = c.options.use_causal_mask;
     options.return_attention_scores = true;
-    const auto query = sdmha::SparseQuery<double>::from_coo(s.batch, s.steps, s.query_dim, c.indices,
-                                                           c.values.cast<double>());
+    const auto query = sdmha::SparseQuery<double>::from_coo(s.batch, s.steps, s.query_dim,
+                                                            c.indices, c.values.cast<double>());
     const sdmha::SparseDenseMHA<float> float_layer(c.config, c.weights);
     const sdmha::SparseDenseMHA<double> double_layer(c.config, weights);
     for (auto strategy : kStrategies) {
@@ -322,7 +339,8 @@ TEST(NumericsPrecision, FloatAgreesWithDoubleOnEveryGoldenShape) {
                                       wide.attention_scores.data() + wide.attention_scores.size());
       ASSERT_EQ(single.output.size(), wide.output.size());
       EXPECT_TRUE(all_near(single.output.data(), wide_output, relative_tolerance<float>()));
-      EXPECT_TRUE(all_near(single.attention_scores.data(), wide_scores, relative_tolerance<float>()));
+      EXPECT_TRUE(
+          all_near(single.attention_scores.data(), wide_scores, relative_tolerance<float>()));
       // And the double result against the float64 reference on the same numbers.
       const auto expected = sdmha_reference::forward(c.problem);
       EXPECT_TRUE(all_near(wide.output.data(), expected.output, relative_tolerance<double>()));

@@ -38,7 +38,8 @@ TYPED_TEST(OnlineSoftmaxTest, AgreesWithReferenceOverEveryMask) {
     shape.random_mask = variant == 1;
     shape.key_padding = variant == 2;
     shape.fully_blocked_rows = variant == 3;
-    if (variant == 3) shape.steps = sdmha::detail::kKeyTile + 90;  // causal: rows beyond one key tile
+    if (variant == 3)
+      shape.steps = sdmha::detail::kKeyTile + 90;  // causal: rows beyond one key tile
     shape.causal = variant >= 2;
     const auto c = make_case<Scalar>(shape, 40 + variant);
     const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
@@ -47,7 +48,8 @@ TYPED_TEST(OnlineSoftmaxTest, AgreesWithReferenceOverEveryMask) {
     options.num_threads = 2;
     const auto result = layer.forward(c.query(), c.key, c.value, options);
     const auto expected = sdmha_reference::forward(c.problem);
-    EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<Scalar>())) << "variant " << variant;
+    EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<Scalar>()))
+        << "variant " << variant;
   }
 }
 
@@ -114,14 +116,16 @@ struct KeyPositionBias : sdmha::ScoreKernel<Scalar> {
     Base::operator()(args);
     for (Index t = 0; t < args.scores.rows(); ++t)
       for (Index s = 0; s < args.scores.cols(); ++s)
-        args.scores(t, s) += Scalar(0.01) * Scalar((args.key_begin + s) % 97) - Scalar(0.02) * Scalar(args.head);
+        args.scores(t, s) +=
+            Scalar(0.01) * Scalar((args.key_begin + s) % 97) - Scalar(0.02) * Scalar(args.head);
   }
 };
 
 TYPED_TEST(OnlineSoftmaxTest, PositionDependentScoreStageSeesAbsoluteKeys) {
   using Scalar = TypeParam;
   const auto c = make_case<Scalar>(long_shape(), 5);
-  using Layer = sdmha::SparseDenseMHA<Scalar, sdmha::SparseQueryProjection<Scalar>, KeyPositionBias<Scalar>>;
+  using Layer =
+      sdmha::SparseDenseMHA<Scalar, sdmha::SparseQueryProjection<Scalar>, KeyPositionBias<Scalar>>;
   const Layer layer(c.config, c.weights);
   auto options = c.options;
   options.score_strategy = sdmha::ScoreStrategy::project_first;
@@ -135,9 +139,10 @@ TYPED_TEST(OnlineSoftmaxTest, PositionDependentScoreStageSeesAbsoluteKeys) {
   // And against the reference with the bias written into an additive float64 mask of its own.
   double worst = 0, worst_regrouped = 0, scale = 0;
   for (Index i = 0; i < online.output.size(); ++i) {
-    worst = std::max(worst, std::abs(double(online.output.data()[i]) - double(stored.output.data()[i])));
-    worst_regrouped =
-        std::max(worst_regrouped, std::abs(double(online.output.data()[i]) - double(regrouped.output.data()[i])));
+    worst = std::max(worst,
+                     std::abs(double(online.output.data()[i]) - double(stored.output.data()[i])));
+    worst_regrouped = std::max(worst_regrouped, std::abs(double(online.output.data()[i]) -
+                                                         double(regrouped.output.data()[i])));
     scale = std::max(scale, std::abs(double(stored.output.data()[i])));
   }
   EXPECT_LE(worst, 1e3 * std::numeric_limits<Scalar>::epsilon() * (1 + scale));
@@ -148,7 +153,8 @@ TYPED_TEST(OnlineSoftmaxTest, PositionDependentScoreStageSeesAbsoluteKeys) {
   const auto unbiased = plain.forward(c.query(), c.key, c.value, options);
   double difference = 0;
   for (Index i = 0; i < online.output.size(); ++i)
-    difference = std::max(difference, std::abs(double(online.output.data()[i]) - double(unbiased.output.data()[i])));
+    difference = std::max(
+        difference, std::abs(double(online.output.data()[i]) - double(unbiased.output.data()[i])));
   EXPECT_GT(difference, 1e-3);
 }
 

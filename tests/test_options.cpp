@@ -20,8 +20,8 @@ Tensor3<Scalar> counting_tensor(Index batch, Index steps, Index width) {
 // Checks the view's shape, that it points at `data`, and that as_matrix(b·S + s, e) is
 // element (b, s, e) of the row-major buffer.
 template <typename Scalar>
-void expect_view_of(const sdmha::TensorRef3<Scalar>& view, const Scalar* data, Index batch, Index steps,
-                    Index width) {
+void expect_view_of(const sdmha::TensorRef3<Scalar>& view, const Scalar* data, Index batch,
+                    Index steps, Index width) {
   EXPECT_EQ(view.data(), data);
   EXPECT_EQ(view.dimension(0), batch);
   EXPECT_EQ(view.dimension(1), steps);
@@ -33,7 +33,8 @@ void expect_view_of(const sdmha::TensorRef3<Scalar>& view, const Scalar* data, I
   for (Index b = 0; b < batch; ++b)
     for (Index s = 0; s < steps; ++s)
       for (Index e = 0; e < width; ++e)
-        ASSERT_EQ(matrix(b * steps + s, e), data[(b * steps + s) * width + e]) << b << ", " << s << ", " << e;
+        ASSERT_EQ(matrix(b * steps + s, e), data[(b * steps + s) * width + e])
+            << b << ", " << s << ", " << e;
 }
 
 // Accepts its argument by implicit conversion, as the layers' forward does.

@@ -38,10 +38,15 @@ sdmha::RowMatrix<Scalar> project(const sdmha::ConstMatrixRef<Scalar>& heads,
 
 TYPED_TEST(OutputProjectionTest, HeadsToOutputMatchesTheReference) {
   std::vector<Shape> shapes(4);
-  shapes[1].batch = 1; shapes[1].heads = 1;
-  shapes[2].steps = 7; shapes[2].heads = 3; shapes[2].key_dim = 5; shapes[2].value_dim = 6;
+  shapes[1].batch = 1;
+  shapes[1].heads = 1;
+  shapes[2].steps = 7;
+  shapes[2].heads = 3;
+  shapes[2].key_dim = 5;
+  shapes[2].value_dim = 6;
   shapes[2].output_dim = 9;
-  shapes[3].use_bias = false; shapes[3].output_dim = 3;
+  shapes[3].use_bias = false;
+  shapes[3].output_dim = 3;
   std::uint64_t seed = 600;
   const sdmha::Vector<TypeParam> no_bias;
   for (const auto& shape : shapes) {
@@ -55,26 +60,33 @@ TYPED_TEST(OutputProjectionTest, HeadsToOutputMatchesTheReference) {
     const auto output = project<TypeParam>(heads, c.weights.output_kernel, c.weights.output_bias);
     EXPECT_TRUE(all_near(output.data(), r.output, relative_tolerance<TypeParam>()));
     const auto unbiased = project<TypeParam>(heads, c.weights.output_kernel, no_bias);
-    EXPECT_TRUE(all_near(unbiased.data(),
-                         sdmha_reference::project(r.heads, rows, width, p.output_kernel, {}, p.output_dim),
-                         relative_tolerance<TypeParam>()));
+    EXPECT_TRUE(
+        all_near(unbiased.data(),
+                 sdmha_reference::project(r.heads, rows, width, p.output_kernel, {}, p.output_dim),
+                 relative_tolerance<TypeParam>()));
   }
 }
 
 TYPED_TEST(OutputProjectionTest, WorksOnBlocksOfLargerMatrices) {
   Shape s;
-  s.steps = 6; s.heads = 3; s.value_dim = 5; s.output_dim = 7;
+  s.steps = 6;
+  s.heads = 3;
+  s.value_dim = 5;
+  s.output_dim = 7;
   const auto c = make_case<TypeParam>(s, 610);
   const auto& p = c.problem;
   const auto r = sdmha_reference::forward(p);
   const Index rows = p.batch * p.steps, width = p.heads * p.value_dim, out = p.output_dim;
   // The heads sit in a wider matrix, the output goes into a block of another.
-  sdmha::RowMatrix<TypeParam> wide_heads = sdmha::RowMatrix<TypeParam>::Constant(rows + 1, width + 4, TypeParam(9));
+  sdmha::RowMatrix<TypeParam> wide_heads =
+      sdmha::RowMatrix<TypeParam>::Constant(rows + 1, width + 4, TypeParam(9));
   wide_heads.block(1, 2, rows, width) = to_matrix<TypeParam>(r.heads, rows, width);
   constexpr TypeParam sentinel = TypeParam(-555);
-  sdmha::RowMatrix<TypeParam> big_output = sdmha::RowMatrix<TypeParam>::Constant(rows + 3, out + 2, sentinel);
-  typename Projection<TypeParam>::Arguments args{wide_heads.block(1, 2, rows, width), c.weights.output_kernel,
-                                                 c.weights.output_bias, big_output.block(2, 1, rows, out)};
+  sdmha::RowMatrix<TypeParam> big_output =
+      sdmha::RowMatrix<TypeParam>::Constant(rows + 3, out + 2, sentinel);
+  typename Projection<TypeParam>::Arguments args{wide_heads.block(1, 2, rows, width),
+                                                 c.weights.output_kernel, c.weights.output_bias,
+                                                 big_output.block(2, 1, rows, out)};
   ASSERT_EQ(args.input.outerStride(), width + 4);
   ASSERT_EQ(args.output.outerStride(), out + 2);
   Projection<TypeParam>::can_implement(args);
@@ -95,17 +107,22 @@ TYPED_TEST(OutputProjectionTest, CanImplementRejectsEachMismatch) {
   const sdmha::RowMatrix<Scalar> heads = sdmha::RowMatrix<Scalar>::Zero(3, 8);
   const sdmha::RowMatrix<Scalar> kernel = sdmha::RowMatrix<Scalar>::Zero(8, 5);
   const sdmha::RowMatrix<Scalar> short_kernel = sdmha::RowMatrix<Scalar>::Zero(7, 5);
-  const sdmha::Vector<Scalar> bias = sdmha::Vector<Scalar>::Zero(5), long_bias = sdmha::Vector<Scalar>::Zero(8);
+  const sdmha::Vector<Scalar> bias = sdmha::Vector<Scalar>::Zero(5),
+                              long_bias = sdmha::Vector<Scalar>::Zero(8);
   sdmha::RowMatrix<Scalar> output(3, 5), tall_output(4, 5), narrow_output(3, 4);
   EXPECT_NO_THROW(Projection<Scalar>::can_implement(Arguments{heads, kernel, bias, output}));
-  SDMHA_EXPECT_THROW_WITH(Projection<Scalar>::can_implement(Arguments{heads, short_kernel, bias, output}),
-                          sdmha::ShapeError, "kernel has 7 rows; expected the input width 8");
-  SDMHA_EXPECT_THROW_WITH(Projection<Scalar>::can_implement(Arguments{heads, kernel, long_bias, output}),
-                          sdmha::ShapeError, "bias has 8 entries; expected 0 or 5");
-  SDMHA_EXPECT_THROW_WITH(Projection<Scalar>::can_implement(Arguments{heads, kernel, bias, tall_output}),
-                          sdmha::ShapeError, "output is 4 x 5; expected 3 x 5");
-  SDMHA_EXPECT_THROW_WITH(Projection<Scalar>::can_implement(Arguments{heads, kernel, bias, narrow_output}),
-                          sdmha::ShapeError, "output is 3 x 4; expected 3 x 5");
+  SDMHA_EXPECT_THROW_WITH(
+      Projection<Scalar>::can_implement(Arguments{heads, short_kernel, bias, output}),
+      sdmha::ShapeError, "kernel has 7 rows; expected the input width 8");
+  SDMHA_EXPECT_THROW_WITH(
+      Projection<Scalar>::can_implement(Arguments{heads, kernel, long_bias, output}),
+      sdmha::ShapeError, "bias has 8 entries; expected 0 or 5");
+  SDMHA_EXPECT_THROW_WITH(
+      Projection<Scalar>::can_implement(Arguments{heads, kernel, bias, tall_output}),
+      sdmha::ShapeError, "output is 4 x 5; expected 3 x 5");
+  SDMHA_EXPECT_THROW_WITH(
+      Projection<Scalar>::can_implement(Arguments{heads, kernel, bias, narrow_output}),
+      sdmha::ShapeError, "output is 3 x 4; expected 3 x 5");
 }
 
 }  // namespace

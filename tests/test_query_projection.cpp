@@ -48,7 +48,8 @@ struct StageWorkspace {
   sdmha::StageScratch view() const { return memory.view(); }
 };
 
-std::vector<double> twin_rows(const std::vector<double>& twin, Index first, Index count, Index width) {
+std::vector<double> twin_rows(const std::vector<double>& twin, Index first, Index count,
+                              Index width) {
   return std::vector<double>(twin.begin() + first * width, twin.begin() + (first + count) * width);
 }
 
@@ -57,11 +58,13 @@ template <typename Scalar>
 std::vector<double> reference_projection(const Case<Scalar>& c, bool with_bias) {
   const auto& p = c.problem;
   return sdmha_reference::project(p.query, p.batch * p.steps, p.query_dim, p.query_kernel,
-                                  with_bias ? p.query_bias : std::vector<double>{}, p.heads * p.key_dim);
+                                  with_bias ? p.query_bias : std::vector<double>{},
+                                  p.heads * p.key_dim);
 }
 
 template <typename Scalar>
-sdmha::RowMatrix<Scalar> project(const sdmha::CsrView<Scalar>& rows, const sdmha::RowMatrix<Scalar>& kernel,
+sdmha::RowMatrix<Scalar> project(const sdmha::CsrView<Scalar>& rows,
+                                 const sdmha::RowMatrix<Scalar>& kernel,
                                  const sdmha::Vector<Scalar>& bias) {
   sdmha::RowMatrix<Scalar> output(rows.rows, kernel.cols());
   typename Projection<Scalar>::Arguments args{rows, kernel, bias, output};
@@ -74,14 +77,39 @@ std::vector<std::pair<const char*, Shape>> projection_shapes() {
   std::vector<std::pair<const char*, Shape>> shapes;
   Shape s;
   shapes.push_back({"basic", s});
-  s = Shape{}; s.batch = 1; s.steps = 1; s.heads = 1; shapes.push_back({"one_row_one_head", s});
-  s = Shape{}; s.steps = 7; s.query_dim = 29; s.heads = 3; s.key_dim = 5; s.density = 0.3;
+  s = Shape{};
+  s.batch = 1;
+  s.steps = 1;
+  s.heads = 1;
+  shapes.push_back({"one_row_one_head", s});
+  s = Shape{};
+  s.steps = 7;
+  s.query_dim = 29;
+  s.heads = 3;
+  s.key_dim = 5;
+  s.density = 0.3;
   shapes.push_back({"odd_sizes", s});
-  s = Shape{}; s.duplicates = true; s.density = 0.5; shapes.push_back({"duplicates", s});
-  s = Shape{}; s.empty_rows = true; s.steps = 9; shapes.push_back({"empty_rows", s});
-  s = Shape{}; s.use_bias = false; s.empty_rows = true; shapes.push_back({"no_bias", s});
-  s = Shape{}; s.batch = 3; s.steps = 40; s.query_dim = 70; s.heads = 4; s.key_dim = 6;
-  s.density = 0.05; s.empty_rows = true; shapes.push_back({"larger", s});
+  s = Shape{};
+  s.duplicates = true;
+  s.density = 0.5;
+  shapes.push_back({"duplicates", s});
+  s = Shape{};
+  s.empty_rows = true;
+  s.steps = 9;
+  shapes.push_back({"empty_rows", s});
+  s = Shape{};
+  s.use_bias = false;
+  s.empty_rows = true;
+  shapes.push_back({"no_bias", s});
+  s = Shape{};
+  s.batch = 3;
+  s.steps = 40;
+  s.query_dim = 70;
+  s.heads = 4;
+  s.key_dim = 6;
+  s.density = 0.05;
+  s.empty_rows = true;
+  shapes.push_back({"larger", s});
   return shapes;
 }
 
@@ -96,13 +124,19 @@ TYPED_TEST(QueryProjectionTest, MatchesTheReferenceWithAndWithoutBias) {
     EXPECT_TRUE(all_near(with_bias.data(), reference_projection(c, shape.use_bias),
                          relative_tolerance<TypeParam>()));
     const auto without_bias = project(query.csr(), c.weights.query_kernel, no_bias);
-    EXPECT_TRUE(all_near(without_bias.data(), reference_projection(c, false), relative_tolerance<TypeParam>()));
+    EXPECT_TRUE(all_near(without_bias.data(), reference_projection(c, false),
+                         relative_tolerance<TypeParam>()));
   }
 }
 
 TYPED_TEST(QueryProjectionTest, MatchesTheReferenceOnUncompressedRows) {
   Shape s;
-  s.batch = 3; s.steps = 6; s.query_dim = 20; s.density = 0.3; s.duplicates = true; s.empty_rows = true;
+  s.batch = 3;
+  s.steps = 6;
+  s.query_dim = 20;
+  s.density = 0.3;
+  s.duplicates = true;
+  s.empty_rows = true;
   const auto c = make_case<TypeParam>(s, 410);
   EigenSparse<TypeParam> matrix(s.batch * s.steps, s.query_dim);
   matrix.reserve(Eigen::VectorXi::Constant(matrix.rows(), 4));
@@ -112,10 +146,12 @@ TYPED_TEST(QueryProjectionTest, MatchesTheReferenceOnUncompressedRows) {
   const auto query = sdmha::SparseQuery<TypeParam>::from_eigen(s.batch, s.steps, std::move(matrix));
   ASSERT_NE(query.csr().row_nonzeros, nullptr);
   const auto output = project(query.csr(), c.weights.query_kernel, c.weights.query_bias);
-  EXPECT_TRUE(all_near(output.data(), reference_projection(c, true), relative_tolerance<TypeParam>()));
+  EXPECT_TRUE(
+      all_near(output.data(), reference_projection(c, true), relative_tolerance<TypeParam>()));
   // And a sub-view of uncompressed rows.
   const Index width = s.heads * s.key_dim;
-  const auto middle = project(query.csr().middle_rows(5, 8), c.weights.query_kernel, c.weights.query_bias);
+  const auto middle =
+      project(query.csr().middle_rows(5, 8), c.weights.query_kernel, c.weights.query_bias);
   EXPECT_TRUE(all_near(middle.data(), twin_rows(reference_projection(c, true), 5, 8, width),
                        relative_tolerance<TypeParam>()));
 }
@@ -127,22 +163,29 @@ TYPED_TEST(QueryProjectionTest, MatchesTheReferenceOnCallerCsrWithUnsortedDuplic
   const std::vector<int> columns{3, 0, 3, 1, 4, 2};
   const std::vector<Scalar> values{1.5, -2, 0.25, 1, -0.75, 2};
   std::vector<double> dense(15, 0.0);
-  dense[0 * 5 + 3] = 1.75; dense[0 * 5 + 0] = -2; dense[0 * 5 + 1] = 1;
-  dense[2 * 5 + 4] = -0.75; dense[2 * 5 + 2] = 2;
+  dense[0 * 5 + 3] = 1.75;
+  dense[0 * 5 + 0] = -2;
+  dense[0 * 5 + 1] = 1;
+  dense[2 * 5 + 4] = -0.75;
+  dense[2 * 5 + 2] = 2;
   Shape s;
-  s.batch = 1; s.steps = 3; s.query_dim = 5;
+  s.batch = 1;
+  s.steps = 3;
+  s.query_dim = 5;
   const auto c = make_case<Scalar>(s, 420);  // for its weights
-  const auto query = sdmha::SparseQuery<Scalar>::view_csr(1, 3, 5, offsets.data(), 4, columns.data(),
-                                                          values.data(), 6);
+  const auto query = sdmha::SparseQuery<Scalar>::view_csr(1, 3, 5, offsets.data(), 4,
+                                                          columns.data(), values.data(), 6);
   const auto output = project(query.csr(), c.weights.query_kernel, c.weights.query_bias);
-  const auto expected = sdmha_reference::project(dense, 3, 5, c.problem.query_kernel, c.problem.query_bias,
-                                                 s.heads * s.key_dim);
+  const auto expected = sdmha_reference::project(dense, 3, 5, c.problem.query_kernel,
+                                                 c.problem.query_bias, s.heads * s.key_dim);
   EXPECT_TRUE(all_near(output.data(), expected, relative_tolerance<Scalar>()));
 }
 
 TYPED_TEST(QueryProjectionTest, ProjectsRowSubViewsIntoABlockOfALargerOutput) {
   Shape s;
-  s.batch = 3; s.steps = 8; s.empty_rows = true;
+  s.batch = 3;
+  s.steps = 8;
+  s.empty_rows = true;
   const auto c = make_case<TypeParam>(s, 430);
   const auto query = c.query();
   const Index width = s.heads * s.key_dim;
@@ -154,14 +197,16 @@ TYPED_TEST(QueryProjectionTest, ProjectsRowSubViewsIntoABlockOfALargerOutput) {
     const Index count = std::uniform_int_distribution<Index>(0, query.rows() - first)(generator);
     SCOPED_TRACE(::testing::Message() << "rows [" << first << ", " << first + count << ")");
     // The output rows are a block in the middle of a wider, taller matrix.
-    sdmha::RowMatrix<TypeParam> big = sdmha::RowMatrix<TypeParam>::Constant(count + 3, width + 5, sentinel);
+    sdmha::RowMatrix<TypeParam> big =
+        sdmha::RowMatrix<TypeParam>::Constant(count + 3, width + 5, sentinel);
     typename Projection<TypeParam>::Arguments args{query.csr().middle_rows(first, count),
                                                    c.weights.query_kernel, c.weights.query_bias,
                                                    big.block(1, 2, count, width)};
     Projection<TypeParam>::can_implement(args);
     Projection<TypeParam>{}(args);
     const sdmha::RowMatrix<TypeParam> block = big.block(1, 2, count, width);
-    EXPECT_TRUE(all_near(block.data(), twin_rows(expected, first, count, width), relative_tolerance<TypeParam>()));
+    EXPECT_TRUE(all_near(block.data(), twin_rows(expected, first, count, width),
+                         relative_tolerance<TypeParam>()));
     for (Index r = 0; r < big.rows(); ++r)
       for (Index k = 0; k < big.cols(); ++k)
         if (r < 1 || r >= 1 + count || k < 2 || k >= 2 + width) {
@@ -172,7 +217,8 @@ TYPED_TEST(QueryProjectionTest, ProjectsRowSubViewsIntoABlockOfALargerOutput) {
 
 TYPED_TEST(QueryProjectionTest, EmptyRowsGiveExactlyTheBias) {
   Shape s;
-  s.steps = 12; s.empty_rows = true;
+  s.steps = 12;
+  s.empty_rows = true;
   const auto c = make_case<TypeParam>(s, 440);
   const auto query = c.query();
   const auto output = project(query.csr(), c.weights.query_kernel, c.weights.query_bias);
@@ -208,19 +254,22 @@ TYPED_TEST(QueryProjectionTest, CanImplementRejectsEachMismatch) {
   const sdmha::Vector<Scalar> long_bias = sdmha::Vector<Scalar>::Zero(9), no_bias;
   sdmha::RowMatrix<Scalar> output(10, 8), short_output(9, 8), narrow_output(10, 7);
   using Arguments = typename Projection<Scalar>::Arguments;
-  EXPECT_NO_THROW(Projection<Scalar>::can_implement(Arguments{query.csr(), c.weights.query_kernel, no_bias, output}));
+  EXPECT_NO_THROW(Projection<Scalar>::can_implement(
+      Arguments{query.csr(), c.weights.query_kernel, no_bias, output}));
   SDMHA_EXPECT_THROW_WITH(
-      Projection<Scalar>::can_implement(Arguments{query.csr(), short_kernel, c.weights.query_bias, output}),
-      sdmha::ShapeError, "SparseQueryProjection: kernel has 15 rows; expected the query's feature width 16");
-  SDMHA_EXPECT_THROW_WITH(
-      Projection<Scalar>::can_implement(Arguments{query.csr(), c.weights.query_kernel, long_bias, output}),
-      sdmha::ShapeError, "bias has 9 entries; expected 0 or 8");
-  SDMHA_EXPECT_THROW_WITH(
-      Projection<Scalar>::can_implement(Arguments{query.csr(), c.weights.query_kernel, no_bias, short_output}),
-      sdmha::ShapeError, "output is 9 x 8; expected 10 x 8");
-  SDMHA_EXPECT_THROW_WITH(
-      Projection<Scalar>::can_implement(Arguments{query.csr(), c.weights.query_kernel, no_bias, narrow_output}),
-      sdmha::ShapeError, "output is 10 x 7; expected 10 x 8");
+      Projection<Scalar>::can_implement(
+          Arguments{query.csr(), short_kernel, c.weights.query_bias, output}),
+      sdmha::ShapeError,
+      "SparseQueryProjection: kernel has 15 rows; expected the query's feature width 16");
+  SDMHA_EXPECT_THROW_WITH(Projection<Scalar>::can_implement(
+                              Arguments{query.csr(), c.weights.query_kernel, long_bias, output}),
+                          sdmha::ShapeError, "bias has 9 entries; expected 0 or 8");
+  SDMHA_EXPECT_THROW_WITH(Projection<Scalar>::can_implement(Arguments{
+                              query.csr(), c.weights.query_kernel, no_bias, short_output}),
+                          sdmha::ShapeError, "output is 9 x 8; expected 10 x 8");
+  SDMHA_EXPECT_THROW_WITH(Projection<Scalar>::can_implement(Arguments{
+                              query.csr(), c.weights.query_kernel, no_bias, narrow_output}),
+                          sdmha::ShapeError, "output is 10 x 7; expected 10 x 8");
 }
 
 }  // namespace
@@ -243,7 +292,12 @@ TYPED_TEST(QueryProjectionKernelsTest, ByRowsAndByFeaturesMatchTheNaiveProductAn
   std::uniform_real_distribution<double> uniform(-1.0, 1.0);
   for (Index columns : {1, 3, 16, 37, 256, 300, 517}) {
     Shape s;
-    s.batch = 3; s.steps = 11; s.query_dim = 50; s.density = 0.3; s.empty_rows = true; s.duplicates = true;
+    s.batch = 3;
+    s.steps = 11;
+    s.query_dim = 50;
+    s.density = 0.3;
+    s.empty_rows = true;
+    s.duplicates = true;
     const auto c = make_case<Scalar>(s, 40 + std::uint64_t(columns));
     const auto query = c.query();
     sdmha::RowMatrix<Scalar> kernel(s.query_dim, columns);
@@ -261,13 +315,18 @@ TYPED_TEST(QueryProjectionKernelsTest, ByRowsAndByFeaturesMatchTheNaiveProductAn
         }
       sdmha::RowMatrix<Scalar> by_rows(query.rows(), columns), by_features(query.rows(), columns);
       const Scalar* bias_data = with_bias ? bias.data() : nullptr;
-      sdmha::detail::csr_dense_product(query.csr(), kernel.data(), columns, bias_data, by_rows.data(), columns, columns);
+      sdmha::detail::csr_dense_product(query.csr(), kernel.data(), columns, bias_data,
+                                       by_rows.data(), columns, columns);
       CarvedFeatureGroups<Scalar> scratch(query.features(), query.nonzeros());
       sdmha::detail::csr_dense_product_by_feature(query.csr(), kernel.data(), columns, bias_data,
-                                                  by_features.data(), columns, columns, scratch.groups);
-      EXPECT_TRUE(all_near(by_rows.data(), expected, relative_tolerance<Scalar>())) << columns << " columns";
-      EXPECT_TRUE(all_near(by_features.data(), expected, relative_tolerance<Scalar>())) << columns << " columns";
-      EXPECT_EQ(0, std::memcmp(by_rows.data(), by_features.data(), sizeof(Scalar) * std::size_t(by_rows.size())))
+                                                  by_features.data(), columns, columns,
+                                                  scratch.groups);
+      EXPECT_TRUE(all_near(by_rows.data(), expected, relative_tolerance<Scalar>()))
+          << columns << " columns";
+      EXPECT_TRUE(all_near(by_features.data(), expected, relative_tolerance<Scalar>()))
+          << columns << " columns";
+      EXPECT_EQ(0, std::memcmp(by_rows.data(), by_features.data(),
+                               sizeof(Scalar) * std::size_t(by_rows.size())))
           << columns << " columns";
     }
   }
@@ -280,7 +339,10 @@ TYPED_TEST(QueryProjectionKernelsTest, StageOnAWideKernelMatchesTheNaiveProduct)
   using Scalar = TypeParam;
   const Index features = 4200, columns = 40 + 4 * 1024 * 1024 / (4200 * Index(sizeof(Scalar)));
   Shape s;
-  s.batch = 2; s.steps = 60; s.query_dim = features; s.density = 0.04;
+  s.batch = 2;
+  s.steps = 60;
+  s.query_dim = features;
+  s.density = 0.04;
   const auto c = make_case<Scalar>(s, 77);
   const auto query = c.query();
   ASSERT_GE(query.nonzeros(), 2 * features);
@@ -293,16 +355,19 @@ TYPED_TEST(QueryProjectionKernelsTest, StageOnAWideKernelMatchesTheNaiveProduct)
   sdmha::RowMatrix<Scalar> without_workspace(query.rows(), columns);
   const sdmha::SparseQueryProjection<Scalar> stage;
   const StageWorkspace<Scalar> workspace(features, columns, query.nonzeros());
-  const typename sdmha::SparseQueryProjection<Scalar>::Arguments args{query.csr(), kernel, bias, output,
-                                                                      workspace.view()};
+  const typename sdmha::SparseQueryProjection<Scalar>::Arguments args{query.csr(), kernel, bias,
+                                                                      output, workspace.view()};
   EXPECT_TRUE(sdmha::SparseQueryProjection<Scalar>::by_feature(args));
   EXPECT_GT(workspace.view().bytes, 0u);
   stage(args);
   // Without a workspace the stage goes by rows: the same sums in the same order.
   stage({query.csr(), kernel, bias, without_workspace});
-  sdmha::detail::csr_dense_product(query.csr(), kernel.data(), columns, bias.data(), by_rows.data(), columns, columns);
-  EXPECT_EQ(0, std::memcmp(output.data(), by_rows.data(), sizeof(Scalar) * std::size_t(output.size())));
-  EXPECT_EQ(0, std::memcmp(without_workspace.data(), by_rows.data(), sizeof(Scalar) * std::size_t(output.size())));
+  sdmha::detail::csr_dense_product(query.csr(), kernel.data(), columns, bias.data(), by_rows.data(),
+                                   columns, columns);
+  EXPECT_EQ(
+      0, std::memcmp(output.data(), by_rows.data(), sizeof(Scalar) * std::size_t(output.size())));
+  EXPECT_EQ(0, std::memcmp(without_workspace.data(), by_rows.data(),
+                           sizeof(Scalar) * std::size_t(output.size())));
   const auto& csr = query.csr();
   for (Index r = 0; r < query.rows(); r += 17)
     for (Index j = 0; j < columns; j += 13) {
@@ -334,7 +399,8 @@ struct HandCsr {
   std::vector<Scalar> values;
   Index rows = 0, features = 0;
 
-  HandCsr(Index row_count, Index feature_count, const std::vector<Index>& row_sizes, std::uint64_t seed)
+  HandCsr(Index row_count, Index feature_count, const std::vector<Index>& row_sizes,
+          std::uint64_t seed)
       : rows(row_count), features(feature_count) {
     std::mt19937_64 generator(seed);
     std::uniform_real_distribution<double> uniform(-1.0, 1.0);
@@ -353,16 +419,19 @@ struct HandCsr {
     }
   }
   sdmha::CsrView<Scalar> view() const {
-    return sdmha::CsrView<Scalar>{rows, features, offsets.data(), nullptr, columns.data(), values.data()};
+    return sdmha::CsrView<Scalar>{rows,    features,       offsets.data(),
+                                  nullptr, columns.data(), values.data()};
   }
   // The product in double, from the stored values (same values the kernels see).
-  std::vector<double> reference(const Scalar* weight, Index weight_stride, const Scalar* bias, Index width) const {
+  std::vector<double> reference(const Scalar* weight, Index weight_stride, const Scalar* bias,
+                                Index width) const {
     std::vector<double> result(std::size_t(rows * width));
     for (Index r = 0; r < rows; ++r)
       for (Index j = 0; j < width; ++j) {
         double sum = bias != nullptr ? double(bias[j]) : 0.0;
         for (int k = offsets[std::size_t(r)]; k < offsets[std::size_t(r) + 1]; ++k)
-          sum += double(values[std::size_t(k)]) * double(weight[Index(columns[std::size_t(k)]) * weight_stride + j]);
+          sum += double(values[std::size_t(k)]) *
+                 double(weight[Index(columns[std::size_t(k)]) * weight_stride + j]);
         result[std::size_t(r * width + j)] = sum;
       }
     return result;
@@ -382,20 +451,36 @@ std::vector<Scalar> random_values(Index count, std::uint64_t seed) {
 // and the scalar tail, for this build's packet size.
 template <typename Scalar>
 std::vector<Index> panel_tail_widths() {
-  const Index p = sdmha::detail::PacketOf<Scalar>::vectorized ? sdmha::detail::PacketOf<Scalar>::size : 1;
+  const Index p =
+      sdmha::detail::PacketOf<Scalar>::vectorized ? sdmha::detail::PacketOf<Scalar>::size : 1;
   const Index panel = sdmha::detail::kPanelPackets * p;
-  std::vector<Index> widths{1, 2, p - 1, p, p + 1, 4 * p - 1, 4 * p, 4 * p + 1, 5 * p + 1, panel - 1, panel,
-                            panel + 1, panel + 4 * p + p + 1, 2 * panel, 2 * panel + 3};
+  std::vector<Index> widths{1,
+                            2,
+                            p - 1,
+                            p,
+                            p + 1,
+                            4 * p - 1,
+                            4 * p,
+                            4 * p + 1,
+                            5 * p + 1,
+                            panel - 1,
+                            panel,
+                            panel + 1,
+                            panel + 4 * p + p + 1,
+                            2 * panel,
+                            2 * panel + 3};
   std::sort(widths.begin(), widths.end());
   widths.erase(std::unique(widths.begin(), widths.end()), widths.end());
-  widths.erase(std::remove_if(widths.begin(), widths.end(), [](Index w) { return w < 1; }), widths.end());
+  widths.erase(std::remove_if(widths.begin(), widths.end(), [](Index w) { return w < 1; }),
+               widths.end());
   return widths;
 }
 
 // Both kernels (by rows also with streaming stores), every tail width, with and without bias, on
 // strided W and strided Y (the padding of Y must stay untouched), rows empty, short and full;
 // against the double reference, and bitwise against each other (sorted rows).
-TYPED_TEST(QueryProjectionCsrKernelsTest, EveryPanelTailOnStridedOperandsMatchesTheDoubleReference) {
+TYPED_TEST(QueryProjectionCsrKernelsTest,
+           EveryPanelTailOnStridedOperandsMatchesTheDoubleReference) {
   using Scalar = TypeParam;
   constexpr Scalar sentinel = Scalar(-777);
   const Index features = 37;
@@ -408,16 +493,17 @@ TYPED_TEST(QueryProjectionCsrKernelsTest, EveryPanelTailOnStridedOperandsMatches
     const auto bias_values = random_values<Scalar>(width, 903);
     for (const Scalar* bias : {static_cast<const Scalar*>(nullptr), bias_values.data()}) {
       const auto expected = x.reference(weight.data(), weight_stride, bias, width);
-      std::vector<Scalar> by_rows(std::size_t(x.rows * output_stride), sentinel), by_features = by_rows,
-          streamed = by_rows;
-      sdmha::detail::csr_dense_product(x.view(), weight.data(), weight_stride, bias, by_rows.data(), output_stride,
-                                       width);
+      std::vector<Scalar> by_rows(std::size_t(x.rows * output_stride), sentinel),
+          by_features = by_rows, streamed = by_rows;
+      sdmha::detail::csr_dense_product(x.view(), weight.data(), weight_stride, bias, by_rows.data(),
+                                       output_stride, width);
       // Streaming stores where a packet is aligned (with AVX or AVX-512), plain ones elsewhere.
-      sdmha::detail::csr_dense_product(x.view(), weight.data(), weight_stride, bias, streamed.data(), output_stride,
-                                       width, /*stream=*/true);
+      sdmha::detail::csr_dense_product(x.view(), weight.data(), weight_stride, bias,
+                                       streamed.data(), output_stride, width, /*stream=*/true);
       EXPECT_EQ(0, std::memcmp(by_rows.data(), streamed.data(), sizeof(Scalar) * by_rows.size()));
-      sdmha::detail::csr_dense_product_by_feature(x.view(), weight.data(), weight_stride, bias, by_features.data(),
-                                                  output_stride, width, scratch.groups);
+      sdmha::detail::csr_dense_product_by_feature(x.view(), weight.data(), weight_stride, bias,
+                                                  by_features.data(), output_stride, width,
+                                                  scratch.groups);
       for (const auto* result : {&by_rows, &by_features}) {
         std::vector<Scalar> packed(std::size_t(x.rows * width));
         for (Index r = 0; r < x.rows; ++r)
@@ -432,7 +518,8 @@ TYPED_TEST(QueryProjectionCsrKernelsTest, EveryPanelTailOnStridedOperandsMatches
         EXPECT_TRUE(all_near(packed.data(), expected, relative_tolerance<Scalar>()))
             << (result == &by_rows ? "by rows" : "by features") << (bias ? ", bias" : ", no bias");
       }
-      EXPECT_EQ(0, std::memcmp(by_rows.data(), by_features.data(), sizeof(Scalar) * by_rows.size()));
+      EXPECT_EQ(0,
+                std::memcmp(by_rows.data(), by_features.data(), sizeof(Scalar) * by_rows.size()));
     }
   }
 }
@@ -441,26 +528,30 @@ TYPED_TEST(QueryProjectionCsrKernelsTest, EveryPanelTailOnStridedOperandsMatches
 // W rows per output row are exercised.
 TYPED_TEST(QueryProjectionCsrKernelsTest, RowsWithManyStoredValuesMatchTheDoubleReference) {
   using Scalar = TypeParam;
-  const Index features = 700, width = 2 * sdmha::detail::kPanelPackets * sdmha::detail::PacketOf<Scalar>::size + 7;
+  const Index features = 700,
+              width = 2 * sdmha::detail::kPanelPackets * sdmha::detail::PacketOf<Scalar>::size + 7;
   const HandCsr<Scalar> x(9, features, {features, 500, 0, 1}, 911);
   const auto weight = random_values<Scalar>(features * width, 912);
   const auto bias = random_values<Scalar>(width, 913);
   const auto expected = x.reference(weight.data(), width, bias.data(), width);
   sdmha::RowMatrix<Scalar> by_rows(x.rows, width), by_features(x.rows, width);
-  sdmha::detail::csr_dense_product(x.view(), weight.data(), width, bias.data(), by_rows.data(), width, width);
+  sdmha::detail::csr_dense_product(x.view(), weight.data(), width, bias.data(), by_rows.data(),
+                                   width, width);
   CarvedFeatureGroups<Scalar> scratch(features, Index(x.columns.size()));
-  sdmha::detail::csr_dense_product_by_feature(x.view(), weight.data(), width, bias.data(), by_features.data(),
-                                              width, width, scratch.groups);
+  sdmha::detail::csr_dense_product_by_feature(x.view(), weight.data(), width, bias.data(),
+                                              by_features.data(), width, width, scratch.groups);
   EXPECT_TRUE(all_near(by_rows.data(), expected, relative_tolerance<Scalar>()));
   EXPECT_TRUE(all_near(by_features.data(), expected, relative_tolerance<Scalar>()));
-  EXPECT_EQ(0, std::memcmp(by_rows.data(), by_features.data(), sizeof(Scalar) * std::size_t(by_rows.size())));
+  EXPECT_EQ(0, std::memcmp(by_rows.data(), by_features.data(),
+                           sizeof(Scalar) * std::size_t(by_rows.size())));
 }
 
 // The stage on a kernel beyond L2 that its rows reuse takes the by-feature path; with a caller
 // workspace (workspace_size() bytes for the largest call) reused over row ranges of different
 // sizes (larger and smaller), writing into a block of a larger output from a block of a larger
 // kernel, it matches the double reference and leaves the rest of the output alone.
-TYPED_TEST(QueryProjectionCsrKernelsTest, StageByFeaturesWithCallerScratchOnStridedOutputAndKernel) {
+TYPED_TEST(QueryProjectionCsrKernelsTest,
+           StageByFeaturesWithCallerScratchOnStridedOutputAndKernel) {
   using Scalar = TypeParam;
   using Projection = sdmha::SparseQueryProjection<Scalar>;
   constexpr Scalar sentinel = Scalar(-777);
@@ -476,14 +567,17 @@ TYPED_TEST(QueryProjectionCsrKernelsTest, StageByFeaturesWithCallerScratchOnStri
   const auto kernel = big_kernel.block(1, 4, features, width);
   const sdmha::RowMatrix<Scalar> kernel_copy = kernel;
   const auto bias_values = random_values<Scalar>(width, 923);
-  const sdmha::Vector<Scalar> bias = Eigen::Map<const sdmha::Vector<Scalar>>(bias_values.data(), width);
+  const sdmha::Vector<Scalar> bias =
+      Eigen::Map<const sdmha::Vector<Scalar>>(bias_values.data(), width);
   const auto expected = x.reference(kernel_copy.data(), width, bias.data(), width);
   // One workspace for every call, sized by workspace_size() for the largest (all 160 rows).
   const StageWorkspace<Scalar> workspace(features, width, Index(x.columns.size()));
   const Projection stage;
-  for (const auto& [first, count] : std::vector<std::pair<Index, Index>>{{0, 160}, {7, 40}, {3, 150}, {159, 1}}) {
+  for (const auto& [first, count] :
+       std::vector<std::pair<Index, Index>>{{0, 160}, {7, 40}, {3, 150}, {159, 1}}) {
     SCOPED_TRACE(::testing::Message() << "rows [" << first << ", " << first + count << ")");
-    sdmha::RowMatrix<Scalar> big = sdmha::RowMatrix<Scalar>::Constant(count + 2, width + 3, sentinel);
+    sdmha::RowMatrix<Scalar> big =
+        sdmha::RowMatrix<Scalar>::Constant(count + 2, width + 3, sentinel);
     typename Projection::Arguments args{x.view().middle_rows(first, count), kernel, bias,
                                         big.block(1, 1, count, width), workspace.view()};
     Projection::can_implement(args);
@@ -492,7 +586,8 @@ TYPED_TEST(QueryProjectionCsrKernelsTest, StageByFeaturesWithCallerScratchOnStri
     }
     stage(args);
     const sdmha::RowMatrix<Scalar> block = big.block(1, 1, count, width);
-    EXPECT_TRUE(all_near(block.data(), twin_rows(expected, first, count, width), relative_tolerance<Scalar>()));
+    EXPECT_TRUE(all_near(block.data(), twin_rows(expected, first, count, width),
+                         relative_tolerance<Scalar>()));
     for (Index r = 0; r < big.rows(); ++r)
       for (Index k = 0; k < big.cols(); ++k)
         if (r < 1 || r >= 1 + count || k < 1 || k >= 1 + width) {
@@ -503,7 +598,8 @@ TYPED_TEST(QueryProjectionCsrKernelsTest, StageByFeaturesWithCallerScratchOnStri
   sdmha::RowMatrix<Scalar> small_output(x.rows, 8);
   const sdmha::RowMatrix<Scalar> small_kernel = sdmha::RowMatrix<Scalar>::Ones(features, 8);
   const sdmha::Vector<Scalar> no_bias;
-  EXPECT_FALSE(Projection::by_feature(typename Projection::Arguments{x.view(), small_kernel, no_bias, small_output}));
+  EXPECT_FALSE(Projection::by_feature(
+      typename Projection::Arguments{x.view(), small_kernel, no_bias, small_output}));
 }
 
 // The stage on a kernel within L2 and an output beyond kStreamOutputBytes streams its stores

@@ -33,7 +33,9 @@ struct ScoreProblem {
   sdmha::Vector<Scalar> no_bias;
 
   ScoreProblem(const Shape& shape, std::uint64_t seed)
-      : c(make_case<Scalar>(shape, seed)), expected(sdmha_reference::forward(c.problem)), query(c.query()) {
+      : c(make_case<Scalar>(shape, seed)),
+        expected(sdmha_reference::forward(c.problem)),
+        query(c.query()) {
     const auto& p = c.problem;
     projected_query = to_matrix<Scalar>(expected.query, p.batch * p.steps, p.heads * p.key_dim);
     projected_key = to_matrix<Scalar>(expected.key, p.batch * p.key_steps, p.heads * p.key_dim);
@@ -49,26 +51,31 @@ struct ScoreProblem {
     mask.steps = T();
     mask.key_steps = S();
     mask.causal = c.options.use_causal_mask;
-    if (c.options.attention_mask.size() != 0) mask.attention = c.options.attention_mask.data() + b * T() * S();
-    if (c.options.key_padding_mask.size() != 0) mask.key_padding = c.options.key_padding_mask.data() + b * S();
+    if (c.options.attention_mask.size() != 0)
+      mask.attention = c.options.attention_mask.data() + b * T() * S();
+    if (c.options.key_padding_mask.size() != 0)
+      mask.key_padding = c.options.key_padding_mask.data() + b * S();
     return mask;
   }
 
   // The (b, h) block of a projected matrix. An empty block is taken at (0, 0): Eigen's block()
   // adds the offset to data(), which is null in an empty matrix (T = 0 or S = 0), and an offset
   // on a null pointer is undefined behaviour (UBSan: "applying non-zero offset to null pointer").
-  static auto head_block(const sdmha::RowMatrix<Scalar>& matrix, Index row, Index column, Index rows,
-                         Index columns) {
+  static auto head_block(const sdmha::RowMatrix<Scalar>& matrix, Index row, Index column,
+                         Index rows, Index columns) {
     const bool empty = rows == 0 || columns == 0;
     return matrix.block(empty ? 0 : row, empty ? 0 : column, rows, columns);
   }
 
   sdmha::RowMatrix<Scalar> project_first(Index b, Index h) const {
     sdmha::RowMatrix<Scalar> scores(T(), S());
-    typename Kernel<Scalar>::Arguments args{sdmha::TilePosition{b, h, 0, 0},
-                                            head_block(projected_query, b * T(), h * Dk(), T(), Dk()),
-                                            head_block(projected_key, b * S(), h * Dk(), S(), Dk()), scale(),
-                                            mask(b), scores};
+    typename Kernel<Scalar>::Arguments args{
+        sdmha::TilePosition{b, h, 0, 0},
+        head_block(projected_query, b * T(), h * Dk(), T(), Dk()),
+        head_block(projected_key, b * S(), h * Dk(), S(), Dk()),
+        scale(),
+        mask(b),
+        scores};
     Kernel<Scalar>::can_implement(args);
     Kernel<Scalar>{}(args);
     return scores;
@@ -81,8 +88,9 @@ struct ScoreProblem {
         sdmha::TilePosition{b, h, 0, 0},
         query.batch_rows(b),
         weights.query_kernel.middleCols(h * Dk(), Dk()),
-        weights.query_bias.size() != 0 ? sdmha::ConstVectorRef<Scalar>(weights.query_bias.segment(h * Dk(), Dk()))
-                                       : sdmha::ConstVectorRef<Scalar>(no_bias),
+        weights.query_bias.size() != 0
+            ? sdmha::ConstVectorRef<Scalar>(weights.query_bias.segment(h * Dk(), Dk()))
+            : sdmha::ConstVectorRef<Scalar>(no_bias),
         head_block(projected_key, b * S(), h * Dk(), S(), Dk()),
         scale(),
         mask(b),
@@ -110,13 +118,15 @@ template <typename Scalar>
       const double have = double(got(t, s));
       if (want == minus_infinity) {
         if (have != minus_infinity)
-          return ::testing::AssertionFailure() << "(" << t << ", " << s << ") is " << have << "; expected -inf";
+          return ::testing::AssertionFailure()
+                 << "(" << t << ", " << s << ") is " << have << "; expected -inf";
         continue;
       }
       const double error = std::abs(have - want) / (1.0 + std::abs(want));
       if (!(error <= tolerance))
-        return ::testing::AssertionFailure() << "(" << t << ", " << s << ") is " << have << "; expected " << want
-                                             << " (relative error " << error << " > " << tolerance << ")";
+        return ::testing::AssertionFailure()
+               << "(" << t << ", " << s << ") is " << have << "; expected " << want
+               << " (relative error " << error << " > " << tolerance << ")";
     }
   return ::testing::AssertionSuccess();
 }
@@ -125,20 +135,65 @@ std::vector<std::pair<const char*, Shape>> score_shapes() {
   std::vector<std::pair<const char*, Shape>> shapes;
   Shape s;
   shapes.push_back({"basic", s});
-  s = Shape{}; s.batch = 1; s.heads = 1; shapes.push_back({"batch1_head1", s});
-  s = Shape{}; s.steps = 3; s.key_steps = 11; s.query_dim = 23; s.heads = 3; s.key_dim = 5; s.value_dim = 2;
+  s = Shape{};
+  s.batch = 1;
+  s.heads = 1;
+  shapes.push_back({"batch1_head1", s});
+  s = Shape{};
+  s.steps = 3;
+  s.key_steps = 11;
+  s.query_dim = 23;
+  s.heads = 3;
+  s.key_dim = 5;
+  s.value_dim = 2;
   shapes.push_back({"odd_sizes", s});
-  s = Shape{}; s.random_mask = true; shapes.push_back({"random_mask", s});
-  s = Shape{}; s.causal = true; s.steps = 8; s.key_steps = 5; shapes.push_back({"causal_t_gt_s", s});
-  s = Shape{}; s.causal = true; s.steps = 4; s.key_steps = 9; s.random_mask = true;
+  s = Shape{};
+  s.random_mask = true;
+  shapes.push_back({"random_mask", s});
+  s = Shape{};
+  s.causal = true;
+  s.steps = 8;
+  s.key_steps = 5;
+  shapes.push_back({"causal_t_gt_s", s});
+  s = Shape{};
+  s.causal = true;
+  s.steps = 4;
+  s.key_steps = 9;
+  s.random_mask = true;
   shapes.push_back({"causal_t_lt_s_mask", s});
-  s = Shape{}; s.key_padding = true; s.random_mask = true; shapes.push_back({"key_padding", s});
-  s = Shape{}; s.fully_blocked_rows = true; s.steps = 8; shapes.push_back({"fully_blocked_rows", s});
-  s = Shape{}; s.empty_rows = true; s.steps = 10; shapes.push_back({"empty_rows", s});
-  s = Shape{}; s.duplicates = true; s.density = 0.5; shapes.push_back({"duplicates", s});
-  s = Shape{}; s.use_bias = false; s.empty_rows = true; s.causal = true; shapes.push_back({"no_bias", s});
-  s = Shape{}; s.batch = 2; s.steps = 20; s.key_steps = 30; s.query_dim = 60; s.heads = 3; s.key_dim = 8;
-  s.density = 0.05; s.random_mask = true; s.key_padding = true; s.causal = true; s.empty_rows = true;
+  s = Shape{};
+  s.key_padding = true;
+  s.random_mask = true;
+  shapes.push_back({"key_padding", s});
+  s = Shape{};
+  s.fully_blocked_rows = true;
+  s.steps = 8;
+  shapes.push_back({"fully_blocked_rows", s});
+  s = Shape{};
+  s.empty_rows = true;
+  s.steps = 10;
+  shapes.push_back({"empty_rows", s});
+  s = Shape{};
+  s.duplicates = true;
+  s.density = 0.5;
+  shapes.push_back({"duplicates", s});
+  s = Shape{};
+  s.use_bias = false;
+  s.empty_rows = true;
+  s.causal = true;
+  shapes.push_back({"no_bias", s});
+  s = Shape{};
+  s.batch = 2;
+  s.steps = 20;
+  s.key_steps = 30;
+  s.query_dim = 60;
+  s.heads = 3;
+  s.key_dim = 8;
+  s.density = 0.05;
+  s.random_mask = true;
+  s.key_padding = true;
+  s.causal = true;
+  s.empty_rows = true;
   shapes.push_back({"larger_all_masks", s});
   return shapes;
 }
@@ -163,12 +218,22 @@ TYPED_TEST(ScoreKernelTest, BothFormsMatchTheReferenceScores) {
 
 TYPED_TEST(ScoreKernelTest, TheTwoFormsAgreeWithEachOther) {
   std::mt19937_64 generator(710);
-  auto pick = [&](long low, long high) { return std::uniform_int_distribution<long>(low, high)(generator); };
+  auto pick = [&](long low, long high) {
+    return std::uniform_int_distribution<long>(low, high)(generator);
+  };
   for (int round = 0; round < 10; ++round) {
     Shape s;
-    s.batch = pick(1, 3); s.steps = pick(1, 9); s.key_steps = pick(1, 9); s.query_dim = pick(1, 30);
-    s.heads = pick(1, 3); s.key_dim = pick(1, 6); s.density = 0.2; s.use_bias = round % 3 != 0;
-    s.random_mask = round % 2 == 0; s.causal = round % 3 == 1; s.empty_rows = round % 4 == 0;
+    s.batch = pick(1, 3);
+    s.steps = pick(1, 9);
+    s.key_steps = pick(1, 9);
+    s.query_dim = pick(1, 30);
+    s.heads = pick(1, 3);
+    s.key_dim = pick(1, 6);
+    s.density = 0.2;
+    s.use_bias = round % 3 != 0;
+    s.random_mask = round % 2 == 0;
+    s.causal = round % 3 == 1;
+    s.empty_rows = round % 4 == 0;
     s.duplicates = round % 5 == 0;
     SCOPED_TRACE(::testing::Message() << "round " << round);
     const ScoreProblem<TypeParam> problem(s, 720 + round);
@@ -177,7 +242,8 @@ TYPED_TEST(ScoreKernelTest, TheTwoFormsAgreeWithEachOther) {
         const auto regrouped = problem.regrouped(b, h);
         // The regrouped scores, in float64, as the expectation for the project-first ones.
         std::vector<double> twin(regrouped.data(), regrouped.data() + regrouped.size());
-        EXPECT_TRUE(scores_match(problem.project_first(b, h), twin.data(), relative_tolerance<TypeParam>()))
+        EXPECT_TRUE(
+            scores_match(problem.project_first(b, h), twin.data(), relative_tolerance<TypeParam>()))
             << "b " << b << ", h " << h;
       }
   }
@@ -185,15 +251,20 @@ TYPED_TEST(ScoreKernelTest, TheTwoFormsAgreeWithEachOther) {
 
 TYPED_TEST(ScoreKernelTest, BlockedEntriesAreMinusInfinityEvenOverNonFiniteKeys) {
   Shape s;
-  s.key_padding = true; s.random_mask = true; s.causal = true; s.steps = 6; s.key_steps = 8;
+  s.key_padding = true;
+  s.random_mask = true;
+  s.causal = true;
+  s.steps = 6;
+  s.key_steps = 8;
   ScoreProblem<TypeParam> problem(s, 730);
   // Poison the projected key at every padded step, for every head.
   Index poisoned = 0;
   for (Index b = 0; b < s.batch; ++b)
     for (Index key_step = 0; key_step < s.key_steps; ++key_step)
       if (problem.c.options.key_padding_mask(b, key_step)) {
-        problem.projected_key.row(b * s.key_steps + key_step).setConstant(
-            key_step % 2 ? std::numeric_limits<TypeParam>::infinity() : std::numeric_limits<TypeParam>::quiet_NaN());
+        problem.projected_key.row(b * s.key_steps + key_step)
+            .setConstant(key_step % 2 ? std::numeric_limits<TypeParam>::infinity()
+                                      : std::numeric_limits<TypeParam>::quiet_NaN());
         ++poisoned;
       }
   ASSERT_GT(poisoned, 0);
@@ -214,7 +285,8 @@ TYPED_TEST(ScoreKernelTest, TheScaleIsTheCallersArgument) {
   sdmha::RowMatrix<TypeParam> scores(T, S);
   const auto query = problem.projected_query.block(T, Dk, T, Dk);  // b = 1, h = 1
   const auto key = problem.projected_key.block(S, Dk, S, Dk);
-  typename Kernel<TypeParam>::Arguments args{sdmha::TilePosition{1, 1, 0, 0}, query, key, scale, sdmha::BatchMask{}, scores};
+  typename Kernel<TypeParam>::Arguments args{
+      sdmha::TilePosition{1, 1, 0, 0}, query, key, scale, sdmha::BatchMask{}, scores};
   Kernel<TypeParam>::can_implement(args);
   Kernel<TypeParam>{}(args);
   std::vector<double> expected;
@@ -230,7 +302,9 @@ TYPED_TEST(ScoreKernelTest, TheScaleIsTheCallersArgument) {
 TYPED_TEST(ScoreKernelTest, ZeroStepsOrKeysGiveEmptyScores) {
   for (auto dims : std::vector<std::array<long, 2>>{{0, 7}, {5, 0}, {0, 0}}) {
     Shape s;
-    s.steps = dims[0]; s.key_steps = dims[1]; s.causal = true;
+    s.steps = dims[0];
+    s.key_steps = dims[1];
+    s.causal = true;
     const ScoreProblem<TypeParam> problem(s, 750);
     for (Index b = 0; b < s.batch; ++b) {
       EXPECT_EQ(problem.project_first(b, 1).size(), 0);
@@ -256,42 +330,55 @@ TYPED_TEST(ScoreKernelTest, CanImplementRejectsEachMismatch) {
 
   using Arguments = typename Kernel<Scalar>::Arguments;
   const Scalar scale = Scalar(0.5);
-  EXPECT_NO_THROW(Kernel<Scalar>::can_implement(Arguments{{}, query, key, scale, problem.mask(0), scores}));
-  EXPECT_NO_THROW(Kernel<Scalar>::can_implement(Arguments{{}, query, key, scale, unused_mask, scores}));
-  SDMHA_EXPECT_THROW_WITH(Kernel<Scalar>::can_implement(Arguments{{}, query, narrow_key, scale, {}, scores}),
-                          sdmha::ShapeError, "ScoreKernel: query has width 4 but key has width 3; expected equal key_dim");
-  SDMHA_EXPECT_THROW_WITH(Kernel<Scalar>::can_implement(Arguments{{}, query, key, scale, {}, wrong_scores}),
-                          sdmha::ShapeError, "scores is 5 x 6; expected 5 x 7");
-  SDMHA_EXPECT_THROW_WITH(Kernel<Scalar>::can_implement(Arguments{{}, query, key, scale, {}, tall_scores}),
-                          sdmha::ShapeError, "scores is 6 x 7; expected 5 x 7");
-  SDMHA_EXPECT_THROW_WITH(Kernel<Scalar>::can_implement(Arguments{{}, query, key, scale, wrong_mask, scores}),
-                          sdmha::ShapeError, "mask is for 5 x 8; expected 5 x 7");
+  EXPECT_NO_THROW(
+      Kernel<Scalar>::can_implement(Arguments{{}, query, key, scale, problem.mask(0), scores}));
+  EXPECT_NO_THROW(
+      Kernel<Scalar>::can_implement(Arguments{{}, query, key, scale, unused_mask, scores}));
+  SDMHA_EXPECT_THROW_WITH(
+      Kernel<Scalar>::can_implement(Arguments{{}, query, narrow_key, scale, {}, scores}),
+      sdmha::ShapeError,
+      "ScoreKernel: query has width 4 but key has width 3; expected equal key_dim");
+  SDMHA_EXPECT_THROW_WITH(
+      Kernel<Scalar>::can_implement(Arguments{{}, query, key, scale, {}, wrong_scores}),
+      sdmha::ShapeError, "scores is 5 x 6; expected 5 x 7");
+  SDMHA_EXPECT_THROW_WITH(
+      Kernel<Scalar>::can_implement(Arguments{{}, query, key, scale, {}, tall_scores}),
+      sdmha::ShapeError, "scores is 6 x 7; expected 5 x 7");
+  SDMHA_EXPECT_THROW_WITH(
+      Kernel<Scalar>::can_implement(Arguments{{}, query, key, scale, wrong_mask, scores}),
+      sdmha::ShapeError, "mask is for 5 x 8; expected 5 x 7");
 
   using SparseArguments = typename Kernel<Scalar>::SparseArguments;
   const auto rows = problem.query.batch_rows(0);
   const auto kernel = weights.query_kernel.middleCols(0, 4);
   const sdmha::RowMatrix<Scalar> short_kernel = sdmha::RowMatrix<Scalar>::Zero(15, 4);
-  const sdmha::Vector<Scalar> bias = weights.query_bias.segment(0, 4), long_bias = sdmha::Vector<Scalar>::Zero(5);
-  EXPECT_NO_THROW(Kernel<Scalar>::can_implement(SparseArguments{{}, rows, kernel, bias, key, scale, problem.mask(0), scores}));
-  EXPECT_NO_THROW(Kernel<Scalar>::can_implement(SparseArguments{{}, rows, kernel, problem.no_bias, key, scale, {}, scores}));
+  const sdmha::Vector<Scalar> bias = weights.query_bias.segment(0, 4),
+                              long_bias = sdmha::Vector<Scalar>::Zero(5);
+  EXPECT_NO_THROW(Kernel<Scalar>::can_implement(
+      SparseArguments{{}, rows, kernel, bias, key, scale, problem.mask(0), scores}));
+  EXPECT_NO_THROW(Kernel<Scalar>::can_implement(
+      SparseArguments{{}, rows, kernel, problem.no_bias, key, scale, {}, scores}));
   SDMHA_EXPECT_THROW_WITH(
-      Kernel<Scalar>::can_implement(SparseArguments{{}, rows, short_kernel, bias, key, scale, {}, scores}),
-      sdmha::ShapeError, "ScoreKernel (sparse): query_kernel has 15 rows; expected the query's feature width 16");
-  SDMHA_EXPECT_THROW_WITH(
-      Kernel<Scalar>::can_implement(SparseArguments{{}, rows, kernel, bias, narrow_key, scale, {}, scores}),
-      sdmha::ShapeError, "query_kernel has 4 columns but key has width 3; expected equal");
-  SDMHA_EXPECT_THROW_WITH(
-      Kernel<Scalar>::can_implement(SparseArguments{{}, rows, kernel, long_bias, key, scale, {}, scores}),
-      sdmha::ShapeError, "query_bias has 5 entries; expected 0 or 4");
-  SDMHA_EXPECT_THROW_WITH(
-      Kernel<Scalar>::can_implement(SparseArguments{{}, rows, kernel, bias, key, scale, {}, wrong_scores}),
-      sdmha::ShapeError, "scores is 5 x 6; expected 5 x 7");
-  SDMHA_EXPECT_THROW_WITH(
-      Kernel<Scalar>::can_implement(SparseArguments{{}, problem.query.csr(), kernel, bias, key, scale, {}, scores}),
-      sdmha::ShapeError, "scores is 5 x 7; expected 10 x 7");
-  SDMHA_EXPECT_THROW_WITH(
-      Kernel<Scalar>::can_implement(SparseArguments{{}, rows, kernel, bias, key, scale, wrong_mask, scores}),
-      sdmha::ShapeError, "mask is for 5 x 8; expected 5 x 7");
+      Kernel<Scalar>::can_implement(
+          SparseArguments{{}, rows, short_kernel, bias, key, scale, {}, scores}),
+      sdmha::ShapeError,
+      "ScoreKernel (sparse): query_kernel has 15 rows; expected the query's feature width 16");
+  SDMHA_EXPECT_THROW_WITH(Kernel<Scalar>::can_implement(SparseArguments{
+                              {}, rows, kernel, bias, narrow_key, scale, {}, scores}),
+                          sdmha::ShapeError,
+                          "query_kernel has 4 columns but key has width 3; expected equal");
+  SDMHA_EXPECT_THROW_WITH(Kernel<Scalar>::can_implement(
+                              SparseArguments{{}, rows, kernel, long_bias, key, scale, {}, scores}),
+                          sdmha::ShapeError, "query_bias has 5 entries; expected 0 or 4");
+  SDMHA_EXPECT_THROW_WITH(Kernel<Scalar>::can_implement(SparseArguments{
+                              {}, rows, kernel, bias, key, scale, {}, wrong_scores}),
+                          sdmha::ShapeError, "scores is 5 x 6; expected 5 x 7");
+  SDMHA_EXPECT_THROW_WITH(Kernel<Scalar>::can_implement(SparseArguments{
+                              {}, problem.query.csr(), kernel, bias, key, scale, {}, scores}),
+                          sdmha::ShapeError, "scores is 5 x 7; expected 10 x 7");
+  SDMHA_EXPECT_THROW_WITH(Kernel<Scalar>::can_implement(SparseArguments{
+                              {}, rows, kernel, bias, key, scale, wrong_mask, scores}),
+                          sdmha::ShapeError, "mask is for 5 x 8; expected 5 x 7");
 }
 
 }  // namespace

@@ -9,7 +9,6 @@ template <typename Scalar>
 class SparseDenseMhaTest : public ::testing::Test {};
 TYPED_TEST_SUITE(SparseDenseMhaTest, ScalarTypes, );
 
-
 template <typename Scalar>
 void check_layer(const Case<Scalar>& c, sdmha::AttentionOptions<Scalar> options, const char* name) {
   SCOPED_TRACE(name);
@@ -47,11 +46,21 @@ TYPED_TEST(SparseDenseMhaTest, ScoreStrategiesAgreeOnRandomShapes) {
   };
   for (int round = 0; round < 12; ++round) {
     Shape s;
-    s.batch = pick(1, 3); s.steps = pick(1, 9); s.key_steps = pick(1, 9);
-    s.query_dim = pick(1, 40); s.key_in_dim = pick(1, 10); s.value_in_dim = pick(1, 10);
-    s.heads = pick(1, 3); s.key_dim = pick(1, 6); s.value_dim = pick(0, 5); s.output_dim = pick(0, 7);
-    s.density = 0.15; s.random_mask = round % 2 == 0; s.causal = round % 3 == 0;
-    s.empty_rows = round % 4 == 0; s.duplicates = round % 5 == 0;
+    s.batch = pick(1, 3);
+    s.steps = pick(1, 9);
+    s.key_steps = pick(1, 9);
+    s.query_dim = pick(1, 40);
+    s.key_in_dim = pick(1, 10);
+    s.value_in_dim = pick(1, 10);
+    s.heads = pick(1, 3);
+    s.key_dim = pick(1, 6);
+    s.value_dim = pick(0, 5);
+    s.output_dim = pick(0, 7);
+    s.density = 0.15;
+    s.random_mask = round % 2 == 0;
+    s.causal = round % 3 == 0;
+    s.empty_rows = round % 4 == 0;
+    s.duplicates = round % 5 == 0;
     const auto c = make_case<TypeParam>(s, 1000 + round);
     check_layer(c, c.options, "random");
   }
@@ -59,11 +68,17 @@ TYPED_TEST(SparseDenseMhaTest, ScoreStrategiesAgreeOnRandomShapes) {
 
 TYPED_TEST(SparseDenseMhaTest, OutputIsBitwiseTheSameForAnyThreadCount) {
   Shape s;
-  s.batch = 3; s.steps = 70; s.key_steps = 20; s.query_dim = 50; s.heads = 3; s.random_mask = true;
+  s.batch = 3;
+  s.steps = 70;
+  s.key_steps = 20;
+  s.query_dim = 50;
+  s.heads = 3;
+  s.random_mask = true;
   const auto c = make_case<TypeParam>(s, 5);
   const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
   const auto query = c.query();
-  for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+  for (auto strategy :
+       {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
     auto options = c.options;
     options.score_strategy = strategy;
     options.num_threads = 1;
@@ -84,7 +99,8 @@ TYPED_TEST(SparseDenseMhaTest, FullyBlockedRowGivesTheOutputBias) {
   const auto c = make_case<TypeParam>(s, 11);
   auto options = c.options;
   options.attention_mask.setConstant(true);
-  for (long s_index = 0; s_index < s.key_steps; ++s_index) options.attention_mask(1, 2, s_index) = false;
+  for (long s_index = 0; s_index < s.key_steps; ++s_index)
+    options.attention_mask(1, 2, s_index) = false;
   options.return_attention_scores = true;
   const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
   const auto result = layer.forward(c.query(), c.key, c.value, options);
@@ -105,12 +121,14 @@ TYPED_TEST(SparseDenseMhaTest, NonFiniteKeyAndValueInBlockedPositionsDoNotReachT
     c.problem.attention_mask[(0 * s.steps + t) * s.key_steps + 3] = 0;
   }
   const auto expected = sdmha_reference::forward(c.problem);
-  for (long e = 0; e < s.key_in_dim; ++e) c.key(0, 3, e) = std::numeric_limits<TypeParam>::quiet_NaN();
+  for (long e = 0; e < s.key_in_dim; ++e)
+    c.key(0, 3, e) = std::numeric_limits<TypeParam>::quiet_NaN();
   for (long e = 0; e < s.value_in_dim; ++e)
     c.value(0, 3, e) = e % 2 ? std::numeric_limits<TypeParam>::infinity()
                              : std::numeric_limits<TypeParam>::quiet_NaN();
   const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
-  for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+  for (auto strategy :
+       {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
     auto options = c.options;
     options.score_strategy = strategy;
     const auto result = layer.forward(c.query(), c.key, c.value, options);
@@ -127,7 +145,8 @@ TYPED_TEST(SparseDenseMhaTest, ExtremeLogitsStayFinite) {
   auto options = c.options;
   options.return_attention_scores = true;
   const auto result = layer.forward(c.query(), c.key, c.value, options);
-  for (Index i = 0; i < result.output.size(); ++i) ASSERT_TRUE(std::isfinite(result.output.data()[i]));
+  for (Index i = 0; i < result.output.size(); ++i)
+    ASSERT_TRUE(std::isfinite(result.output.data()[i]));
   for (Index i = 0; i < result.attention_scores.size(); ++i)
     ASSERT_TRUE(std::isfinite(result.attention_scores.data()[i]));
 }
@@ -135,7 +154,9 @@ TYPED_TEST(SparseDenseMhaTest, ExtremeLogitsStayFinite) {
 TYPED_TEST(SparseDenseMhaTest, ZeroSizeBatchStepsAndKeysGiveEmptyOrBiasOutputs) {
   for (auto dims : std::vector<std::array<long, 3>>{{0, 5, 7}, {2, 0, 7}, {2, 5, 0}}) {
     Shape s;
-    s.batch = dims[0]; s.steps = dims[1]; s.key_steps = dims[2];
+    s.batch = dims[0];
+    s.steps = dims[1];
+    s.key_steps = dims[2];
     const auto c = make_case<TypeParam>(s, 14);
     const auto expected = sdmha_reference::forward(c.problem);
     const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
@@ -160,7 +181,8 @@ TYPED_TEST(SparseDenseMhaTest, KeyDefaultsToValueAndTensorMapsAreAccepted) {
   const auto self = layer.forward(c.query(), c.value);
   EXPECT_TRUE(all_near(self.output.data(), expected.output, relative_tolerance<TypeParam>()));
   std::vector<TypeParam> caller_memory(c.value.data(), c.value.data() + c.value.size());
-  Eigen::TensorMap<Tensor3<TypeParam>> mutable_map(caller_memory.data(), s.batch, s.key_steps, s.value_in_dim);
+  Eigen::TensorMap<Tensor3<TypeParam>> mutable_map(caller_memory.data(), s.batch, s.key_steps,
+                                                   s.value_in_dim);
   Eigen::TensorMap<const Tensor3<TypeParam>> const_map(caller_memory.data(), s.batch, s.key_steps,
                                                        s.value_in_dim);
   const auto mapped = layer.forward(c.query(), mutable_map, const_map);
@@ -183,7 +205,8 @@ TYPED_TEST(SparseDenseMhaTest, ProjectedContextGivesTheSameOutputBitwise) {
   const auto context = layer.project_context(c.key, c.value, 2);
   EXPECT_EQ(context.batch, s.batch);
   EXPECT_EQ(context.key_steps, s.key_steps);
-  for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+  for (auto strategy :
+       {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
     auto options = c.options;
     options.score_strategy = strategy;
     const auto direct = layer.forward(query, c.key, c.value, options);
@@ -203,11 +226,13 @@ TYPED_TEST(SparseDenseMhaTest, RejectsAProjectedContextThatDoesNotFit) {
                           "context has batch 3; expected the query's batch 2");
   context = layer.project_context(c.key, c.value);
   context.keys.conservativeResize(Eigen::NoChange, 7);
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, context), sdmha::ShapeError,
-                          "context.keys is 14 x 7; expected batch * key_steps x num_heads * key_dim = 14 x 8");
+  SDMHA_EXPECT_THROW_WITH(
+      layer.forward(query, context), sdmha::ShapeError,
+      "context.keys is 14 x 7; expected batch * key_steps x num_heads * key_dim = 14 x 8");
   context = layer.project_context(c.key, c.value);
   context.values.resize(13, 8);
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, context), sdmha::ShapeError, "context.values is 13 x 8");
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, context), sdmha::ShapeError,
+                          "context.values is 13 x 8");
   Tensor3<TypeParam> other_batch(3, 7, 12);
   other_batch.setZero();
   SDMHA_EXPECT_THROW_WITH(layer.project_context(c.key, other_batch), sdmha::ShapeError,
@@ -218,14 +243,19 @@ TYPED_TEST(SparseDenseMhaTest, RejectsAProjectedContextThatDoesNotFit) {
 // project-first when every row touches many features of a wide query.
 TYPED_TEST(SparseDenseMhaTest, AutomaticStrategyFollowsTheCostModel) {
   Shape few_features;
-  few_features.steps = 400; few_features.key_steps = 50; few_features.query_dim = 6;
-  few_features.key_dim = 32; few_features.density = 0.2;
+  few_features.steps = 400;
+  few_features.key_steps = 50;
+  few_features.query_dim = 6;
+  few_features.key_dim = 32;
+  few_features.density = 0.2;
   const auto a = make_case<TypeParam>(few_features, 23);
   const sdmha::SparseDenseMHA<TypeParam> layer_a(a.config, a.weights);
   EXPECT_EQ(layer_a.resolve_strategy(sdmha::ScoreStrategy::automatic, a.query(), 50, false),
             sdmha::ScoreStrategy::sparse_regrouped);
   Shape many_features;
-  many_features.steps = 4; many_features.key_steps = 50; many_features.query_dim = 400;
+  many_features.steps = 4;
+  many_features.key_steps = 50;
+  many_features.query_dim = 400;
   many_features.density = 0.3;
   const auto b = make_case<TypeParam>(many_features, 24);
   const sdmha::SparseDenseMHA<TypeParam> layer_b(b.config, b.weights);
@@ -259,8 +289,9 @@ TYPED_TEST(SparseDenseMhaTest, RejectsWeightsThatDisagreeWithTheConfiguration) {
   const auto c = make_case<TypeParam>(Shape{}, 18);
   auto weights = c.weights;
   weights.output_kernel.resize(8, 15);
-  SDMHA_EXPECT_THROW_WITH((sdmha::SparseDenseMHA<TypeParam>(c.config, weights)), sdmha::ShapeError,
-                          "output_kernel is 8 x 15; expected num_heads * value_dim x output_dim = 8 x 16");
+  SDMHA_EXPECT_THROW_WITH(
+      (sdmha::SparseDenseMHA<TypeParam>(c.config, weights)), sdmha::ShapeError,
+      "output_kernel is 8 x 15; expected num_heads * value_dim x output_dim = 8 x 16");
   weights = c.weights;
   weights.key_bias.resize(3);
   SDMHA_EXPECT_THROW_WITH((sdmha::SparseDenseMHA<TypeParam>(c.config, weights)), sdmha::ShapeError,
@@ -276,7 +307,9 @@ TYPED_TEST(SparseDenseMhaTest, RejectsInputsOfTheWrongShape) {
   const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
   const auto query = c.query();
   Tensor3<TypeParam> narrow_key(2, 7, 11), short_value(2, 6, 12), other_batch(3, 7, 12);
-  narrow_key.setZero(); short_value.setZero(); other_batch.setZero();
+  narrow_key.setZero();
+  short_value.setZero();
+  other_batch.setZero();
   SDMHA_EXPECT_THROW_WITH(layer.forward(query, narrow_key, c.value), sdmha::ShapeError,
                           "key has width 11; expected the kernel's input width 12");
   SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, short_value), sdmha::ShapeError,

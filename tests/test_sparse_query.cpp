@@ -29,7 +29,8 @@ std::vector<double> naive_dense(const sdmha::CsrView<Scalar, StorageIndex>& view
   return dense;
 }
 
-std::vector<double> twin_rows(const std::vector<double>& twin, Index first, Index count, Index width) {
+std::vector<double> twin_rows(const std::vector<double>& twin, Index first, Index count,
+                              Index width) {
   return std::vector<double>(twin.begin() + first * width, twin.begin() + (first + count) * width);
 }
 
@@ -51,7 +52,8 @@ EigenSparse<Scalar> uncompressed_matrix(const Case<Scalar>& c, int reserve_per_r
   EigenSparse<Scalar> matrix(c.shape.batch * c.shape.steps, c.shape.query_dim);
   matrix.reserve(Eigen::VectorXi::Constant(matrix.rows(), reserve_per_row));
   for (Index i = 0; i < c.indices.rows(); ++i)
-    matrix.coeffRef(c.indices(i, 0) * c.shape.steps + c.indices(i, 1), c.indices(i, 2)) += c.values[i];
+    matrix.coeffRef(c.indices(i, 0) * c.shape.steps + c.indices(i, 1), c.indices(i, 2)) +=
+        c.values[i];
   return matrix;
 }
 
@@ -59,8 +61,8 @@ template <typename Scalar>
 EigenSparse<Scalar> compressed_matrix(const Case<Scalar>& c) {
   std::vector<Eigen::Triplet<Scalar>> triplets;
   for (Index i = 0; i < c.indices.rows(); ++i)
-    triplets.emplace_back(int(c.indices(i, 0) * c.shape.steps + c.indices(i, 1)), int(c.indices(i, 2)),
-                          c.values[i]);
+    triplets.emplace_back(int(c.indices(i, 0) * c.shape.steps + c.indices(i, 1)),
+                          int(c.indices(i, 2)), c.values[i]);
   EigenSparse<Scalar> matrix(c.shape.batch * c.shape.steps, c.shape.query_dim);
   matrix.setFromTriplets(triplets.begin(), triplets.end());
   return matrix;
@@ -74,12 +76,30 @@ TYPED_TEST(SparseQueryTest, FromCooMatchesTheDenseTwinWithSortedDistinctColumns)
   std::vector<std::pair<const char*, Shape>> shapes;
   Shape s;
   shapes.push_back({"basic", s});
-  s = Shape{}; s.shuffle = false; shapes.push_back({"in_order", s});
-  s = Shape{}; s.duplicates = true; s.density = 0.5; shapes.push_back({"duplicates", s});
-  s = Shape{}; s.empty_rows = true; s.steps = 11; shapes.push_back({"empty_rows", s});
-  s = Shape{}; s.batch = 1; s.steps = 1; s.query_dim = 1; shapes.push_back({"one_by_one", s});
-  s = Shape{}; s.batch = 3; s.steps = 7; s.query_dim = 37; s.density = 0.6; s.duplicates = true;
-  s.empty_rows = true; shapes.push_back({"odd_dense_duplicates", s});
+  s = Shape{};
+  s.shuffle = false;
+  shapes.push_back({"in_order", s});
+  s = Shape{};
+  s.duplicates = true;
+  s.density = 0.5;
+  shapes.push_back({"duplicates", s});
+  s = Shape{};
+  s.empty_rows = true;
+  s.steps = 11;
+  shapes.push_back({"empty_rows", s});
+  s = Shape{};
+  s.batch = 1;
+  s.steps = 1;
+  s.query_dim = 1;
+  shapes.push_back({"one_by_one", s});
+  s = Shape{};
+  s.batch = 3;
+  s.steps = 7;
+  s.query_dim = 37;
+  s.density = 0.6;
+  s.duplicates = true;
+  s.empty_rows = true;
+  shapes.push_back({"odd_dense_duplicates", s});
   std::uint64_t seed = 200;
   for (const auto& [name, shape] : shapes) {
     SCOPED_TRACE(name);
@@ -96,7 +116,8 @@ TYPED_TEST(SparseQueryTest, FromCooMatchesTheDenseTwinWithSortedDistinctColumns)
     for (Index row = 0; row < csr.rows; ++row)
       for (Index k = csr.row_offsets[row] + 1; k < csr.row_offsets[row + 1]; ++k)
         ASSERT_LT(csr.column_indices[k - 1], csr.column_indices[k]) << "row " << row;
-    EXPECT_TRUE(all_near(naive_dense(csr).data(), c.problem.query, relative_tolerance<TypeParam>()));
+    EXPECT_TRUE(
+        all_near(naive_dense(csr).data(), c.problem.query, relative_tolerance<TypeParam>()));
     const auto dense = query.to_dense();
     ASSERT_EQ(dense.rows(), query.rows());
     ASSERT_EQ(dense.cols(), query.features());
@@ -131,7 +152,12 @@ TYPED_TEST(SparseQueryTest, FromCooSumsDuplicatesAndMapsEveryEntryToItsStoredVal
 
 TYPED_TEST(SparseQueryTest, CooToStoredIsConsistentOnRandomDuplicates) {
   Shape s;
-  s.batch = 3; s.steps = 6; s.query_dim = 9; s.density = 0.6; s.duplicates = true; s.empty_rows = true;
+  s.batch = 3;
+  s.steps = 6;
+  s.query_dim = 9;
+  s.density = 0.6;
+  s.duplicates = true;
+  s.empty_rows = true;
   const auto c = make_case<TypeParam>(s, 210);
   const auto query = c.query();
   const auto& csr = query.csr();
@@ -161,7 +187,8 @@ TYPED_TEST(SparseQueryTest, FromCooAcceptsEmptyShapesAndEmptyEntries) {
   using Scalar = TypeParam;
   const CooIndices no_indices(0, 3);
   const sdmha::Vector<Scalar> no_values;
-  for (auto dims : std::vector<std::array<Index, 3>>{{0, 5, 16}, {2, 0, 16}, {2, 3, 0}, {2, 3, 8}}) {
+  for (auto dims :
+       std::vector<std::array<Index, 3>>{{0, 5, 16}, {2, 0, 16}, {2, 3, 0}, {2, 3, 8}}) {
     SCOPED_TRACE(::testing::Message() << dims[0] << " x " << dims[1] << " x " << dims[2]);
     const auto query = Query<Scalar>::from_coo(dims[0], dims[1], dims[2], no_indices, no_values);
     EXPECT_EQ(query.rows(), dims[0] * dims[1]);
@@ -186,14 +213,17 @@ TYPED_TEST(SparseQueryTest, MovingTheQueryKeepsItsArrays) {
   const TypeParam* values = query.csr().values;
   const auto moved = std::move(query);
   EXPECT_EQ(moved.csr().values, values);
-  EXPECT_TRUE(all_near(naive_dense(moved.csr()).data(), c.problem.query, relative_tolerance<TypeParam>()));
+  EXPECT_TRUE(
+      all_near(naive_dense(moved.csr()).data(), c.problem.query, relative_tolerance<TypeParam>()));
 }
 
 // ---- from_eigen ----
 
 TYPED_TEST(SparseQueryTest, FromEigenTakesOverACompressedMatrixWithoutCopying) {
   Shape s;
-  s.duplicates = true; s.empty_rows = true; s.steps = 6;
+  s.duplicates = true;
+  s.empty_rows = true;
+  s.steps = 6;
   const auto c = make_case<TypeParam>(s, 220);
   auto matrix = compressed_matrix(c);
   ASSERT_TRUE(matrix.isCompressed());
@@ -210,7 +240,8 @@ TYPED_TEST(SparseQueryTest, FromEigenTakesOverACompressedMatrixWithoutCopying) {
   EXPECT_EQ(query.steps(), s.steps);
   EXPECT_EQ(query.features(), s.query_dim);
   EXPECT_EQ(query.nonzeros(), distinct_coordinates(c));
-  EXPECT_TRUE(all_near(naive_dense(query.csr()).data(), c.problem.query, relative_tolerance<TypeParam>()));
+  EXPECT_TRUE(
+      all_near(naive_dense(query.csr()).data(), c.problem.query, relative_tolerance<TypeParam>()));
   EXPECT_TRUE(all_near(query.to_dense().data(), c.problem.query, relative_tolerance<TypeParam>()));
   const auto moved = std::move(query);
   EXPECT_EQ(moved.csr().values, values);
@@ -219,8 +250,12 @@ TYPED_TEST(SparseQueryTest, FromEigenTakesOverACompressedMatrixWithoutCopying) {
 
 TYPED_TEST(SparseQueryTest, FromEigenTakesOverAnUncompressedMatrixWithSlack) {
   Shape s;
-  s.batch = 3; s.steps = 6; s.query_dim = 20; s.density = 0.3;  // 6 per row: outgrows the reserve
-  s.duplicates = true; s.empty_rows = true;
+  s.batch = 3;
+  s.steps = 6;
+  s.query_dim = 20;
+  s.density = 0.3;  // 6 per row: outgrows the reserve
+  s.duplicates = true;
+  s.empty_rows = true;
   const auto c = make_case<TypeParam>(s, 221);
   auto matrix = uncompressed_matrix(c, 3);
   ASSERT_FALSE(matrix.isCompressed());
@@ -230,7 +265,8 @@ TYPED_TEST(SparseQueryTest, FromEigenTakesOverAnUncompressedMatrixWithSlack) {
   EXPECT_EQ(query.csr().values, values);
   EXPECT_EQ(query.csr().row_nonzeros, row_nonzeros);
   EXPECT_EQ(query.nonzeros(), distinct_coordinates(c));
-  EXPECT_TRUE(all_near(naive_dense(query.csr()).data(), c.problem.query, relative_tolerance<TypeParam>()));
+  EXPECT_TRUE(
+      all_near(naive_dense(query.csr()).data(), c.problem.query, relative_tolerance<TypeParam>()));
   EXPECT_TRUE(all_near(query.to_dense().data(), c.problem.query, relative_tolerance<TypeParam>()));
 }
 
@@ -276,8 +312,11 @@ TYPED_TEST(SparseQueryTest, ViewCsrReadsTheCallersArraysInPlace) {
   EXPECT_EQ(query.csr().row_offsets, offsets.data());
   EXPECT_EQ(query.nonzeros(), 5);
   std::vector<double> expected(24, 0.0);
-  expected[0 * 6 + 1] = 1; expected[0 * 6 + 4] = -2; expected[2 * 6 + 0] = 3;
-  expected[3 * 6 + 5] = 0.5; expected[3 * 6 + 2] = -0.25;
+  expected[0 * 6 + 1] = 1;
+  expected[0 * 6 + 4] = -2;
+  expected[2 * 6 + 0] = 3;
+  expected[3 * 6 + 5] = 0.5;
+  expected[3 * 6 + 2] = -0.25;
   EXPECT_TRUE(all_near(query.to_dense().data(), expected, kExact));
   values[2] = 7;  // the view sees the caller's memory, not a copy
   expected[2 * 6 + 0] = 7;
@@ -295,11 +334,16 @@ TYPED_TEST(SparseQueryTest, ViewCsrAcceptsNullArraysWhenNothingIsStored) {
 
 TYPED_TEST(SparseQueryTest, BatchRowsAndMiddleRowsViewTheRightRowsInPlace) {
   Shape s;
-  s.batch = 3; s.steps = 5; s.query_dim = 11; s.density = 0.4; s.empty_rows = true;
+  s.batch = 3;
+  s.steps = 5;
+  s.query_dim = 11;
+  s.density = 0.4;
+  s.empty_rows = true;
   const auto c = make_case<TypeParam>(s, 230);
   std::vector<std::pair<const char*, Query<TypeParam>>> queries;
   queries.emplace_back("compressed", c.query());
-  queries.emplace_back("uncompressed", Query<TypeParam>::from_eigen(s.batch, s.steps, uncompressed_matrix(c, 2)));
+  queries.emplace_back("uncompressed",
+                       Query<TypeParam>::from_eigen(s.batch, s.steps, uncompressed_matrix(c, 2)));
   std::mt19937_64 generator(231);
   for (const auto& [name, query] : queries) {
     SCOPED_TRACE(name);
@@ -321,8 +365,8 @@ TYPED_TEST(SparseQueryTest, BatchRowsAndMiddleRowsViewTheRightRowsInPlace) {
       const Index count = std::uniform_int_distribution<Index>(0, query.rows() - first)(generator);
       const auto rows = csr.middle_rows(first, count);
       EXPECT_EQ(rows.rows, count);
-      EXPECT_TRUE(all_near(naive_dense(rows).data(), twin_rows(c.problem.query, first, count, s.query_dim),
-                           kExact))
+      EXPECT_TRUE(all_near(naive_dense(rows).data(),
+                           twin_rows(c.problem.query, first, count, s.query_dim), kExact))
           << "rows [" << first << ", " << first + count << ")";
       Index stored = 0;
       for (Index row = 0; row < count; ++row) stored += rows.row_size(row);
@@ -338,31 +382,31 @@ TYPED_TEST(SparseQueryTest, RejectsNegativeDimensions) {
   using Scalar = TypeParam;
   const CooIndices no_indices(0, 3);
   const sdmha::Vector<Scalar> no_values;
-  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_coo(-1, 2, 3, no_indices, no_values), sdmha::ShapeError,
-                          "SparseQuery::from_coo: batch = -1; expected >= 0");
-  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_coo(1, -2, 3, no_indices, no_values), sdmha::ShapeError,
-                          "steps = -2; expected >= 0");
-  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_coo(1, 2, -3, no_indices, no_values), sdmha::ShapeError,
-                          "features = -3; expected >= 0");
+  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_coo(-1, 2, 3, no_indices, no_values),
+                          sdmha::ShapeError, "SparseQuery::from_coo: batch = -1; expected >= 0");
+  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_coo(1, -2, 3, no_indices, no_values),
+                          sdmha::ShapeError, "steps = -2; expected >= 0");
+  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_coo(1, 2, -3, no_indices, no_values),
+                          sdmha::ShapeError, "features = -3; expected >= 0");
   const int offsets[1] = {0};
   SDMHA_EXPECT_THROW_WITH(Query<Scalar>::view_csr(-1, 2, 3, offsets, 1, nullptr, nullptr, 0),
                           sdmha::ShapeError, "SparseQuery::view_csr: batch = -1; expected >= 0");
   SDMHA_EXPECT_THROW_WITH(Query<Scalar>::view_csr(0, 2, -3, offsets, 1, nullptr, nullptr, 0),
                           sdmha::ShapeError, "features = -3; expected >= 0");
-  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_eigen(2, -1, EigenSparse<Scalar>(4, 3)), sdmha::ShapeError,
-                          "SparseQuery::from_eigen: steps = -1; expected >= 0");
+  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_eigen(2, -1, EigenSparse<Scalar>(4, 3)),
+                          sdmha::ShapeError, "SparseQuery::from_eigen: steps = -1; expected >= 0");
 }
 
 TYPED_TEST(SparseQueryTest, RejectsShapesThatOverflowTheStorageIndex) {
   using Scalar = TypeParam;
   const CooIndices no_indices(0, 3);
   const sdmha::Vector<Scalar> no_values;
-  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_coo(65536, 32768, 4, no_indices, no_values),
-                          sdmha::ShapeError,
-                          "batch * steps = 65536 * 32768 does not fit the storage index type; expected < 2147483647");
-  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_coo(2, 3, Index(1) << 31, no_indices, no_values),
-                          sdmha::ShapeError,
-                          "features = 2147483648 does not fit the storage index type; expected <= 2147483647");
+  SDMHA_EXPECT_THROW_WITH(
+      Query<Scalar>::from_coo(65536, 32768, 4, no_indices, no_values), sdmha::ShapeError,
+      "batch * steps = 65536 * 32768 does not fit the storage index type; expected < 2147483647");
+  SDMHA_EXPECT_THROW_WITH(
+      Query<Scalar>::from_coo(2, 3, Index(1) << 31, no_indices, no_values), sdmha::ShapeError,
+      "features = 2147483648 does not fit the storage index type; expected <= 2147483647");
   const int offsets[1] = {0};
   SDMHA_EXPECT_THROW_WITH(Query<Scalar>::view_csr(65536, 32768, 4, offsets, 1, nullptr, nullptr, 0),
                           sdmha::ShapeError, "batch * steps = 65536 * 32768 does not fit");
@@ -370,10 +414,12 @@ TYPED_TEST(SparseQueryTest, RejectsShapesThatOverflowTheStorageIndex) {
                           sdmha::ShapeError, "batch * steps = 65536 * 32768 does not fit");
   // With a 16-bit storage index the limits are small enough to reach, the entry count included.
   using ShortQuery = sdmha::SparseQuery<Scalar, std::int16_t>;
-  SDMHA_EXPECT_THROW_WITH(ShortQuery::from_coo(200, 200, 4, no_indices, no_values), sdmha::ShapeError,
-                          "batch * steps = 200 * 200 does not fit the storage index type; expected < 32767");
-  SDMHA_EXPECT_THROW_WITH(ShortQuery::from_coo(1, 1, 40000, no_indices, no_values), sdmha::ShapeError,
-                          "features = 40000 does not fit the storage index type; expected <= 32767");
+  SDMHA_EXPECT_THROW_WITH(
+      ShortQuery::from_coo(200, 200, 4, no_indices, no_values), sdmha::ShapeError,
+      "batch * steps = 200 * 200 does not fit the storage index type; expected < 32767");
+  SDMHA_EXPECT_THROW_WITH(
+      ShortQuery::from_coo(1, 1, 40000, no_indices, no_values), sdmha::ShapeError,
+      "features = 40000 does not fit the storage index type; expected <= 32767");
   const CooIndices many = CooIndices::Zero(40000, 3);
   const sdmha::Vector<Scalar> many_values = sdmha::Vector<Scalar>::Ones(40000);
   SDMHA_EXPECT_THROW_WITH(ShortQuery::from_coo(1, 1, 4, many, many_values), sdmha::ShapeError,
@@ -384,10 +430,12 @@ TYPED_TEST(SparseQueryTest, RejectsIndicesOfTheWrongShape) {
   using Scalar = TypeParam;
   const typename Query<Scalar>::CooIndices two_columns = Query<Scalar>::CooIndices::Zero(4, 2);
   const sdmha::Vector<Scalar> four_values = sdmha::Vector<Scalar>::Ones(4);
-  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_coo(2, 3, 5, two_columns, four_values), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_coo(2, 3, 5, two_columns, four_values),
+                          sdmha::ShapeError,
                           "indices has 2 columns; expected 3 (batch, step, feature)");
   const CooIndices three_rows = CooIndices::Zero(3, 3);
-  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_coo(2, 3, 5, three_rows, four_values), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_coo(2, 3, 5, three_rows, four_values),
+                          sdmha::ShapeError,
                           "indices has 3 rows but values has 4 entries; expected equal lengths");
 }
 
@@ -399,11 +447,14 @@ TYPED_TEST(SparseQueryTest, RejectsCoordinatesOutOfRangeOnEachAxis) {
   for (int axis = 0; axis < 3; ++axis) {
     for (std::int64_t bad : {std::int64_t(-1), bounds[axis], std::int64_t(1) << 40}) {
       CooIndices indices = CooIndices::Zero(3, 3);
-      indices(2, 0) = 1; indices(2, 1) = 2; indices(2, 2) = 4;  // the largest valid coordinate
+      indices(2, 0) = 1;
+      indices(2, 1) = 2;
+      indices(2, 2) = 4;  // the largest valid coordinate
       indices(1, axis) = bad;
       const std::string fragment = "indices[1] " + std::string(axis_names[axis]) + " = " +
-                                   std::to_string(bad) + " is out of range; expected 0 <= " +
-                                   axis_names[axis] + " < " + std::to_string(bounds[axis]);
+                                   std::to_string(bad) +
+                                   " is out of range; expected 0 <= " + axis_names[axis] + " < " +
+                                   std::to_string(bounds[axis]);
       SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_coo(2, 3, 5, indices, values), sdmha::IndexError,
                               fragment);
     }
@@ -426,7 +477,8 @@ TYPED_TEST(SparseQueryTest, ViewCsrRejectsEveryMalformedArray) {
                           "row_offsets has 4 entries; expected batch * steps + 1 = 5");
   SDMHA_EXPECT_THROW_WITH(view({0, 2, 2, 3, 5, 5}, columns, 5), sdmha::ShapeError,
                           "row_offsets has 6 entries; expected batch * steps + 1 = 5");
-  SDMHA_EXPECT_THROW_WITH(view(offsets, columns, -1), sdmha::ShapeError, "nonzero_count = -1; expected >= 0");
+  SDMHA_EXPECT_THROW_WITH(view(offsets, columns, -1), sdmha::ShapeError,
+                          "nonzero_count = -1; expected >= 0");
   SDMHA_EXPECT_THROW_WITH(view({1, 2, 2, 3, 5}, columns, 5), sdmha::IndexError,
                           "row_offsets[0] = 1; expected 0");
   SDMHA_EXPECT_THROW_WITH(view({0, 2, 3, 2, 5}, columns, 5), sdmha::IndexError,
@@ -441,12 +493,15 @@ TYPED_TEST(SparseQueryTest, ViewCsrRejectsEveryMalformedArray) {
                           "row 3 has column index 6 at position 3; expected 0 <= column < 6");
   SDMHA_EXPECT_THROW_WITH(view(offsets, {1, -4, 0, 5, 2}, 5), sdmha::IndexError,
                           "row 0 has column index -4 at position 1; expected 0 <= column < 6");
-  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::view_csr(2, 2, 6, nullptr, 5, columns.data(), values.data(), 5),
-                          sdmha::ShapeError, "a CSR array pointer is null");
-  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::view_csr(2, 2, 6, offsets.data(), 5, nullptr, values.data(), 5),
-                          sdmha::ShapeError, "a CSR array pointer is null");
-  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::view_csr(2, 2, 6, offsets.data(), 5, columns.data(), nullptr, 5),
-                          sdmha::ShapeError, "a CSR array pointer is null");
+  SDMHA_EXPECT_THROW_WITH(
+      Query<Scalar>::view_csr(2, 2, 6, nullptr, 5, columns.data(), values.data(), 5),
+      sdmha::ShapeError, "a CSR array pointer is null");
+  SDMHA_EXPECT_THROW_WITH(
+      Query<Scalar>::view_csr(2, 2, 6, offsets.data(), 5, nullptr, values.data(), 5),
+      sdmha::ShapeError, "a CSR array pointer is null");
+  SDMHA_EXPECT_THROW_WITH(
+      Query<Scalar>::view_csr(2, 2, 6, offsets.data(), 5, columns.data(), nullptr, 5),
+      sdmha::ShapeError, "a CSR array pointer is null");
 }
 
 TYPED_TEST(SparseQueryTest, FromEigenRejectsAMatrixWithTheWrongRowCount) {
@@ -454,8 +509,9 @@ TYPED_TEST(SparseQueryTest, FromEigenRejectsAMatrixWithTheWrongRowCount) {
   EigenSparse<Scalar> matrix(9, 4);
   matrix.insert(3, 1) = Scalar(1);
   matrix.makeCompressed();
-  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_eigen(2, 5, std::move(matrix)), sdmha::ShapeError,
-                          "SparseQuery::from_eigen: matrix has 9 rows; expected batch * steps = 2 * 5 = 10");
+  SDMHA_EXPECT_THROW_WITH(
+      Query<Scalar>::from_eigen(2, 5, std::move(matrix)), sdmha::ShapeError,
+      "SparseQuery::from_eigen: matrix has 9 rows; expected batch * steps = 2 * 5 = 10");
 }
 
 }  // namespace

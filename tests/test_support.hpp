@@ -48,13 +48,13 @@ struct Shape {
   long heads = 2, key_dim = 4, value_dim = 0, output_dim = 0;
   double density = 0.2;
   bool use_bias = true;
-  bool random_mask = false;   // attention_mask with ~30% blocked
+  bool random_mask = false;  // attention_mask with ~30% blocked
   bool causal = false;
-  bool key_padding = false;   // ~20% of key steps padded
-  bool empty_rows = false;    // ~30% of query rows hold nothing
+  bool key_padding = false;         // ~20% of key steps padded
+  bool empty_rows = false;          // ~30% of query rows hold nothing
   bool fully_blocked_rows = false;  // some rows of the attention mask entirely false
-  bool duplicates = false;    // repeat some COO coordinates (they sum)
-  bool shuffle = true;        // COO entries in random order
+  bool duplicates = false;          // repeat some COO coordinates (they sum)
+  bool shuffle = true;              // COO entries in random order
 };
 
 template <typename Scalar>
@@ -124,7 +124,8 @@ Case<Scalar> make_case(const Shape& shape, std::uint64_t seed) {
 
   const long hk = p.heads * p.key_dim, hv = p.heads * p.value_dim;
   auto& w = c.weights;
-  auto make_kernel = [&](sdmha::RowMatrix<Scalar>& kernel, std::vector<double>& twin, long rows, long cols) {
+  auto make_kernel = [&](sdmha::RowMatrix<Scalar>& kernel, std::vector<double>& twin, long rows,
+                         long cols) {
     kernel.resize(rows, cols);
     fill.fill(kernel.data(), twin, rows * cols, -0.5, 0.5);
   };
@@ -221,20 +222,70 @@ inline std::vector<Variant> variants() {
   std::vector<Variant> list;
   list.push_back({"basic", Shape{}});
   Shape s;
-  s = Shape{}; s.batch = 1; s.heads = 1; list.push_back({"batch1_head1", s});
-  s = Shape{}; s.steps = 3; s.key_steps = 11; s.query_dim = 23; s.key_in_dim = 9; s.value_in_dim = 13;
-  s.heads = 3; s.key_dim = 5; s.value_dim = 7; s.output_dim = 6; list.push_back({"odd_sizes_dv_o", s});
-  s = Shape{}; s.random_mask = true; list.push_back({"random_mask", s});
-  s = Shape{}; s.causal = true; s.steps = 6; s.key_steps = 4; list.push_back({"causal_t_gt_s", s});
-  s = Shape{}; s.causal = true; s.steps = 3; s.key_steps = 8; s.random_mask = true; list.push_back({"causal_t_lt_s_mask", s});
-  s = Shape{}; s.empty_rows = true; s.steps = 9; list.push_back({"empty_rows", s});
-  s = Shape{}; s.fully_blocked_rows = true; s.steps = 8; list.push_back({"fully_blocked_rows", s});
-  s = Shape{}; s.key_padding = true; s.random_mask = true; list.push_back({"key_padding", s});
-  s = Shape{}; s.duplicates = true; s.density = 0.4; list.push_back({"duplicates", s});
-  s = Shape{}; s.use_bias = false; s.empty_rows = true; list.push_back({"no_bias", s});
-  s = Shape{}; s.density = 1.0; s.query_dim = 9; list.push_back({"dense_query", s});
-  s = Shape{}; s.batch = 3; s.steps = 17; s.key_steps = 33; s.query_dim = 64; s.heads = 4;
-  s.key_dim = 8; s.density = 0.05; s.random_mask = true; s.causal = true; list.push_back({"larger", s});
+  s = Shape{};
+  s.batch = 1;
+  s.heads = 1;
+  list.push_back({"batch1_head1", s});
+  s = Shape{};
+  s.steps = 3;
+  s.key_steps = 11;
+  s.query_dim = 23;
+  s.key_in_dim = 9;
+  s.value_in_dim = 13;
+  s.heads = 3;
+  s.key_dim = 5;
+  s.value_dim = 7;
+  s.output_dim = 6;
+  list.push_back({"odd_sizes_dv_o", s});
+  s = Shape{};
+  s.random_mask = true;
+  list.push_back({"random_mask", s});
+  s = Shape{};
+  s.causal = true;
+  s.steps = 6;
+  s.key_steps = 4;
+  list.push_back({"causal_t_gt_s", s});
+  s = Shape{};
+  s.causal = true;
+  s.steps = 3;
+  s.key_steps = 8;
+  s.random_mask = true;
+  list.push_back({"causal_t_lt_s_mask", s});
+  s = Shape{};
+  s.empty_rows = true;
+  s.steps = 9;
+  list.push_back({"empty_rows", s});
+  s = Shape{};
+  s.fully_blocked_rows = true;
+  s.steps = 8;
+  list.push_back({"fully_blocked_rows", s});
+  s = Shape{};
+  s.key_padding = true;
+  s.random_mask = true;
+  list.push_back({"key_padding", s});
+  s = Shape{};
+  s.duplicates = true;
+  s.density = 0.4;
+  list.push_back({"duplicates", s});
+  s = Shape{};
+  s.use_bias = false;
+  s.empty_rows = true;
+  list.push_back({"no_bias", s});
+  s = Shape{};
+  s.density = 1.0;
+  s.query_dim = 9;
+  list.push_back({"dense_query", s});
+  s = Shape{};
+  s.batch = 3;
+  s.steps = 17;
+  s.key_steps = 33;
+  s.query_dim = 64;
+  s.heads = 4;
+  s.key_dim = 8;
+  s.density = 0.05;
+  s.random_mask = true;
+  s.causal = true;
+  list.push_back({"larger", s});
   return list;
 }
 
@@ -260,17 +311,17 @@ template <typename Scalar>
 }
 
 // Runs `statement`, expects an exception of type E whose message contains `fragment`.
-#define SDMHA_EXPECT_THROW_WITH(statement, ExceptionType, fragment)                         \
-  do {                                                                                      \
-    try {                                                                                   \
-      statement;                                                                            \
-      ADD_FAILURE() << "expected " #ExceptionType " from: " #statement;                     \
-    } catch (const ExceptionType& error) {                                                  \
-      EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)                \
-          << "message \"" << error.what() << "\" lacks \"" << fragment << "\"";             \
-    } catch (const std::exception& error) {                                                 \
+#define SDMHA_EXPECT_THROW_WITH(statement, ExceptionType, fragment)                            \
+  do {                                                                                         \
+    try {                                                                                      \
+      statement;                                                                               \
+      ADD_FAILURE() << "expected " #ExceptionType " from: " #statement;                        \
+    } catch (const ExceptionType& error) {                                                     \
+      EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)                   \
+          << "message \"" << error.what() << "\" lacks \"" << fragment << "\"";                \
+    } catch (const std::exception& error) {                                                    \
       ADD_FAILURE() << "expected " #ExceptionType ", got another exception: " << error.what(); \
-    }                                                                                       \
+    }                                                                                          \
   } while (false)
 
 }  // namespace sdmha_test

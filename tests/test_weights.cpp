@@ -62,10 +62,14 @@ TYPED_TEST(WeightsTest, GlorotUniformGivesKerasShapesAndZeroBiases) {
   // Dv ≠ Dk, O ≠ Eq, and Eq, Ek, Ev all different.
   const auto config = make_config(3, 4, 6, 5);
   const auto w = Weights::glorot_uniform(config, 10, 7, 9, 1);
-  EXPECT_EQ(w.query_kernel.rows(), 10); EXPECT_EQ(w.query_kernel.cols(), 12);
-  EXPECT_EQ(w.key_kernel.rows(), 7);    EXPECT_EQ(w.key_kernel.cols(), 12);
-  EXPECT_EQ(w.value_kernel.rows(), 9);  EXPECT_EQ(w.value_kernel.cols(), 18);
-  EXPECT_EQ(w.output_kernel.rows(), 18); EXPECT_EQ(w.output_kernel.cols(), 5);
+  EXPECT_EQ(w.query_kernel.rows(), 10);
+  EXPECT_EQ(w.query_kernel.cols(), 12);
+  EXPECT_EQ(w.key_kernel.rows(), 7);
+  EXPECT_EQ(w.key_kernel.cols(), 12);
+  EXPECT_EQ(w.value_kernel.rows(), 9);
+  EXPECT_EQ(w.value_kernel.cols(), 18);
+  EXPECT_EQ(w.output_kernel.rows(), 18);
+  EXPECT_EQ(w.output_kernel.cols(), 5);
   EXPECT_EQ(w.query_bias.size(), 12);
   EXPECT_EQ(w.key_bias.size(), 12);
   EXPECT_EQ(w.value_bias.size(), 18);
@@ -107,7 +111,8 @@ TYPED_TEST(WeightsTest, GlorotUniformWithoutBiasLeavesTheBiasesEmpty) {
 TYPED_TEST(WeightsTest, GlorotUniformStaysWithinTheLimitOfKerasFans) {
   // Eq, Ek, Ev, H, Dk, Dv, O all distinct, so that a fan taken from the wrong axis shows.
   const Index Eq = 40, Ek = 24, Ev = 30, H = 3, Dk = 8, Dv = 5, O = 11;
-  const auto w = sdmha::MhaWeights<TypeParam>::glorot_uniform(make_config(H, Dk, Dv, O), Eq, Ek, Ev, 3);
+  const auto w =
+      sdmha::MhaWeights<TypeParam>::glorot_uniform(make_config(H, Dk, Dv, O), Eq, Ek, Ev, 3);
   const struct {
     const char* name;
     const sdmha::RowMatrix<TypeParam>& kernel;
@@ -132,7 +137,8 @@ TYPED_TEST(WeightsTest, GlorotUniformStaysWithinTheLimitOfKerasFans) {
 TYPED_TEST(WeightsTest, GlorotUniformHasTheVarianceOfItsLimit) {
   // 100 × 128 = 12800 draws: the sample variance is within 1% (1 sd) of limit²/3.
   const Index Eq = 100, H = 4, Dk = 32;
-  const auto w = sdmha::MhaWeights<TypeParam>::glorot_uniform(make_config(H, Dk, 0, 0), Eq, 3, 3, 4);
+  const auto w =
+      sdmha::MhaWeights<TypeParam>::glorot_uniform(make_config(H, Dk, 0, 0), Eq, 3, 3, 4);
   const double limit = keras_limit(Eq, H, Dk);
   const auto& kernel = w.query_kernel;
   const double n = double(kernel.size());
@@ -218,7 +224,8 @@ TYPED_TEST(WeightsTest, ValidateNamesEachKernelAndBiasOfTheWrongShape) {
                           "output_bias has 5 entries; expected 0 (use_bias is false)");
   stripped.output_bias.resize(0);
   EXPECT_NO_THROW(stripped.validate(no_bias));
-  SDMHA_EXPECT_THROW_WITH(valid.validate(make_config(0, 4, 6, 5)), sdmha::ConfigError, "num_heads = 0");
+  SDMHA_EXPECT_THROW_WITH(valid.validate(make_config(0, 4, 6, 5)), sdmha::ConfigError,
+                          "num_heads = 0");
 }
 
 }  // namespace

@@ -27,10 +27,21 @@ void expect_same_tensor(const Tensor& actual, const Tensor& expected) {
 // The same layer widths with different (B, T, S): larger, smaller, larger again.
 Shape sized(long batch, long steps, long key_steps, bool masks) {
   Shape s;
-  s.query_dim = 40; s.key_in_dim = 12; s.value_in_dim = 9; s.heads = 3; s.key_dim = 5;
-  s.value_dim = 4; s.output_dim = 7; s.density = 0.1;
-  s.batch = batch; s.steps = steps; s.key_steps = key_steps;
-  s.random_mask = masks; s.causal = masks; s.key_padding = masks; s.empty_rows = masks;
+  s.query_dim = 40;
+  s.key_in_dim = 12;
+  s.value_in_dim = 9;
+  s.heads = 3;
+  s.key_dim = 5;
+  s.value_dim = 4;
+  s.output_dim = 7;
+  s.density = 0.1;
+  s.batch = batch;
+  s.steps = steps;
+  s.key_steps = key_steps;
+  s.random_mask = masks;
+  s.causal = masks;
+  s.key_padding = masks;
+  s.empty_rows = masks;
   return s;
 }
 
@@ -45,12 +56,13 @@ TYPED_TEST(WorkspaceTest, ReusedWorkspaceGivesThePlainForwardsBitsThroughShapeCh
     const auto c = make_case<Scalar>(shape, seed++);
     const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
     const auto query = c.query();
-    for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped,
-                          sdmha::ScoreStrategy::automatic})
+    for (auto strategy : {sdmha::ScoreStrategy::project_first,
+                          sdmha::ScoreStrategy::sparse_regrouped, sdmha::ScoreStrategy::automatic})
       for (bool scores : {false, true})
         for (int threads : {1, 3}) {
-          SCOPED_TRACE(testing::Message() << "T=" << shape.steps << " " << sdmha::to_string(strategy)
-                                          << " scores=" << scores << " threads=" << threads);
+          SCOPED_TRACE(testing::Message()
+                       << "T=" << shape.steps << " " << sdmha::to_string(strategy)
+                       << " scores=" << scores << " threads=" << threads);
           auto options = c.options;
           options.score_strategy = strategy;
           options.return_attention_scores = scores;
@@ -65,7 +77,8 @@ TYPED_TEST(WorkspaceTest, ReusedWorkspaceGivesThePlainForwardsBitsThroughShapeCh
           // And against the reference, so that a shared bug in both paths is caught too.
           if (!scores) {
             const auto reference = sdmha_reference::forward(c.problem);
-            EXPECT_TRUE(all_near(result.output.data(), reference.output, relative_tolerance<Scalar>()));
+            EXPECT_TRUE(
+                all_near(result.output.data(), reference.output, relative_tolerance<Scalar>()));
           }
         }
     // The projected-context form through the same workspace.
@@ -87,7 +100,8 @@ TYPED_TEST(WorkspaceTest, DenseBaselineReusesAWorkspaceToo) {
     const auto c = make_case<Scalar>(shape, seed++);
     const sdmha::DenseMHA<Scalar> layer(c.config, c.weights);
     const auto dense = c.query().to_dense();
-    const sdmha::TensorRef3<Scalar> dense_query(dense.data(), shape.batch, shape.steps, shape.query_dim);
+    const sdmha::TensorRef3<Scalar> dense_query(dense.data(), shape.batch, shape.steps,
+                                                shape.query_dim);
     auto options = c.options;
     options.num_threads = 2;
     const auto expected = layer.forward(dense_query, c.key, c.value, options);
@@ -137,23 +151,33 @@ TYPED_TEST(WorkspaceTest, BadInputIsRefusedBeforeTheWorkspaceIsTouched) {
 TEST(ThreadPoolTest, RethrowsAnItemsExceptionAndStaysUsable) {
   sdmha::detail::ThreadPool pool;
   std::vector<int> hits(100, 0);
-  EXPECT_THROW(sdmha::detail::parallel_for(100, 4, [&](Index item, int) {
-    if (item == 37) throw std::runtime_error("item 37");
-  }, &pool), std::runtime_error);
+  EXPECT_THROW(sdmha::detail::parallel_for(
+                   100, 4,
+                   [&](Index item, int) {
+                     if (item == 37) throw std::runtime_error("item 37");
+                   },
+                   &pool),
+               std::runtime_error);
   EXPECT_EQ(pool.started_threads(), 3);
   for (int round = 0; round < 50; ++round)
-    sdmha::detail::parallel_for(100, 4, [&](Index item, int worker) {
-      EXPECT_GE(worker, 0);
-      EXPECT_LT(worker, 4);
-      ++hits[std::size_t(item)];
-    }, &pool);
+    sdmha::detail::parallel_for(
+        100, 4,
+        [&](Index item, int worker) {
+          EXPECT_GE(worker, 0);
+          EXPECT_LT(worker, 4);
+          ++hits[std::size_t(item)];
+        },
+        &pool);
   for (int count : hits) EXPECT_EQ(count, 50);
   // Fewer workers than threads started: the spare threads sit the call out.
   std::atomic<int> done{0};
-  sdmha::detail::parallel_for(10, 2, [&](Index, int worker) {
-    EXPECT_LT(worker, 2);
-    ++done;
-  }, &pool);
+  sdmha::detail::parallel_for(
+      10, 2,
+      [&](Index, int worker) {
+        EXPECT_LT(worker, 2);
+        ++done;
+      },
+      &pool);
   EXPECT_EQ(done.load(), 10);
 }
 

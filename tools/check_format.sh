@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v clang-format >/dev/null || tools/bootstrap.sh clang-format
-mapfile -t files < <(git ls-files '*.hpp' '*.cpp' '*.h' | grep -v '^bench/peers/node_modules/')
+mapfile -t files < <(git ls-files '*.hpp' '*.cpp' '*.h' | grep -v '^tests/lint/')
 if [ "${1:-}" = "--fix" ]; then
   clang-format -i "${files[@]}"
   exit 0

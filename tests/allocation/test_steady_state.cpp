@@ -1,7 +1,7 @@
-// The steady state of forward allocates nothing (issue 5): with a Workspace and an
+// The steady state of forward allocates nothing: with a Workspace and an
 // AttentionResult kept between calls, a repeated call with the same shapes performs no heap
 // allocation at all — no buffer, no thread, no Eigen GEMM packing block. The same for backward
-// with a Workspace and an MhaGradients kept (issue 6).
+// with a Workspace and an MhaGradients kept.
 //
 // Its own executable because it counts every heap block of the process: operator new is
 // replaced and malloc & co. are wrapped by the linker (bench/allocation_counter.hpp, shared with
@@ -27,10 +27,20 @@ std::int64_t allocations_during(Call&& call) {
 }
 
 TEST(SteadyState, CountingSeesTheHeap) {
-  ASSERT_TRUE(AllocationCounter::counts_malloc()) << "malloc is not wrapped: nothing would be counted";
-  EXPECT_GE(allocations_during([] { sdmha::RowMatrix<float> m(100, 100); m.setZero(); }), 1);
-  EXPECT_GE(allocations_during([] { std::vector<int> v(10); v[0] = 1; }), 1);
-  // And a plain forward does allocate (its workspace, result and threads): the counter would see it.
+  ASSERT_TRUE(AllocationCounter::counts_malloc())
+      << "malloc is not wrapped: nothing would be counted";
+  EXPECT_GE(allocations_during([] {
+              sdmha::RowMatrix<float> m(100, 100);
+              m.setZero();
+            }),
+            1);
+  EXPECT_GE(allocations_during([] {
+              std::vector<int> v(10);
+              v[0] = 1;
+            }),
+            1);
+  // And a plain forward does allocate (its workspace, result and threads): the counter would see
+  // it.
   const auto c = make_case<float>(Shape{}, 1);
   const sdmha::SparseDenseMHA<float> layer(c.config, c.weights);
   const auto query = c.query();
@@ -43,21 +53,36 @@ Shape steady_shape(bool masks) {
   Shape s;
   // Widths large enough that Eigen's packing blocks for the projections pass its 128 KB stack
   // limit (a plain Eigen product would allocate them on the heap on every call).
-  s.batch = 3; s.steps = 150; s.key_steps = 140; s.query_dim = 300; s.key_in_dim = 320;
-  s.value_in_dim = 288; s.heads = 4; s.key_dim = 32; s.value_dim = 24; s.output_dim = 200;
-  s.density = 0.03; s.random_mask = masks; s.causal = masks; s.key_padding = masks; s.empty_rows = masks;
+  s.batch = 3;
+  s.steps = 150;
+  s.key_steps = 140;
+  s.query_dim = 300;
+  s.key_in_dim = 320;
+  s.value_in_dim = 288;
+  s.heads = 4;
+  s.key_dim = 32;
+  s.value_dim = 24;
+  s.output_dim = 200;
+  s.density = 0.03;
+  s.random_mask = masks;
+  s.causal = masks;
+  s.key_padding = masks;
+  s.empty_rows = masks;
   return s;
 }
 
 template <typename Layer, typename Query, typename Scalar>
-void expect_no_allocation_after_warm_up(const Layer& layer, const Query& query, const Case<Scalar>& c,
+void expect_no_allocation_after_warm_up(const Layer& layer, const Query& query,
+                                        const Case<Scalar>& c,
                                         const sdmha::AttentionOptions<Scalar>& options) {
   sdmha::Workspace<Scalar> workspace;
   sdmha::AttentionResult<Scalar> result;
-  for (int warm_up = 0; warm_up < 3; ++warm_up) layer.forward(query, c.key, c.value, options, workspace, result);
+  for (int warm_up = 0; warm_up < 3; ++warm_up)
+    layer.forward(query, c.key, c.value, options, workspace, result);
   const auto first = result.output;
   const std::int64_t allocations = allocations_during([&] {
-    for (int call = 0; call < 5; ++call) layer.forward(query, c.key, c.value, options, workspace, result);
+    for (int call = 0; call < 5; ++call)
+      layer.forward(query, c.key, c.value, options, workspace, result);
   });
   EXPECT_EQ(allocations, 0);
   // Still the same answer.
@@ -70,8 +95,8 @@ TEST(SteadyState, SparseForwardAllocatesNothingOnceWarm) {
     const auto c = make_case<float>(steady_shape(masks), 11);
     const sdmha::SparseDenseMHA<float> layer(c.config, c.weights);
     const auto query = c.query();
-    for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped,
-                          sdmha::ScoreStrategy::automatic})
+    for (auto strategy : {sdmha::ScoreStrategy::project_first,
+                          sdmha::ScoreStrategy::sparse_regrouped, sdmha::ScoreStrategy::automatic})
       for (int threads : {1, 2}) {
         SCOPED_TRACE(testing::Message() << "masks=" << masks << " " << sdmha::to_string(strategy)
                                         << " threads=" << threads);
@@ -96,15 +121,18 @@ TEST(SteadyState, SparseForwardOnAProjectedContextAllocatesNothingOnceWarm) {
   options.num_threads = 2;
   sdmha::Workspace<double> workspace;
   sdmha::AttentionResult<double> result;
-  for (int warm_up = 0; warm_up < 3; ++warm_up) layer.forward(query, context, options, workspace, result);
-  EXPECT_EQ(allocations_during([&] { layer.forward(query, context, options, workspace, result); }), 0);
+  for (int warm_up = 0; warm_up < 3; ++warm_up)
+    layer.forward(query, context, options, workspace, result);
+  EXPECT_EQ(allocations_during([&] { layer.forward(query, context, options, workspace, result); }),
+            0);
 }
 
 TEST(SteadyState, DenseBaselineAllocatesNothingOnceWarm) {
   const auto c = make_case<float>(steady_shape(false), 13);
   const sdmha::DenseMHA<float> layer(c.config, c.weights);
   const auto dense = c.query().to_dense();
-  const sdmha::TensorRef3<float> query(dense.data(), c.shape.batch, c.shape.steps, c.shape.query_dim);
+  const sdmha::TensorRef3<float> query(dense.data(), c.shape.batch, c.shape.steps,
+                                       c.shape.query_dim);
   auto options = c.options;
   options.num_threads = 2;
   expect_no_allocation_after_warm_up(layer, query, c, options);
@@ -112,12 +140,15 @@ TEST(SteadyState, DenseBaselineAllocatesNothingOnceWarm) {
 
 // Every gradient of `after` equals `before`'s, bit for bit.
 template <typename Scalar>
-bool same_gradients(const sdmha::MhaGradients<Scalar>& before, const sdmha::MhaGradients<Scalar>& after) {
+bool same_gradients(const sdmha::MhaGradients<Scalar>& before,
+                    const sdmha::MhaGradients<Scalar>& after) {
   auto same = [](const auto& a, const auto& b) {
     return a.size() == b.size() && std::equal(a.data(), a.data() + a.size(), b.data());
   };
-  return same(before.query_kernel, after.query_kernel) && same(before.key_kernel, after.key_kernel) &&
-         same(before.value_kernel, after.value_kernel) && same(before.output_kernel, after.output_kernel) &&
+  return same(before.query_kernel, after.query_kernel) &&
+         same(before.key_kernel, after.key_kernel) &&
+         same(before.value_kernel, after.value_kernel) &&
+         same(before.output_kernel, after.output_kernel) &&
          same(before.query_bias, after.query_bias) && same(before.key_bias, after.key_bias) &&
          same(before.value_bias, after.value_bias) && same(before.output_bias, after.output_bias) &&
          same(before.query_values, after.query_values) && same(before.key, after.key) &&
@@ -142,8 +173,8 @@ TEST(SteadyState, BackwardAllocatesNothingOnceWarm) {
     const auto context = layer.project_context(c.key, c.value);
     Tensor3<float> d_output(shape.batch, shape.steps, c.problem.output_dim);
     d_output.setConstant(0.25f);
-    for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped,
-                          sdmha::ScoreStrategy::automatic})
+    for (auto strategy : {sdmha::ScoreStrategy::project_first,
+                          sdmha::ScoreStrategy::sparse_regrouped, sdmha::ScoreStrategy::automatic})
       for (int threads : {1, 2})
         for (bool with_context : {false, true}) {
           SCOPED_TRACE(testing::Message() << "masks=" << masks << " " << sdmha::to_string(strategy)
@@ -157,7 +188,8 @@ TEST(SteadyState, BackwardAllocatesNothingOnceWarm) {
           sdmha::MhaGradients<float> gradients;
           auto call = [&] {
             if (with_context)
-              layer.backward(query, c.key, c.value, context, d_output, options, workspace, gradients);
+              layer.backward(query, c.key, c.value, context, d_output, options, workspace,
+                             gradients);
             else
               layer.backward(query, c.key, c.value, d_output, options, workspace, gradients);
           };
@@ -178,8 +210,14 @@ TEST(SteadyState, BackwardAllocatesNothingOnceWarm) {
 // a CSC of the query kept per calling thread; once built, a repeated call allocates nothing.
 TEST(SteadyState, BackwardByFeatureAllocatesNothingOnceWarm) {
   Shape shape;
-  shape.batch = 2; shape.steps = 6; shape.key_steps = 5; shape.query_dim = 4096; shape.heads = 2;
-  shape.key_dim = 80; shape.density = 0.25; shape.duplicates = true;
+  shape.batch = 2;
+  shape.steps = 6;
+  shape.key_steps = 5;
+  shape.query_dim = 4096;
+  shape.heads = 2;
+  shape.key_dim = 80;
+  shape.density = 0.25;
+  shape.duplicates = true;
   const auto c = make_case<float>(shape, 16);
   const sdmha::SparseDenseMHA<float> layer(c.config, c.weights);
   const auto query = c.query();
@@ -192,7 +230,9 @@ TEST(SteadyState, BackwardByFeatureAllocatesNothingOnceWarm) {
     options.num_threads = threads;
     sdmha::Workspace<float> workspace;
     sdmha::MhaGradients<float> gradients;
-    auto call = [&] { layer.backward(query, c.key, c.value, d_output, options, workspace, gradients); };
+    auto call = [&] {
+      layer.backward(query, c.key, c.value, d_output, options, workspace, gradients);
+    };
     for (int warm_up = 0; warm_up < 3; ++warm_up) call();
     const auto first = gradients;
     EXPECT_EQ(allocations_during([&] {

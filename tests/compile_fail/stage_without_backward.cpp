@@ -63,10 +63,14 @@ struct Tripled : sdmha::ScoreKernel<Scalar> {
 };
 
 using sdmha::detail::IsDifferentiable;
-static_assert(IsDifferentiable<sdmha::ScoreKernel<double>>::value, "the default score kernel differentiates itself");
-static_assert(IsDifferentiable<sdmha::MaskedSoftmax<double>>::value, "the default softmax differentiates itself");
-static_assert(!IsDifferentiable<DoubledScores<double>>::value, "a derived stage does not inherit the claim");
-static_assert(!IsDifferentiable<SharperSoftmax<double>>::value, "a derived stage does not inherit the claim");
+static_assert(IsDifferentiable<sdmha::ScoreKernel<double>>::value,
+              "the default score kernel differentiates itself");
+static_assert(IsDifferentiable<sdmha::MaskedSoftmax<double>>::value,
+              "the default softmax differentiates itself");
+static_assert(!IsDifferentiable<DoubledScores<double>>::value,
+              "a derived stage does not inherit the claim");
+static_assert(!IsDifferentiable<SharperSoftmax<double>>::value,
+              "a derived stage does not inherit the claim");
 static_assert(IsDifferentiable<ConstantBias<double>>::value, "the alias counts");
 static_assert(IsDifferentiable<Tripled<double>>::value, "a backward of its own counts");
 
@@ -95,7 +99,8 @@ int main() {
   using ScoresWithoutBackward = sdmha::SparseDenseMHA<double, Projection, DoubledScores<double>>;
   using SoftmaxWithoutBackward =
       sdmha::SparseDenseMHA<double, Projection, sdmha::ScoreKernel<double>, SharperSoftmax<double>>;
-  forward_and_maybe_backward<sdmha::SparseDenseMHA<double, Projection, ConstantBias<double>>, true>();
+  forward_and_maybe_backward<sdmha::SparseDenseMHA<double, Projection, ConstantBias<double>>,
+                             true>();
   forward_and_maybe_backward<sdmha::SparseDenseMHA<double, Projection, Tripled<double>>, true>();
   forward_and_maybe_backward<ScoresWithoutBackward, false>();
   forward_and_maybe_backward<SoftmaxWithoutBackward, false>();

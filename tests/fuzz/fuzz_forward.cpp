@@ -6,7 +6,8 @@
 // float and double, optionally scaled so that logits reach ±1e4. Key and value rows that every
 // query of their batch entry is blocked from are filled with NaN, ±Inf or huge values: they must
 // not reach the output. SparseDenseMHA<double> and <float>, DenseMHA<double> on the densified
-// query, and a forward over a ProjectedContext must all agree with tests/reference/reference_mha.hpp.
+// query, and a forward over a ProjectedContext must all agree with
+// tests/reference/reference_mha.hpp.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -56,7 +57,8 @@ Setup decode(FuzzedDataProvider& provider) {
   auto& p = setup.problem;
   const bool long_steps = provider.ConsumeIntegralInRange<int>(0, 15) == 0;
   p.batch = provider.ConsumeIntegralInRange<long>(0, long_steps ? 1 : 6);
-  p.steps = long_steps ? provider.ConsumeIntegralInRange<long>(60, 70) : provider.ConsumeIntegralInRange<long>(0, 6);
+  p.steps = long_steps ? provider.ConsumeIntegralInRange<long>(60, 70)
+                       : provider.ConsumeIntegralInRange<long>(0, 6);
   p.key_steps = provider.ConsumeIntegralInRange<long>(0, 6);
   p.query_dim = provider.ConsumeIntegralInRange<long>(1, 12);
   p.key_in_dim = provider.ConsumeIntegralInRange<long>(1, 12);
@@ -69,7 +71,8 @@ Setup decode(FuzzedDataProvider& provider) {
   p.causal = provider.ConsumeBool();
   setup.has_attention_mask = provider.ConsumeBool();
   setup.has_key_padding = provider.ConsumeBool();
-  setup.strategy = provider.PickValueInArray({sdmha::ScoreStrategy::automatic, sdmha::ScoreStrategy::project_first,
+  setup.strategy = provider.PickValueInArray({sdmha::ScoreStrategy::automatic,
+                                              sdmha::ScoreStrategy::project_first,
                                               sdmha::ScoreStrategy::sparse_regrouped});
   setup.threads = provider.ConsumeIntegralInRange<int>(1, 3);
   // ×16 on the query and key kernels takes logits from tens to about ±1e4.
@@ -94,22 +97,26 @@ Setup decode(FuzzedDataProvider& provider) {
   const long B = p.batch, T = p.steps, S = p.key_steps;
   if (setup.has_attention_mask) {
     p.attention_mask.resize(static_cast<std::size_t>(B * T * S));
-    for (char& allowed : p.attention_mask) allowed = provider.ConsumeIntegralInRange<int>(0, 3) != 0;
+    for (char& allowed : p.attention_mask)
+      allowed = provider.ConsumeIntegralInRange<int>(0, 3) != 0;
   }
   if (setup.has_key_padding) {
     p.key_padding_mask.resize(static_cast<std::size_t>(B * S));
-    for (char& padded : p.key_padding_mask) padded = provider.ConsumeIntegralInRange<int>(0, 4) == 0;
+    for (char& padded : p.key_padding_mask)
+      padded = provider.ConsumeIntegralInRange<int>(0, 4) == 0;
   }
   setup.blocked_everywhere.assign(static_cast<std::size_t>(B * S), 1);
   for (long b = 0; b < B; ++b)
     for (long s = 0; s < S; ++s)
       for (long t = 0; t < T; ++t)
-        if (sdmha_reference::allowed(p, b, t, s)) setup.blocked_everywhere[std::size_t(b * S + s)] = 0;
+        if (sdmha_reference::allowed(p, b, t, s))
+          setup.blocked_everywhere[std::size_t(b * S + s)] = 0;
 
   // The query: entries at valid coordinates, duplicates allowed, in any order.
   p.query.assign(static_cast<std::size_t>(B * T * p.query_dim), 0.0);
   const long rows = B * T;
-  const long entries = rows == 0 ? 0 : provider.ConsumeIntegralInRange<long>(0, std::min(3 * rows, 96L));
+  const long entries =
+      rows == 0 ? 0 : provider.ConsumeIntegralInRange<long>(0, std::min(3 * rows, 96L));
   for (long k = 0; k < entries; ++k) {
     const long b = provider.ConsumeIntegralInRange<long>(0, B - 1);
     const long t = provider.ConsumeIntegralInRange<long>(0, T - 1);
@@ -149,15 +156,17 @@ sdmha::Vector<Scalar> vector(const std::vector<double>& data) {
   return result;
 }
 template <typename Scalar>
-Eigen::Tensor<Scalar, 3, Eigen::RowMajor> tensor(const std::vector<double>& data, long d0, long d1, long d2) {
+Eigen::Tensor<Scalar, 3, Eigen::RowMajor> tensor(const std::vector<double>& data, long d0, long d1,
+                                                 long d2) {
   Eigen::Tensor<Scalar, 3, Eigen::RowMajor> result(d0, d1, d2);
   // double → float of a poison value beyond float's range gives ±Inf (or NaN stays NaN); those
   // rows are blocked, so any value is fine there.
   for (long i = 0; i < d0 * d1 * d2; ++i) {
     const double x = data[std::size_t(i)];
-    result.data()[i] = std::isfinite(x) && std::abs(x) > double(std::numeric_limits<Scalar>::max())
-                           ? std::copysign(std::numeric_limits<Scalar>::infinity(), Scalar(x > 0 ? 1 : -1))
-                           : Scalar(x);
+    result.data()[i] =
+        std::isfinite(x) && std::abs(x) > double(std::numeric_limits<Scalar>::max())
+            ? std::copysign(std::numeric_limits<Scalar>::infinity(), Scalar(x > 0 ? 1 : -1))
+            : Scalar(x);
   }
   return result;
 }
@@ -169,7 +178,8 @@ bool bitwise_equal(const Scalar* a, const Scalar* b, Index n) {
 
 // |got − expected| ≤ tolerance · (1 + scale) entry by entry; NaN or Inf in `got` always fails.
 template <typename Scalar>
-void check_near(const Scalar* got, const std::vector<double>& expected, double tolerance, double scale) {
+void check_near(const Scalar* got, const std::vector<double>& expected, double tolerance,
+                double scale) {
   for (std::size_t i = 0; i < expected.size(); ++i) {
     SDMHA_FUZZ_CHECK(std::isfinite(double(got[i])));
     SDMHA_FUZZ_CHECK(std::abs(double(got[i]) - expected[i]) <= tolerance * (1.0 + scale));
@@ -200,7 +210,8 @@ void run(const Setup& setup, const sdmha_reference::Result& expected) {
   const Index entries = Index(setup.coo_values.size());
   typename sdmha::SparseQuery<Scalar>::CooIndices indices(entries, 3);
   for (Index i = 0; i < entries * 3; ++i) indices.data()[i] = setup.coo[std::size_t(i)];
-  const auto query = sdmha::SparseQuery<Scalar>::from_coo(B, T, p.query_dim, indices, vector<Scalar>(setup.coo_values));
+  const auto query = sdmha::SparseQuery<Scalar>::from_coo(B, T, p.query_dim, indices,
+                                                          vector<Scalar>(setup.coo_values));
   const auto key = tensor<Scalar>(p.key, B, S, p.key_in_dim);
   const auto value = tensor<Scalar>(p.value, B, S, p.value_in_dim);
 
@@ -208,11 +219,13 @@ void run(const Setup& setup, const sdmha_reference::Result& expected) {
   options.use_causal_mask = p.causal;
   if (setup.has_attention_mask) {
     options.attention_mask.resize(B, T, S);
-    for (Index i = 0; i < B * T * S; ++i) options.attention_mask.data()[i] = p.attention_mask[std::size_t(i)] != 0;
+    for (Index i = 0; i < B * T * S; ++i)
+      options.attention_mask.data()[i] = p.attention_mask[std::size_t(i)] != 0;
   }
   if (setup.has_key_padding) {
     options.key_padding_mask.resize(B, S);
-    for (Index i = 0; i < B * S; ++i) options.key_padding_mask.data()[i] = p.key_padding_mask[std::size_t(i)] != 0;
+    for (Index i = 0; i < B * S; ++i)
+      options.key_padding_mask.data()[i] = p.key_padding_mask[std::size_t(i)] != 0;
   }
   options.return_attention_scores = true;
   options.score_strategy = setup.strategy;
@@ -243,21 +256,24 @@ void run(const Setup& setup, const sdmha_reference::Result& expected) {
   auto single = options;
   single.num_threads = 1;
   const auto single_result = layer.forward(query, key, value, single);
-  SDMHA_FUZZ_CHECK(bitwise_equal(single_result.output.data(), result.output.data(), result.output.size()));
+  SDMHA_FUZZ_CHECK(
+      bitwise_equal(single_result.output.data(), result.output.data(), result.output.size()));
   const auto context = layer.project_context(key, value, setup.threads);
   const auto cached = layer.forward(query, context, options);
   SDMHA_FUZZ_CHECK(bitwise_equal(cached.output.data(), result.output.data(), result.output.size()));
-  for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+  for (auto strategy :
+       {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
     auto other = options;
     other.score_strategy = strategy;
-    check_near(layer.forward(query, key, value, other).output.data(), expected.output, tolerance, output_scale);
+    check_near(layer.forward(query, key, value, other).output.data(), expected.output, tolerance,
+               output_scale);
   }
 
   if constexpr (std::is_same<Scalar, double>::value) {
     const sdmha::DenseMHA<Scalar> dense(config, weights);
     const auto dense_query = tensor<Scalar>(p.query, B, T, p.query_dim);
-    check_near(dense.forward(dense_query, key, value, options).output.data(), expected.output, tolerance,
-               output_scale);
+    check_near(dense.forward(dense_query, key, value, options).output.data(), expected.output,
+               tolerance, output_scale);
   }
 }
 
@@ -272,8 +288,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const auto& p = setup.problem;
   if (p.key_steps == 0) {
     expected.heads.assign(static_cast<std::size_t>(p.batch * p.steps * p.heads * p.value_dim), 0.0);
-    expected.output = sdmha_reference::project(expected.heads, p.batch * p.steps, p.heads * p.value_dim,
-                                               p.output_kernel, p.output_bias, p.output_dim);
+    expected.output =
+        sdmha_reference::project(expected.heads, p.batch * p.steps, p.heads * p.value_dim,
+                                 p.output_kernel, p.output_bias, p.output_dim);
   } else {
     expected = sdmha_reference::forward(p);
   }

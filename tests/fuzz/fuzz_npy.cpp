@@ -45,8 +45,8 @@ void read_every_type(const NpyArray& array) {
 const std::string& scratch_path() {
   static const std::string path = [] {
     const char* directory = std::getenv("TMPDIR");
-    std::string result = std::string(directory != nullptr ? directory : "/tmp") + "/sdmha_fuzz_npy_" +
-                         std::to_string(::getpid()) + ".npz";
+    std::string result = std::string(directory != nullptr ? directory : "/tmp") +
+                         "/sdmha_fuzz_npy_" + std::to_string(::getpid()) + ".npz";
     std::atexit([] { std::remove(scratch_path().c_str()); });
     return result;
   }();
@@ -57,7 +57,8 @@ const std::string& scratch_path() {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   NpyArray array;
-  if (sdmha_fuzz::accepts([&] { array = sdmha::io::parse_npy(data, size, "<fuzz>"); })) read_every_type(array);
+  if (sdmha_fuzz::accepts([&] { array = sdmha::io::parse_npy(data, size, "<fuzz>"); }))
+    read_every_type(array);
 
   const std::string& path = scratch_path();
   {

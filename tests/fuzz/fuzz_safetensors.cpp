@@ -76,10 +76,12 @@ bool dense_shape_is_affordable(const TensorSource& source) {
 template <typename Scalar>
 void load_and_run(const TensorSource& source) {
   sdmha::io::LayerFile<Scalar> layer_file;
-  const bool have_layer = sdmha_fuzz::accepts([&] { layer_file = sdmha::io::load_layer<Scalar>(source); });
+  const bool have_layer =
+      sdmha_fuzz::accepts([&] { layer_file = sdmha::io::load_layer<Scalar>(source); });
   if (!dense_shape_is_affordable(source)) return;
   sdmha::io::LayerInputs<Scalar> inputs;
-  const bool have_inputs = sdmha_fuzz::accepts([&] { inputs = sdmha::io::load_inputs<Scalar>(source); });
+  const bool have_inputs =
+      sdmha_fuzz::accepts([&] { inputs = sdmha::io::load_inputs<Scalar>(source); });
   if (have_inputs) {
     SDMHA_FUZZ_CHECK(inputs.key.dimension(0) == inputs.query.batch());
     SDMHA_FUZZ_CHECK(inputs.value.dimension(0) == inputs.query.batch());
@@ -88,10 +90,12 @@ void load_and_run(const TensorSource& source) {
 
   const sdmha::LayerDims probe = layer_file.weights.validate(layer_file.config);
   const std::int64_t scores = bounded_product(
-      {inputs.query.batch(), probe.num_heads, inputs.query.steps(), inputs.value.dimension(1)}, kMaxForwardWork);
-  const std::int64_t weights = bounded_product(
-      {probe.query_dim + probe.key_in_dim + probe.value_in_dim + probe.output_dim,
-       probe.num_heads, probe.key_dim + probe.value_dim}, kMaxForwardWork);
+      {inputs.query.batch(), probe.num_heads, inputs.query.steps(), inputs.value.dimension(1)},
+      kMaxForwardWork);
+  const std::int64_t weights =
+      bounded_product({probe.query_dim + probe.key_in_dim + probe.value_in_dim + probe.output_dim,
+                       probe.num_heads, probe.key_dim + probe.value_dim},
+                      kMaxForwardWork);
   if (scores < 0 || weights < 0) return;
 
   sdmha::SparseDenseMHA<Scalar> layer(layer_file.config, layer_file.weights);
@@ -100,10 +104,12 @@ void load_and_run(const TensorSource& source) {
   options.use_causal_mask = layer_file.use_causal_mask;
   options.return_attention_scores = true;
   options.num_threads = 1;
-  for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+  for (auto strategy :
+       {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
     options.score_strategy = strategy;
     sdmha::AttentionResult<Scalar> result;
-    if (!sdmha_fuzz::accepts([&] { result = layer.forward(inputs.query, inputs.key, inputs.value, options); }))
+    if (!sdmha_fuzz::accepts(
+            [&] { result = layer.forward(inputs.query, inputs.key, inputs.value, options); }))
       return;
     SDMHA_FUZZ_CHECK(result.output.dimension(0) == inputs.query.batch());
     SDMHA_FUZZ_CHECK(result.output.dimension(1) == inputs.query.steps());
@@ -124,14 +130,16 @@ void load_and_run(const TensorSource& source) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   std::optional<SafetensorsFile> parsed;
   if (!sdmha_fuzz::accepts([&] {
-        parsed = SafetensorsFile::from_bytes(std::vector<std::uint8_t>(data, data + size), "<fuzz>");
+        parsed =
+            SafetensorsFile::from_bytes(std::vector<std::uint8_t>(data, data + size), "<fuzz>");
       }))
     return 0;
   SafetensorsFile& file = *parsed;
   for (const std::string& name : file.names()) {
     const auto& info = file.info(name);
     SDMHA_FUZZ_CHECK(info.begin <= info.end);
-    SDMHA_FUZZ_CHECK(std::uint64_t(info.element_count()) * sdmha::io::dtype_size(info.dtype) == info.end - info.begin);
+    SDMHA_FUZZ_CHECK(std::uint64_t(info.element_count()) * sdmha::io::dtype_size(info.dtype) ==
+                     info.end - info.begin);
     file.expect_shape(name, info.shape);
     file.expect_rank(name, info.shape.size());
     read_as<float>(file, name);

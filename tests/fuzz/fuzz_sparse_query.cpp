@@ -100,7 +100,9 @@ void fuzz_from_coo(FuzzedDataProvider& provider) {
   const std::int64_t features = consume_integer(provider);
   const int entries = provider.ConsumeIntegralInRange<int>(0, kMaxEntries);
   // Occasionally indices with the wrong column count or values of the wrong length.
-  const int columns = provider.ConsumeIntegralInRange<int>(0, 15) == 0 ? provider.ConsumeIntegralInRange<int>(0, 4) : 3;
+  const int columns = provider.ConsumeIntegralInRange<int>(0, 15) == 0
+                          ? provider.ConsumeIntegralInRange<int>(0, 4)
+                          : 3;
   const int value_count = provider.ConsumeIntegralInRange<int>(0, 15) == 0
                               ? provider.ConsumeIntegralInRange<int>(0, kMaxEntries)
                               : entries;
@@ -110,7 +112,8 @@ void fuzz_from_coo(FuzzedDataProvider& provider) {
   for (int entry = 0; entry < entries; ++entry)
     for (int axis = 0; axis < columns; ++axis) {
       indices(entry, axis) = consume_coordinate(provider, axis < 3 ? bounds[axis] : 1);
-      if (axis < 3 && (indices(entry, axis) < 0 || indices(entry, axis) >= bounds[axis])) in_range = false;
+      if (axis < 3 && (indices(entry, axis) < 0 || indices(entry, axis) >= bounds[axis]))
+        in_range = false;
     }
   sdmha::Vector<Scalar> values(value_count);
   for (int entry = 0; entry < value_count; ++entry) {
@@ -129,16 +132,16 @@ void fuzz_from_coo(FuzzedDataProvider& provider) {
   if (valid && in_range && batch * steps > kMaxRowsToAllocate) return;
 
   Query query;
-  const bool accepted = sdmha_fuzz::accepts([&] {
-    query = Query::from_coo(batch, steps, features, indices, values);
-  });
+  const bool accepted = sdmha_fuzz::accepts(
+      [&] { query = Query::from_coo(batch, steps, features, indices, values); });
   SDMHA_FUZZ_CHECK(accepted == (valid && in_range));
   if (!accepted) return;
 
   CoordinateSums<Scalar> sums;
   for (int entry = 0; entry < entries; ++entry) {
     const Index row = indices(entry, 0) * steps + indices(entry, 1);
-    auto [it, inserted] = sums.emplace(std::make_pair(row, Index(indices(entry, 2))), values[entry]);
+    auto [it, inserted] =
+        sums.emplace(std::make_pair(row, Index(indices(entry, 2))), values[entry]);
     if (!inserted) it->second += values[entry];
   }
   check_structure(query, batch, steps, features, sums, /*sorted_distinct_columns=*/true);
@@ -177,7 +180,8 @@ void fuzz_view_csr(FuzzedDataProvider& provider) {
       offsets[std::size_t(i)] = static_cast<StorageIndex>(consume_integer(provider));
     } else {
       offsets[std::size_t(i)] = static_cast<StorageIndex>(running);
-      running = std::min<Index>(nonzero_count, running + provider.ConsumeIntegralInRange<Index>(0, 4));
+      running =
+          std::min<Index>(nonzero_count, running + provider.ConsumeIntegralInRange<Index>(0, 4));
     }
   }
   if (!arbitrary_offsets && offsets_size > 1 && provider.ConsumeBool())
@@ -188,14 +192,16 @@ void fuzz_view_csr(FuzzedDataProvider& provider) {
     columns[std::size_t(k)] = static_cast<StorageIndex>(consume_coordinate(provider, features));
     values[std::size_t(k)] = Scalar(consume_exact_value(provider));
   }
-  const StorageIndex* offsets_pointer = offsets.empty() && provider.ConsumeBool() ? nullptr : offsets.data();
+  const StorageIndex* offsets_pointer =
+      offsets.empty() && provider.ConsumeBool() ? nullptr : offsets.data();
   const StorageIndex* columns_pointer = columns.empty() ? nullptr : columns.data();
   const Scalar* values_pointer = values.empty() ? nullptr : values.data();
 
   // What the documented checks accept: a valid shape, B·T + 1 offsets from 0 to nonzero_count that
   // never decrease, columns inside [0, Eq), and arrays present where entries are.
-  bool should_accept = valid_shape && offsets_pointer != nullptr && offsets_size == batch * steps + 1 &&
-                       offsets[0] == 0 && Index(offsets.back()) == nonzero_count;
+  bool should_accept = valid_shape && offsets_pointer != nullptr &&
+                       offsets_size == batch * steps + 1 && offsets[0] == 0 &&
+                       Index(offsets.back()) == nonzero_count;
   for (Index i = 0; should_accept && i + 1 < offsets_size; ++i)
     should_accept = offsets[std::size_t(i)] <= offsets[std::size_t(i + 1)];
   for (Index k = 0; should_accept && k < nonzero_count; ++k)
@@ -218,8 +224,8 @@ void fuzz_view_csr(FuzzedDataProvider& provider) {
   for (Index row = 0; row < batch * steps; ++row) {
     SDMHA_FUZZ_CHECK(offsets[std::size_t(row)] <= offsets[std::size_t(row + 1)]);
     for (Index k = offsets[std::size_t(row)]; k < offsets[std::size_t(row + 1)]; ++k) {
-      auto [it, inserted] = sums.emplace(std::make_pair(row, Index(columns[std::size_t(k)])),
-                                         values[std::size_t(k)]);
+      auto [it, inserted] =
+          sums.emplace(std::make_pair(row, Index(columns[std::size_t(k)])), values[std::size_t(k)]);
       if (!inserted) it->second += values[std::size_t(k)];
     }
   }

@@ -96,13 +96,13 @@ bool accepts(Body&& body) {
 }
 
 // Checks an invariant in every build (the targets never rely on assert's NDEBUG handling).
-#define SDMHA_FUZZ_CHECK(condition)                                                          \
-  do {                                                                                       \
-    if (!(condition)) {                                                                      \
+#define SDMHA_FUZZ_CHECK(condition)                                                         \
+  do {                                                                                      \
+    if (!(condition)) {                                                                     \
       std::fprintf(stderr, "sdmha fuzz: %s:%d: invariant failed: %s\n", __FILE__, __LINE__, \
-                   #condition);                                                              \
-      std::abort();                                                                          \
-    }                                                                                        \
+                   #condition);                                                             \
+      std::abort();                                                                         \
+    }                                                                                       \
   } while (false)
 
 }  // namespace sdmha_fuzz

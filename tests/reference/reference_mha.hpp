@@ -25,9 +25,9 @@ struct Problem {
   std::vector<char> attention_mask;    // B·T·S, 1 = may attend; empty = none
   std::vector<char> key_padding_mask;  // B·S, 1 = padding; empty = none
   bool causal = false;
-  long causal_offset = 0;              // causal: s <= t + causal_offset (bottom-right: S − T)
-  double scale = 0.0;                  // the scores' factor; 0 means 1/sqrt(key_dim)
-  bool uniform_fully_masked = false;   // a row with every key blocked: 1/S on every key
+  long causal_offset = 0;             // causal: s <= t + causal_offset (bottom-right: S − T)
+  double scale = 0.0;                 // the scores' factor; 0 means 1/sqrt(key_dim)
+  bool uniform_fully_masked = false;  // a row with every key blocked: 1/S on every key
 };
 
 struct Result {
@@ -42,8 +42,8 @@ struct Result {
 
 // rows × in  ·  in × out  (+ bias)
 inline std::vector<double> project(const std::vector<double>& input, long rows, long in,
-                                   const std::vector<double>& kernel, const std::vector<double>& bias,
-                                   long out) {
+                                   const std::vector<double>& kernel,
+                                   const std::vector<double>& bias, long out) {
   std::vector<double> result(static_cast<std::size_t>(rows * out), 0.0);
   for (long r = 0; r < rows; ++r)
     for (long o = 0; o < out; ++o) {
@@ -57,7 +57,8 @@ inline std::vector<double> project(const std::vector<double>& input, long rows, 
 inline bool allowed(const Problem& p, long b, long t, long s) {
   if (p.causal && s > t + p.causal_offset) return false;
   if (!p.key_padding_mask.empty() && p.key_padding_mask[b * p.key_steps + s]) return false;
-  if (!p.attention_mask.empty() && !p.attention_mask[(b * p.steps + t) * p.key_steps + s]) return false;
+  if (!p.attention_mask.empty() && !p.attention_mask[(b * p.steps + t) * p.key_steps + s])
+    return false;
   return true;
 }
 
@@ -105,7 +106,8 @@ inline Result forward(const Problem& p) {
         for (long d = 0; d < Dv; ++d) {
           double sum = 0.0;
           for (long s = 0; s < S; ++s)
-            if (probability[s] != 0.0) sum += probability[s] * r.value[(b * S + s) * H * Dv + h * Dv + d];
+            if (probability[s] != 0.0)
+              sum += probability[s] * r.value[(b * S + s) * H * Dv + h * Dv + d];
           r.heads[(b * T + t) * H * Dv + h * Dv + d] = sum;
         }
       }
