@@ -1,5 +1,5 @@
 """DistributedDataParallel over sdmha: two gloo processes on localhost end with the weights that
-one process reaches on the concatenated batch (python/examples/train_ddp.py is the training)."""
+one process reaches on the concatenated batch (examples/python/train_ddp.py is the training)."""
 
 import pathlib
 import sys
@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from conftest import free_port
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "python"))
 import train_ddp  # noqa: E402  (spawned processes import it by name: sys.path reaches them)
 
 STEPS = 5

@@ -8,7 +8,7 @@ slots (key = value = an nn.Parameter, expanded over the batch: its gradient come
 key/value gradients) and its output projection gives the K topic logits. The loss falls from
 ln K towards 0 within a few dozen Adam steps.
 
-    PYTHONPATH=build-py/python python3 python/examples/train_bow.py [--steps 60] [--threads 2]
+    PYTHONPATH=build-py/python python3 examples/python/train_bow.py [--steps 60] [--threads 2]
 """
 
 import argparse

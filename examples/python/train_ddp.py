@@ -9,12 +9,12 @@ on the whole batch (python/tests/test_distributed.py checks exactly that).
 
 One machine, two processes (spawned here, MASTER_ADDR=127.0.0.1 and a free port):
 
-    PYTHONPATH=build-py/python python3 python/examples/train_ddp.py --spawn 2 --steps 20
+    PYTHONPATH=build-py/python python3 examples/python/train_ddp.py --spawn 2 --steps 20
 
 Several machines, with torchrun (2 machines x 2 processes; run on each, --node_rank 0 and 1):
 
     PYTHONPATH=<build>/python torchrun --nnodes 2 --nproc_per_node 2 --node_rank 0 \
-        --master_addr <address of node 0> --master_port 29500 python/examples/train_ddp.py --steps 20
+        --master_addr <address of node 0> --master_port 29500 examples/python/train_ddp.py --steps 20
 
 (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; Debian's python3-torch has it as
 `python3 -m torch.distributed.run`.)
