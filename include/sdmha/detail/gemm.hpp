@@ -71,8 +71,20 @@ std::size_t gemm_workspace_size(Index rows, Index cols, Index depth) {
   if constexpr (std::is_same<Scalar, float>::value)
     return gemm_avx512_workspace_size(rows, cols, depth);
 #endif
+  // Eigen's block sizes are not monotone in the shape (a deeper product may get a shorter kc and
+  // a wider nc), but each is at most the shape's own extent and the largest (cache-bound) blocks
+  // are those of a very large product: the smaller of the two bounds every product up to this
+  // shape, so a pass planned for its largest tile never runs short on a smaller one.
   const GemmBlockSizes sizes = gemm_block_sizes<Scalar>(rows, cols, depth);
-  return array_bytes<Scalar>(sizes.mc * sizes.kc) + array_bytes<Scalar>(sizes.kc * sizes.nc);
+  const std::size_t own =
+      array_bytes<Scalar>(sizes.mc * sizes.kc) + array_bytes<Scalar>(sizes.kc * sizes.nc);
+  const std::size_t unblocked =
+      array_bytes<Scalar>(cols * depth) + array_bytes<Scalar>(depth * rows);
+  constexpr Index kLarge = Index(1) << 20;
+  const GemmBlockSizes largest = gemm_block_sizes<Scalar>(kLarge, kLarge, kLarge);
+  const std::size_t cache_bound =
+      array_bytes<Scalar>(largest.mc * largest.kc) + array_bytes<Scalar>(largest.kc * largest.nc);
+  return std::max(own, std::min(unblocked, cache_bound));
 }
 
 // Eigen's blocking object over packing blocks that the caller owns.

@@ -39,6 +39,7 @@
 //   row block of C is, bit for bit, the same rows of a larger product.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -367,11 +368,15 @@ View view_of(const Operand& x) {
   return x.row_major ? View{x.data, x.stride, 1} : View{x.data, 1, x.stride};
 }
 
-// Bytes of packing scratch for one (m × n, depth k) product.
+// Bytes of packing scratch for one (m × n, depth k) product, and for every smaller one: the
+// blocks run are at most min(m, kMaxMc) rows and min(k, kMaxKc) deep, and the bound is taken on
+// those caps, not on row_block(m) and depth_block(k) themselves, which are not monotone (m = 320
+// runs blocks of 160 rows, m = 256 one of 256). A caller that plans for the largest shape of a
+// pass so covers all its smaller tiles.
 inline std::size_t workspace_bytes(Index m, Index n, Index k) {
   if (m <= 0 || n <= 0 || k <= 0) return 0;
-  const Index kc = depth_block(k);
-  return array_bytes<float>(block_a_floats(row_block(m), kc)) +
+  const Index kc = std::min(k, kMaxKc);
+  return array_bytes<float>(block_a_floats(std::min(m, kMaxMc), kc)) +
          array_bytes<float>(panel_b_floats(n, kc));
 }
 
