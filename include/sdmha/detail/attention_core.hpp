@@ -199,6 +199,13 @@ class AttentionCore {
     if (options.num_threads < 0)
       fail<ConfigError>(where, "num_threads = ", options.num_threads,
                         "; expected >= 0 (0 means all hardware threads)");
+    // Every count the plan forms (up to B·H·T·S scores) must be an Index: larger sizes, possible
+    // without data when a width is 0, are refused rather than wrapped.
+    const double scores = double(std::max<Index>(batch, 1)) * double(dims.num_heads) *
+                          double(std::max<Index>(steps, 1)) * double(std::max<Index>(key_steps, 1));
+    if (scores > double(Index(1) << 59))
+      fail<ShapeError>(where, "B x H x T x S = ", batch, " x ", dims.num_heads, " x ", steps, " x ",
+                       key_steps, " scores; expected at most 2^59");
     if (options.scale.has_value() && !std::isfinite(*options.scale))
       fail<ConfigError>(where, "scale = ", *options.scale,
                         "; expected a finite number (or none: 1/sqrt(key_dim))");
