@@ -37,6 +37,13 @@ struct Backward {
   using QueryProjection = typename Layer::QueryProjection;
   using Buffers = CallBuffers<Scalar>;
 
+  // Where a tile's dS goes for the bias gradient: the gradient itself, or the partial sum of the
+  // item's run (see add_bias_gradient).
+  struct BiasGradientTarget {
+    Scalar* data = nullptr;  // null: no bias gradient asked for
+    bool accumulate = false;
+  };
+
   static void check_stages() {
     static_assert(IsDifferentiable<typename Layer::QueryProjection>::value,
                   "backward: the query projection stage has no backward of its own (declare "
@@ -111,7 +118,7 @@ struct Backward {
     scratch.d_heads.resize(plan.batch * plan.steps, plan.dims.projected_value_width());
     input_gradient(plan, layer.output_projection(), d_output_matrix, weights.output_kernel,
                    scratch.d_heads, buffers);
-    attention(layer, plan, query, context, options, buffers);
+    attention(layer, plan, query, context, options, buffers, gradients);
     kernel_gradient(plan, layer.output_projection(), buffers.heads, d_output_matrix, buffers,
                     gradients.output_kernel);
     bias_gradient(use_bias, d_output_matrix, gradients.output_bias);
@@ -134,32 +141,47 @@ struct Backward {
 
   static void attention(const Layer& layer, const AttentionPlan& plan, const Query& query,
                         const ProjectedContext<Scalar>& context,
-                        const AttentionOptions<Scalar>& options, Buffers& buffers) {
+                        const AttentionOptions<Scalar>& options, Buffers& buffers,
+                        MhaGradients<Scalar>& gradients) {
     const Index B = plan.batch, T = plan.steps, S = plan.key_steps, H = plan.heads();
     BackwardBuffers<Scalar>& scratch = buffers.backward;
     buffers.heads.resize(B * T, plan.dims.projected_value_width());
     scratch.d_queries.resize(B * T, plan.dims.projected_key_width());
     scratch.d_keys.setZero(B * S, plan.dims.projected_key_width());
     scratch.d_values.setZero(B * S, plan.dims.projected_value_width());
+    start_bias_gradient(plan, options, buffers, gradients);
     // Without key or query steps there is no (b, h) item: A and dQ are 0 (or empty), dK = dV = 0.
     if (plan.attention_items() == 0) {
       buffers.heads.setZero();
       scratch.d_queries.setZero();
       return;
     }
-    const Index items = B * H;
-    buffers.prepare_workers(plan.workers(items), plan.worker_scratch_bytes, plan.tile_entries, 3,
+    // One task per (b, h) item, or per fixed run of items when a broadcast bias's gradient is
+    // summed (see add_bias_gradient).
+    const Index items = B * H, runs = bias_gradient_runs(plan, options);
+    const Index run_items = runs > 0 ? bias_run_items(plan) : 1;
+    const Index tasks = runs > 0 ? runs : items;
+    buffers.prepare_workers(plan.workers(tasks), plan.worker_scratch_bytes, plan.tile_entries, 3,
                             plan.query_tile);
     parallel_for(
-        items, plan.threads,
-        [&](Index item, int worker) {
-          const Index b = item / H, h = item % H;
-          const HeadFlags flags = head_flags(plan, context, scratch.d_heads, b, h);
-          for (Index tile = 0; tile < plan.query_tiles; ++tile)
-            attention_tile(layer, plan, plan.tile_of(b, h, tile), query, context, options, flags,
-                           buffers.workers[std::size_t(worker)], buffers);
+        tasks, plan.threads,
+        [&](Index task, int worker) {
+          BiasGradientTarget target;
+          if (runs > 0)
+            target = BiasGradientTarget{scratch.bias_partials.row(task).data(), true};
+          else if (bias_gradient_wanted(options))
+            target = BiasGradientTarget{gradients.attention_bias.data(), false};
+          const RowBlock run = AttentionPlan::block(task, items, run_items);
+          for (Index item = run.begin; item < run.begin + run.rows; ++item) {
+            const Index b = item / H, h = item % H;
+            const HeadFlags flags = head_flags(plan, context, scratch.d_heads, b, h);
+            for (Index tile = 0; tile < plan.query_tiles; ++tile)
+              attention_tile(layer, plan, plan.tile_of(b, h, tile), query, context, options, flags,
+                             target, buffers.workers[std::size_t(worker)], buffers);
+          }
         },
         &buffers.pool);
+    finish_bias_gradient(plan, options, buffers, gradients);
   }
 
   static HeadFlags head_flags(const AttentionPlan& plan, const ProjectedContext<Scalar>& context,
@@ -179,6 +201,7 @@ struct Backward {
                              const AttentionItem& item, const Query& query,
                              const ProjectedContext<Scalar>& context,
                              const AttentionOptions<Scalar>& options, const HeadFlags& flags,
+                             const BiasGradientTarget& bias_gradient,
                              WorkerBuffers<Scalar>& worker, Buffers& buffers) {
     const Index T = plan.steps, S = plan.key_steps, Dk = plan.dims.key_dim,
                 Dv = plan.dims.value_dim;
@@ -205,8 +228,7 @@ struct Backward {
                                                     plan.fully_masked_rows};
     Layer::Softmax::can_implement(softmax_args);
     layer.softmax()(softmax_args);
-    const DropoutMask dropout =
-        options.training ? DropoutMask(options.dropout_rate, options.dropout_seed) : DropoutMask();
+    const DropoutMask dropout = plan.dropout();
     auto dropped = dropout.active() ? worker.tile(1, rows, keys, plan.tile_entries) : probabilities;
     if (dropout.active()) {
       dropped = probabilities;
@@ -233,6 +255,7 @@ struct Backward {
         position, probabilities, d_scores, flags.d_probabilities_finite, stage, fully_masked};
     Layer::Softmax::can_implement(d_softmax_args);
     layer.softmax().backward(d_softmax_args);
+    add_bias_gradient(plan, item, options, d_scores, bias_gradient);
     typename Layer::ScoreKernel::BackwardArguments d_score_args{
         position,
         query_bh,
@@ -260,7 +283,7 @@ struct Backward {
     return worker.row_flags.data();
   }
 
-  // The forward's scores of one tile, by the plan's strategy.
+  // The forward's scores of one tile, by the plan's strategy, with the attention bias.
   static void scores(const Layer& layer, const AttentionPlan& plan, const AttentionItem& item,
                      const Query& query, const ConstMatrixRef<Scalar>& query_bh,
                      const ConstMatrixRef<Scalar>& key, const AttentionOptions<Scalar>& options,
@@ -283,11 +306,78 @@ struct Backward {
           stage};
       Kernel::can_implement(args);
       layer.score_kernel()(args);
+    } else {
+      typename Kernel::Arguments args{item.position(), query_bh, key, scale, mask, out, stage};
+      Kernel::can_implement(args);
+      layer.score_kernel()(args);
+    }
+    add_attention_bias(item, options, out);
+  }
+
+  // ---- the attention bias's gradient -------------------------------------------------------
+  //
+  // ∂loss/∂bias[b', h', t, s] = Σ dS_bh[t, s] over the (b, h) that slice (b', h') serves. A bias
+  // of the scores' own shape takes each tile's dS as it is. A broadcast one is summed in
+  // kBiasGradientChunks fixed runs of (b, h) items, each run by one worker in item order into a
+  // partial sum of its own, then the partial sums in run order: the same sums for any thread
+  // count, at the cost of a bias-sized buffer per run.
+
+  static constexpr Index kBiasGradientChunks = 8;
+
+  static bool bias_gradient_wanted(const AttentionOptions<Scalar>& options) {
+    return options.compute_bias_gradient && !options.attention_bias.empty();
+  }
+  // (b, h) items per run, and runs (0 when the gradient needs no partial sums).
+  static Index bias_run_items(const AttentionPlan& plan) {
+    return AttentionPlan::block_count(plan.batch * plan.heads(), kBiasGradientChunks);
+  }
+  static Index bias_gradient_runs(const AttentionPlan& plan,
+                                  const AttentionOptions<Scalar>& options) {
+    if (!bias_gradient_wanted(options) ||
+        !options.attention_bias.broadcasts(plan.batch, plan.heads()) ||
+        plan.batch * plan.heads() == 0)
+      return 0;
+    return AttentionPlan::block_count(plan.batch * plan.heads(), bias_run_items(plan));
+  }
+
+  template <typename Tile>
+  static void add_bias_gradient(const AttentionPlan& plan, const AttentionItem& item,
+                                const AttentionOptions<Scalar>& options, const Tile& d_scores,
+                                const BiasGradientTarget& target) {
+    if (target.data == nullptr) return;
+    const BroadcastRef<Scalar>& bias = options.attention_bias;
+    const Index S = plan.key_steps;
+    const Index first = bias.at(item.batch, item.head, item.query_begin, item.key_begin) - bias.data();
+    for (Index t = 0; t < d_scores.rows(); ++t) {
+      Scalar* row = target.data + first + t * S;
+      for (Index s = 0; s < d_scores.cols(); ++s)
+        row[s] = target.accumulate ? row[s] + d_scores(t, s) : d_scores(t, s);
+    }
+  }
+
+  // The gradient tensor in the bias's shape, zero (positions no tile reaches stay 0), and the
+  // runs' partial sums.
+  static void start_bias_gradient(const AttentionPlan& plan, const AttentionOptions<Scalar>& options,
+                                  Buffers& buffers, MhaGradients<Scalar>& gradients) {
+    const BroadcastRef<Scalar>& bias = options.attention_bias;
+    if (!bias_gradient_wanted(options)) {
+      gradients.attention_bias = Eigen::Tensor<Scalar, 4, Eigen::RowMajor>();
       return;
     }
-    typename Kernel::Arguments args{item.position(), query_bh, key, scale, mask, out, stage};
-    Kernel::can_implement(args);
-    layer.score_kernel()(args);
+    gradients.attention_bias.resize(bias.batch(), bias.heads(), bias.steps(), bias.key_steps());
+    gradients.attention_bias.setZero();
+    const Index runs = bias_gradient_runs(plan, options);
+    buffers.backward.bias_partials.setZero(runs, bias.size());
+  }
+
+  // Σ over runs, in run order, of the partial sums.
+  static void finish_bias_gradient(const AttentionPlan& plan, const AttentionOptions<Scalar>& options,
+                                   Buffers& buffers, MhaGradients<Scalar>& gradients) {
+    const Index runs = bias_gradient_runs(plan, options);
+    if (runs == 0) return;
+    const RowMatrix<Scalar>& partials = buffers.backward.bias_partials;
+    Eigen::Map<Vector<Scalar>> gradient(gradients.attention_bias.data(), partials.cols());
+    for (Index run = 0; run < runs; ++run) gradient += partials.row(run).transpose();
   }
 
   // ---- dense projections -------------------------------------------------------------------

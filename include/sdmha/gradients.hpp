@@ -27,6 +27,10 @@ struct MhaGradients {
   Vector<Scalar> query_values;
   Eigen::Tensor<Scalar, 3, Eigen::RowMajor> key;    // (B, S, Ek)
   Eigen::Tensor<Scalar, 3, Eigen::RowMajor> value;  // (B, S, Ev)
+  // ∂loss/∂attention_bias when AttentionOptions::compute_bias_gradient is set (else empty): the
+  // bias's own (B', H', T, S), in its element order, each element the sum over the batch entries
+  // and heads it serves (the same sum for any thread count). 0 at blocked positions.
+  Eigen::Tensor<Scalar, 4, Eigen::RowMajor> attention_bias;
 };
 
 }  // namespace sdmha

@@ -8,7 +8,9 @@
 
 #include <unsupported/Eigen/CXX11/Tensor>
 
+#include "sdmha/broadcast_ref.hpp"
 #include "sdmha/config.hpp"
+#include "sdmha/errors.hpp"
 
 namespace sdmha {
 
@@ -54,11 +56,51 @@ inline const char* to_string(FullyMaskedRows policy) {
   return policy == FullyMaskedRows::uniform ? "uniform" : "zeros";
 }
 
+// The seeds of dropout, one per training call, from one starting seed: Keras' SeedGenerator,
+// PyTorch's generator. A training loop keeps one and points AttentionOptions::dropout_generator
+// at it; every training forward then draws the next seed, and the backward of that step reuses
+// it (the same mask). draw k (k = 1, 2, …) is mix(seed, k): the same starting seed gives the
+// same sequence of masks. One generator belongs to one training loop (forward mutates it).
+class DropoutGenerator {
+ public:
+  explicit DropoutGenerator(std::uint64_t seed = 0) : seed_(seed) {}
+  // The next call's seed.
+  std::uint64_t next() { return last_ = draw(++draws_); }
+  // The seed of the latest draw; the backward of a step uses it.
+  std::uint64_t last() const {
+    if (draws_ == 0)
+      detail::fail<ConfigError>("DropoutGenerator", "no seed drawn yet; expected a training "
+                                "forward (or next()) before the backward that reuses its mask");
+    return last_;
+  }
+  std::uint64_t seed() const { return seed_; }
+  std::uint64_t draws() const { return draws_; }
+
+ private:
+  std::uint64_t draw(std::uint64_t k) const {
+    std::uint64_t x = seed_ + k * 0x9e3779b97f4a7c15ULL;  // SplitMix64
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+  }
+  std::uint64_t seed_;
+  std::uint64_t draws_ = 0;
+  std::uint64_t last_ = 0;
+};
+
 template <typename Scalar>
 struct AttentionOptions {
-  // (B, T, S), true = query step t may attend to key step s (Keras' polarity). A tensor with all
-  // dimensions zero (the default) means no mask.
-  Eigen::Tensor<bool, 3, Eigen::RowMajor> attention_mask;
+  // true = query step t may attend to key step s (Keras' polarity), as a view of (T, S),
+  // (B, T, S), (B, 1, T, S), (B, H, T, S) or (1, H, T, S) booleans (sdmha/broadcast_ref.hpp),
+  // never copied; none by default. The caller's tensor must outlive the call.
+  BroadcastRef<bool> attention_mask;
+  // Added to the scaled scores before the softmax, S = scale·Q·Kᵀ + bias: relative positions,
+  // ALiBi, time decay, PyTorch's float attn_mask. Same shapes as attention_mask, a view. −∞
+  // blocks a position; NaN and +∞ are refused. A blocked position stays blocked whatever its bias.
+  BroadcastRef<Scalar> attention_bias;
+  // backward also returns ∂loss/∂attention_bias (MhaGradients::attention_bias), in the bias's
+  // own shape: summed over the batch entries and heads it is broadcast to, in a fixed order.
+  bool compute_bias_gradient = false;
   // Keras' use_causal_mask: step t may attend to key steps s <= t (T and S may differ), or
   // s <= t + S − T with causal_alignment = bottom_right.
   bool use_causal_mask = false;
@@ -78,11 +120,14 @@ struct AttentionOptions {
   ScoreStrategy score_strategy = ScoreStrategy::automatic;
   // Dropout on the attention probabilities, applied only when `training` is true (Keras'
   // training=True): after the softmax, before the values; attention_scores are returned before
-  // dropout. The mask is a function of (dropout_seed, b, h, t, s): forward and backward with the
-  // same seed see the same mask. 0 <= dropout_rate < 1.
+  // dropout. 0 <= dropout_rate < 1. The mask is a function of (seed, b, h, t, s). The seed is
+  // the next draw of *dropout_generator in a training forward and its latest draw in backward
+  // (a fresh mask every step, the step's own in its backward), or dropout_seed when there is no
+  // generator (then the same options give the same mask on every call).
   bool training = false;
   double dropout_rate = 0.0;
   std::uint64_t dropout_seed = 0;
+  DropoutGenerator* dropout_generator = nullptr;
 };
 
 // Keys and values already projected (K = key·Wk + bk, V = value·Wv + bv): made once by a layer's
@@ -93,12 +138,52 @@ struct ProjectedContext {
   Index key_steps = 0;       // S
   RowMatrix<Scalar> keys;    // B·S × H·Dk, row b·S + s
   RowMatrix<Scalar> values;  // B·S × H·Dv
+
+  // Appends the key steps of `more` (the same layer's project_context of the new key and value
+  // steps, same batch) after each batch entry's own: the result equals projecting the whole
+  // key and value at once. Cost O(B·(S + S')·(H·Dk + H·Dv)) copies.
+  void append(const ProjectedContext& more) {
+    constexpr const char* where = "ProjectedContext::append";
+    if (keys.size() == 0 && values.size() == 0 && key_steps == 0 && batch == 0) {
+      *this = more;
+      return;
+    }
+    if (more.batch != batch)
+      detail::fail<ShapeError>(where, "more has batch ", more.batch, "; expected ", batch);
+    if (more.keys.cols() != keys.cols() || more.values.cols() != values.cols())
+      detail::fail<ShapeError>(where, "more has key and value widths ", more.keys.cols(), " and ",
+                               more.values.cols(), "; expected this context's ", keys.cols(),
+                               " and ", values.cols(), " (the same layer)");
+    if (more.keys.rows() != more.batch * more.key_steps ||
+        more.values.rows() != more.keys.rows() || keys.rows() != batch * key_steps ||
+        values.rows() != keys.rows())
+      detail::fail<ShapeError>(where, "keys and values must have batch * key_steps rows (",
+                               more.keys.rows(), " and ", more.values.rows(), " for ", more.batch,
+                               " x ", more.key_steps, ")");
+    keys = interleave(keys, key_steps, more.keys, more.key_steps);
+    values = interleave(values, key_steps, more.values, more.key_steps);
+    key_steps += more.key_steps;
+  }
+
+ private:
+  RowMatrix<Scalar> interleave(const RowMatrix<Scalar>& first, Index first_steps,
+                               const RowMatrix<Scalar>& second, Index second_steps) const {
+    RowMatrix<Scalar> joined(batch * (first_steps + second_steps), first.cols());
+    for (Index b = 0; b < batch; ++b) {
+      joined.middleRows(b * (first_steps + second_steps), first_steps) =
+          first.middleRows(b * first_steps, first_steps);
+      joined.middleRows(b * (first_steps + second_steps) + first_steps, second_steps) =
+          second.middleRows(b * second_steps, second_steps);
+    }
+    return joined;
+  }
 };
 
 template <typename Scalar>
 struct AttentionResult {
   Eigen::Tensor<Scalar, 3, Eigen::RowMajor> output;            // (B, T, O)
   Eigen::Tensor<Scalar, 4, Eigen::RowMajor> attention_scores;  // (B, H, T, S) or empty
+  std::uint64_t dropout_seed = 0;  // the seed of the call's dropout mask (0 without dropout)
 };
 
 // A read-only view of a row-major rank-3 tensor: binds to Eigen::Tensor and Eigen::TensorMap

@@ -59,12 +59,13 @@ struct BackwardBuffers {
   std::vector<Index> gathered_rows, block_start;
   Vector<Scalar> d_stored;       // dX in CSR order when from_coo's order differs
   ScratchBuffer feature_groups;  // the whole query's CSC, for the query gradients by feature
+  RowMatrix<Scalar> bias_partials;  // a broadcast bias's gradient: one partial sum per run
 
   std::size_t bytes() const {
     auto matrix_bytes = [](const auto& m) { return std::size_t(m.size()) * sizeof(Scalar); };
     return matrix_bytes(d_heads) + matrix_bytes(d_queries) + matrix_bytes(d_keys) +
            matrix_bytes(d_values) + matrix_bytes(gathered_input) + matrix_bytes(gathered_output) +
-           matrix_bytes(d_stored) +
+           matrix_bytes(d_stored) + matrix_bytes(bias_partials) +
            (gathered_rows.capacity() + block_start.capacity()) * sizeof(Index) +
            feature_groups.bytes();
   }

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <sstream>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -27,7 +29,7 @@
 
 namespace sdmha::detail {
 
-// The mask of one attention item: its rows and keys of the (B, T, S) masks of `options`.
+// The mask of one attention item: its rows and keys of the masks of `options`.
 template <typename Scalar>
 BatchMask item_mask(const AttentionItem& item, const AttentionOptions<Scalar>& options, Index steps,
                     Index key_steps) {
@@ -39,14 +41,61 @@ BatchMask item_mask(const AttentionItem& item, const AttentionOptions<Scalar>& o
   mask.causal = options.use_causal_mask;
   mask.causal_offset =
       options.causal_alignment == CausalAlignment::bottom_right ? key_steps - steps : 0;
-  if (options.attention_mask.size() != 0) {
-    mask.attention = options.attention_mask.data() +
-                     (item.batch * steps + item.query_begin) * key_steps + item.key_begin;
+  if (!options.attention_mask.empty()) {
+    mask.attention =
+        options.attention_mask.at(item.batch, item.head, item.query_begin, item.key_begin);
     mask.attention_stride = key_steps;
   }
   if (options.key_padding_mask.size() != 0)
     mask.key_padding = options.key_padding_mask.data() + item.batch * key_steps + item.key_begin;
   return mask;
+}
+
+// scores += the item's block of attention_bias, except where a score is −∞ (blocked: it stays
+// blocked). Cost O(rows·keys) when there is a bias.
+template <typename Scalar, typename Tile>
+void add_attention_bias(const AttentionItem& item, const AttentionOptions<Scalar>& options,
+                        Tile&& scores) {
+  const BroadcastRef<Scalar>& bias = options.attention_bias;
+  if (bias.empty()) return;
+  constexpr Scalar blocked = -std::numeric_limits<Scalar>::infinity();
+  for (Index t = 0; t < scores.rows(); ++t) {
+    const Scalar* bias_row = bias.at(item.batch, item.head, item.query_begin + t, item.key_begin);
+    for (Index s = 0; s < scores.cols(); ++s) {
+      Scalar& score = scores(t, s);
+      score = score == blocked ? blocked : score + bias_row[s];
+    }
+  }
+}
+
+// (d0, d1, …) of a mask or bias as the caller gave it, for messages.
+template <typename T>
+std::string shape_text(const BroadcastRef<T>& ref) {
+  std::ostringstream text;
+  const int first = ref.rank() == 2 ? 2 : 0;
+  text << '(';
+  for (int axis = first; axis < 4; ++axis) {
+    if (ref.rank() == 3 && axis == 1) continue;
+    text << ref.dimension(axis) << (axis < 3 ? ", " : ")");
+  }
+  return text.str();
+}
+
+// A mask or bias must broadcast to (B, H, T, S): (T, S), or B' ∈ {1, B}, H' ∈ {1, H}.
+template <typename T>
+void check_broadcast(const char* where, const char* name, const BroadcastRef<T>& ref, Index batch,
+                     Index heads, Index steps, Index key_steps) {
+  if (ref.empty()) return;
+  const bool fits = (ref.batch() == batch || ref.batch() == 1) &&
+                    (ref.heads() == heads || ref.heads() == 1) && ref.steps() == steps &&
+                    ref.key_steps() == key_steps && ref.rank() >= 2 && ref.rank() <= 4;
+  if (!fits)
+    fail<ShapeError>(where, name, " is ", shape_text(ref), "; expected (B, T, S) = (", batch, ", ",
+                     steps, ", ", key_steps, "), (T, S) = (", steps, ", ", key_steps,
+                     ") or (B, H, T, S) = (", batch, ", ", heads, ", ", steps, ", ", key_steps,
+                     ") with B or H possibly 1");
+  if (ref.data() == nullptr && ref.size() > 0)
+    fail<ShapeError>(where, name, " has no data; expected ", ref.size(), " values");
 }
 
 template <typename Scalar, typename ScoreKernelT, typename SoftmaxT, typename AttendValuesT,
@@ -177,15 +226,10 @@ class AttentionCore {
   static AttentionPlan check_options(const char* where, const LayerDims& dims, Index batch,
                                      Index steps, Index key_steps,
                                      const AttentionOptions<Scalar>& options, Pass pass) {
-    const auto& mask = options.attention_mask;
-    if (mask.size() != 0 || mask.dimension(0) != 0 || mask.dimension(1) != 0 ||
-        mask.dimension(2) != 0) {
-      if (mask.dimension(0) != batch || mask.dimension(1) != steps ||
-          mask.dimension(2) != key_steps)
-        fail<ShapeError>(where, "attention_mask is (", mask.dimension(0), ", ", mask.dimension(1),
-                         ", ", mask.dimension(2), "); expected (B, T, S) = (", batch, ", ", steps,
-                         ", ", key_steps, ")");
-    }
+    check_broadcast(where, "attention_mask", options.attention_mask, batch, dims.num_heads, steps,
+                    key_steps);
+    check_broadcast(where, "attention_bias", options.attention_bias, batch, dims.num_heads, steps,
+                    key_steps);
     const auto& padding = options.key_padding_mask;
     if (padding.dimension(0) != 0 || padding.dimension(1) != 0) {
       if (padding.dimension(0) != batch || padding.dimension(1) != key_steps)
@@ -222,6 +266,12 @@ class AttentionCore {
     plan.scale = options.scale.value_or(1.0 / std::sqrt(double(dims.key_dim)));
     plan.fully_masked_rows = options.fully_masked_rows;
     plan.return_scores = options.return_attention_scores;
+    if (options.training && options.dropout_rate > 0.0) {
+      plan.dropout_rate = options.dropout_rate;
+      plan.dropout_seed = options.dropout_generator == nullptr ? options.dropout_seed
+                          : pass == Pass::forward       ? options.dropout_generator->next()
+                                                        : options.dropout_generator->last();
+    }
     return plan;
   }
 
@@ -323,6 +373,7 @@ class AttentionCore {
               CallBuffers<Scalar>& buffers, AttentionResult<Scalar>& result) const {
     const Index B = plan.batch, T = plan.steps, S = plan.key_steps, H = plan.heads();
     const bool return_scores = options.return_attention_scores;
+    result.dropout_seed = plan.dropout_rate > 0.0 ? plan.dropout_seed : 0;
     if (return_scores)
       result.attention_scores.resize(B, H, T, S);
     else if (result.attention_scores.size() != 0)
@@ -391,12 +442,12 @@ class AttentionCore {
         item, item_mask(item, options, T, S),
         ConstMatrixRef<Scalar>(context.keys.block(b * S + item.key_begin, h * Dk, keys, Dk)),
         scratch, MatrixRef<Scalar>(scores));
+    add_attention_bias(item, options, scores);
     typename Softmax::Arguments softmax_args{position, scores, scratch, plan.fully_masked_rows};
     Softmax::can_implement(softmax_args);
     softmax_(softmax_args);
     // Dropout acts on the probabilities that meet the values; returned scores stay before it.
-    const DropoutMask dropout =
-        options.training ? DropoutMask(options.dropout_rate, options.dropout_seed) : DropoutMask();
+    const DropoutMask dropout = plan.dropout();
     const bool keep_scores = dropout.active() && options.return_attention_scores;
     Tile probabilities =
         keep_scores ? as_tile(worker.tile(1, rows, keys, plan.tile_entries)) : scores;
@@ -433,8 +484,7 @@ class AttentionCore {
     auto statistics = worker.tile(1, 2, rows, plan.tile_entries);  // row 0: m_t, row 1: l_t
     statistics.row(0).setConstant(-std::numeric_limits<Scalar>::infinity());
     statistics.row(1).setZero();
-    const DropoutMask dropout =
-        options.training ? DropoutMask(options.dropout_rate, options.dropout_seed) : DropoutMask();
+    const DropoutMask dropout = plan.dropout();
     const bool value_is_finite = buffers.value_is_finite[std::size_t(b * H + h)] != 0;
     const StageScratch scratch = worker.stage.view();
     for (Index index = 0; index < plan.key_tiles(item); ++index) {
@@ -444,6 +494,7 @@ class AttentionCore {
                      ConstMatrixRef<Scalar>(
                          context.keys.block(b * S + tile.key_begin, h * Dk, tile.key_steps, Dk)),
                      scratch, MatrixRef<Scalar>(scores));
+      add_attention_bias(tile, options, scores);
       online_softmax_update(scores, statistics, heads);
       dropout.apply(scores, b, h, tile.query_begin, tile.key_begin);
       typename sdmha::AttendValues<Scalar>::Arguments values_args{

@@ -16,9 +16,11 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "sdmha/config.hpp"
+#include "sdmha/detail/dropout.hpp"
 #include "sdmha/detail/parallel.hpp"
 #include "sdmha/options.hpp"
 #include "sdmha/sparse_query.hpp"
@@ -85,6 +87,9 @@ struct AttentionPlan {
   ScoreStrategy strategy = ScoreStrategy::project_first;
   QueryStatistics query;
   bool return_scores = false;             // the (B, H, T, S) probabilities are returned
+  // The call's dropout (rate 0: none): its seed is drawn once per call, before any work.
+  double dropout_rate = 0.0;
+  std::uint64_t dropout_seed = 0;
   Index query_tile = 0, query_tiles = 0;  // rows per attention tile, tiles per (b, h)
   bool online_softmax = false;            // key tiles of key_tile, probabilities never stored
   Index key_tile = 0;                     // keys per key tile
@@ -92,6 +97,7 @@ struct AttentionPlan {
   Index tile_entries = 0;                 // each worker's tile buffers: entries of one score tile
 
   bool regrouped() const { return strategy == ScoreStrategy::sparse_regrouped; }
+  DropoutMask dropout() const { return DropoutMask(dropout_rate, dropout_seed); }
   Index heads() const { return dims.num_heads; }
 
   // Attention items: (b, h, tile) in that order; one key tile each.
