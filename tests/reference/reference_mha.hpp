@@ -24,6 +24,15 @@ struct Problem {
   std::vector<double> value_kernel, value_bias, output_kernel, output_bias;
   std::vector<char> attention_mask;    // B·T·S, 1 = may attend; empty = none
   std::vector<char> key_padding_mask;  // B·S, 1 = padding; empty = none
+  // A mask broadcast over the batch and heads, ANDed with the others: (B', H', T, S) with
+  // B' ∈ {1, B}, H' ∈ {1, H}, 1 = may attend; empty = none.
+  std::vector<char> broadcast_mask;
+  long mask_batch = 1, mask_heads = 1;  // B', H' of broadcast_mask
+  // Added to the scaled scores before the softmax, score = scale·q·k + bias, (B', H', T, S)
+  // broadcast like broadcast_mask; empty = none. A blocked position stays −∞ whatever its bias;
+  // a −∞ bias blocks.
+  std::vector<double> attention_bias;
+  long bias_batch = 1, bias_heads = 1;  // B', H' of attention_bias
   bool causal = false;
   long causal_offset = 0;             // causal: s <= t + causal_offset (bottom-right: S − T)
   double scale = 0.0;                 // the scores' factor; 0 means 1/sqrt(key_dim)
@@ -34,7 +43,7 @@ struct Result {
   std::vector<double> query;          // projected, B·T·H·Dk
   std::vector<double> key;            // projected, B·S·H·Dk
   std::vector<double> value;          // projected, B·S·H·Dv
-  std::vector<double> scores;         // B·H·T·S, scaled, blocked = −∞
+  std::vector<double> scores;         // B·H·T·S, scaled plus bias, blocked = −∞
   std::vector<double> probabilities;  // B·H·T·S
   std::vector<double> heads;          // B·T·H·Dv
   std::vector<double> output;         // B·T·O
@@ -62,6 +71,25 @@ inline bool allowed(const Problem& p, long b, long t, long s) {
   return true;
 }
 
+// Element (b, h, t, s) of a (B', H', T, S) tensor broadcast to (B, H, T, S).
+inline long broadcast_index(long batch, long heads, const Problem& p, long b, long h, long t,
+                            long s) {
+  return (((batch == 1 ? 0 : b) * heads + (heads == 1 ? 0 : h)) * p.steps + t) * p.key_steps + s;
+}
+
+// Every mask, the per-head broadcast mask included (a −∞ bias blocks too: see forward).
+inline bool allowed(const Problem& p, long b, long h, long t, long s) {
+  if (!allowed(p, b, t, s)) return false;
+  return p.broadcast_mask.empty() ||
+         p.broadcast_mask[broadcast_index(p.mask_batch, p.mask_heads, p, b, h, t, s)] != 0;
+}
+
+inline double bias_at(const Problem& p, long b, long h, long t, long s) {
+  return p.attention_bias.empty()
+             ? 0.0
+             : p.attention_bias[broadcast_index(p.bias_batch, p.bias_heads, p, b, h, t, s)];
+}
+
 inline Result forward(const Problem& p) {
   const long B = p.batch, T = p.steps, S = p.key_steps, H = p.heads, Dk = p.key_dim,
              Dv = p.value_dim, O = p.output_dim;
@@ -81,7 +109,7 @@ inline Result forward(const Problem& p) {
         double* probability = r.probabilities.data() + ((b * H + h) * T + t) * S;
         double row_max = minus_infinity;
         for (long s = 0; s < S; ++s) {
-          if (!allowed(p, b, t, s)) {
+          if (!allowed(p, b, h, t, s)) {
             score[s] = minus_infinity;
             continue;
           }
@@ -89,6 +117,7 @@ inline Result forward(const Problem& p) {
           for (long d = 0; d < Dk; ++d)
             dot += (r.query[(b * T + t) * H * Dk + h * Dk + d] * scale) *
                    r.key[(b * S + s) * H * Dk + h * Dk + d];
+          dot += bias_at(p, b, h, t, s);  // −∞ blocks like a mask; NaN, +∞ propagate
           score[s] = dot;
           if (dot > row_max) row_max = dot;
         }
