@@ -201,8 +201,8 @@ struct Backward {
                              const AttentionItem& item, const Query& query,
                              const ProjectedContext<Scalar>& context,
                              const AttentionOptions<Scalar>& options, const HeadFlags& flags,
-                             const BiasGradientTarget& bias_gradient,
-                             WorkerBuffers<Scalar>& worker, Buffers& buffers) {
+                             const BiasGradientTarget& bias_gradient, WorkerBuffers<Scalar>& worker,
+                             Buffers& buffers) {
     const Index T = plan.steps, S = plan.key_steps, Dk = plan.dims.key_dim,
                 Dv = plan.dims.value_dim;
     const Index b = item.batch, h = item.head, rows = item.query_rows, keys = item.key_steps;
@@ -222,7 +222,7 @@ struct Backward {
     const auto d_heads = scratch.d_heads.block(query_row, h * Dv, rows, Dv);
     auto probabilities = worker.tile(0, rows, keys, plan.tile_entries);
     auto d_scores = worker.tile(2, rows, keys, plan.tile_entries);
-    scores(layer, plan, item, query, query_bh, key_bh, options, stage, probabilities);
+    scores(layer, plan, item, query, key_bh, options, stage, buffers, probabilities);
     const char* fully_masked = mark_fully_masked_rows(plan, probabilities, worker);
     typename Layer::Softmax::Arguments softmax_args{position, probabilities, stage,
                                                     plan.fully_masked_rows};
@@ -285,32 +285,11 @@ struct Backward {
 
   // The forward's scores of one tile, by the plan's strategy, with the attention bias.
   static void scores(const Layer& layer, const AttentionPlan& plan, const AttentionItem& item,
-                     const Query& query, const ConstMatrixRef<Scalar>& query_bh,
-                     const ConstMatrixRef<Scalar>& key, const AttentionOptions<Scalar>& options,
-                     StageScratch stage, MatrixRef<Scalar> out) {
-    const Index T = plan.steps, Dk = plan.dims.key_dim;
-    const Scalar scale = Scalar(plan.scale);
-    const BatchMask mask = item_mask(item, options, T, plan.key_steps);
-    const auto& weights = layer.weights();
-    using Kernel = typename Layer::ScoreKernel;
-    if (plan.regrouped()) {
-      typename Kernel::SparseArguments args{
-          item.position(),
-          query.csr().middle_rows(item.batch * T + item.query_begin, item.query_rows),
-          weights.query_kernel.middleCols(item.head * Dk, Dk),
-          Layer::bias_segment(weights.query_bias, item.head * Dk, Dk),
-          key,
-          scale,
-          mask,
-          out,
-          stage};
-      Kernel::can_implement(args);
-      layer.score_kernel()(args);
-    } else {
-      typename Kernel::Arguments args{item.position(), query_bh, key, scale, mask, out, stage};
-      Kernel::can_implement(args);
-      layer.score_kernel()(args);
-    }
+                     const Query& query, const ConstMatrixRef<Scalar>& key,
+                     const AttentionOptions<Scalar>& options, StageScratch stage, Buffers& buffers,
+                     MatrixRef<Scalar> out) {
+    layer.tile_scores(plan, item, query, buffers.projected_query,
+                      item_mask(item, options, plan.steps, plan.key_steps), key, stage, out);
     add_attention_bias(item, options, out);
   }
 
@@ -347,7 +326,8 @@ struct Backward {
     if (target.data == nullptr) return;
     const BroadcastRef<Scalar>& bias = options.attention_bias;
     const Index S = plan.key_steps;
-    const Index first = bias.at(item.batch, item.head, item.query_begin, item.key_begin) - bias.data();
+    const Index first =
+        bias.at(item.batch, item.head, item.query_begin, item.key_begin) - bias.data();
     for (Index t = 0; t < d_scores.rows(); ++t) {
       Scalar* row = target.data + first + t * S;
       for (Index s = 0; s < d_scores.cols(); ++s)
@@ -357,8 +337,9 @@ struct Backward {
 
   // The gradient tensor in the bias's shape, zero (positions no tile reaches stay 0), and the
   // runs' partial sums.
-  static void start_bias_gradient(const AttentionPlan& plan, const AttentionOptions<Scalar>& options,
-                                  Buffers& buffers, MhaGradients<Scalar>& gradients) {
+  static void start_bias_gradient(const AttentionPlan& plan,
+                                  const AttentionOptions<Scalar>& options, Buffers& buffers,
+                                  MhaGradients<Scalar>& gradients) {
     const BroadcastRef<Scalar>& bias = options.attention_bias;
     if (!bias_gradient_wanted(options)) {
       gradients.attention_bias = Eigen::Tensor<Scalar, 4, Eigen::RowMajor>();
@@ -371,8 +352,9 @@ struct Backward {
   }
 
   // Σ over runs, in run order, of the partial sums.
-  static void finish_bias_gradient(const AttentionPlan& plan, const AttentionOptions<Scalar>& options,
-                                   Buffers& buffers, MhaGradients<Scalar>& gradients) {
+  static void finish_bias_gradient(const AttentionPlan& plan,
+                                   const AttentionOptions<Scalar>& options, Buffers& buffers,
+                                   MhaGradients<Scalar>& gradients) {
     const Index runs = bias_gradient_runs(plan, options);
     if (runs == 0) return;
     const RowMatrix<Scalar>& partials = buffers.backward.bias_partials;

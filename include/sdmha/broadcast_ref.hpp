@@ -26,7 +26,8 @@ class BroadcastRef {
   template <int Rank>
   BroadcastRef(const Eigen::Tensor<T, Rank, Eigen::RowMajor>& tensor)  // NOLINT: implicit
       : BroadcastRef(tensor.data(), Rank, tensor.dimensions().data()) {
-    static_assert(Rank >= 2 && Rank <= 4, "BroadcastRef: expected (T, S), (B, T, S) or (B, H, T, S)");
+    static_assert(Rank >= 2 && Rank <= 4,
+                  "BroadcastRef: expected (T, S), (B, T, S) or (B, H, T, S)");
   }
   // A temporary would be gone before the call reads it.
   template <int Rank>
@@ -61,9 +62,7 @@ class BroadcastRef {
   Index key_steps() const { return dims_[3]; }
   Index size() const { return dims_[0] * dims_[1] * dims_[2] * dims_[3]; }
   int rank() const { return rank_; }
-  bool broadcasts(Index batch, Index heads) const {
-    return dims_[0] != batch || dims_[1] != heads;
-  }
+  bool broadcasts(Index batch, Index heads) const { return dims_[0] != batch || dims_[1] != heads; }
 
   // Which (b', h') slice serves scores (b, h).
   Index slice(Index b, Index h) const {

@@ -69,7 +69,8 @@ class DropoutGenerator {
   // The seed of the latest draw; the backward of a step uses it.
   std::uint64_t last() const {
     if (draws_ == 0)
-      detail::fail<ConfigError>("DropoutGenerator", "no seed drawn yet; expected a training "
+      detail::fail<ConfigError>("DropoutGenerator",
+                                "no seed drawn yet; expected a training "
                                 "forward (or next()) before the backward that reuses its mask");
     return last_;
   }
@@ -154,9 +155,8 @@ struct ProjectedContext {
       detail::fail<ShapeError>(where, "more has key and value widths ", more.keys.cols(), " and ",
                                more.values.cols(), "; expected this context's ", keys.cols(),
                                " and ", values.cols(), " (the same layer)");
-    if (more.keys.rows() != more.batch * more.key_steps ||
-        more.values.rows() != more.keys.rows() || keys.rows() != batch * key_steps ||
-        values.rows() != keys.rows())
+    if (more.keys.rows() != more.batch * more.key_steps || more.values.rows() != more.keys.rows() ||
+        keys.rows() != batch * key_steps || values.rows() != keys.rows())
       detail::fail<ShapeError>(where, "keys and values must have batch * key_steps rows (",
                                more.keys.rows(), " and ", more.values.rows(), " for ", more.batch,
                                " x ", more.key_steps, ")");

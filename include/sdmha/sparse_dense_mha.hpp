@@ -226,49 +226,51 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
   void run(const detail::AttentionPlan& plan, const Query& query,
            const ProjectedContext<Scalar>& context, const AttentionOptions<Scalar>& options,
            detail::CallBuffers<Scalar>& buffers, AttentionResult<Scalar>& result) const {
-    const Index T = plan.steps, Dk = plan.dims.key_dim;
-    const Scalar scale = Scalar(plan.scale);
-    const auto& weights = this->weights();
-    if (plan.regrouped()) {
-      this->attend(
-          plan, context, options,
-          [&](const detail::AttentionItem& item, const BatchMask& mask,
-              const ConstMatrixRef<Scalar>& key, StageScratch scratch, MatrixRef<Scalar> scores) {
-            typename ScoreKernelT::SparseArguments args{
-                item.position(),
-                query.csr().middle_rows(item.batch * T + item.query_begin, item.query_rows),
-                weights.query_kernel.middleCols(item.head * Dk, Dk),
-                Core::bias_segment(weights.query_bias, item.head * Dk, Dk),
-                key,
-                scale,
-                mask,
-                scores,
-                scratch};
-            ScoreKernelT::can_implement(args);
-            this->score_kernel_(args);
-          },
-          buffers, result);
-      return;
-    }
-    project_query(plan, query, buffers, buffers.projected_query);
-    const RowMatrix<Scalar>& projected_query = buffers.projected_query;
+    if (!plan.regrouped()) project_query(plan, query, buffers, buffers.projected_query);
     this->attend(
         plan, context, options,
         [&](const detail::AttentionItem& item, const BatchMask& mask,
             const ConstMatrixRef<Scalar>& key, StageScratch scratch, MatrixRef<Scalar> scores) {
-          typename ScoreKernelT::Arguments args{
-              item.position(),
-              projected_query.block(item.batch * T + item.query_begin, item.head * Dk,
-                                    item.query_rows, Dk),
-              key,
-              scale,
-              mask,
-              scores,
-              scratch};
-          ScoreKernelT::can_implement(args);
-          this->score_kernel_(args);
+          tile_scores(plan, item, query, buffers.projected_query, mask, key, scratch, scores);
         },
         buffers, result);
+  }
+
+  // The masked scores of one tile by the plan's strategy, before the attention bias: from X's
+  // CSR rows (regrouped) or from the tile's block of Q (`projected_query`, B·T × H·Dk).
+  void tile_scores(const detail::AttentionPlan& plan, const detail::AttentionItem& item,
+                   const Query& query, const RowMatrix<Scalar>& projected_query,
+                   const BatchMask& mask, const ConstMatrixRef<Scalar>& key, StageScratch scratch,
+                   MatrixRef<Scalar> scores) const {
+    const Index T = plan.steps, Dk = plan.dims.key_dim;
+    const Scalar scale = Scalar(plan.scale);
+    if (plan.regrouped()) {
+      const auto& weights = this->weights();
+      typename ScoreKernelT::SparseArguments args{
+          item.position(),
+          query.csr().middle_rows(item.batch * T + item.query_begin, item.query_rows),
+          weights.query_kernel.middleCols(item.head * Dk, Dk),
+          Core::bias_segment(weights.query_bias, item.head * Dk, Dk),
+          key,
+          scale,
+          mask,
+          scores,
+          scratch};
+      ScoreKernelT::can_implement(args);
+      this->score_kernel_(args);
+      return;
+    }
+    typename ScoreKernelT::Arguments args{
+        item.position(),
+        projected_query.block(item.batch * T + item.query_begin, item.head * Dk, item.query_rows,
+                              Dk),
+        key,
+        scale,
+        mask,
+        scores,
+        scratch};
+    ScoreKernelT::can_implement(args);
+    this->score_kernel_(args);
   }
 
   QueryProjection query_projection_;

@@ -57,8 +57,8 @@ struct BackwardBuffers {
   RowMatrix<Scalar> d_heads, d_queries, d_keys, d_values;  // dA, dQ, dK, dV
   RowMatrix<Scalar> gathered_input, gathered_output;  // rows of a non-finite input with a gradient
   std::vector<Index> gathered_rows, block_start;
-  Vector<Scalar> d_stored;       // dX in CSR order when from_coo's order differs
-  ScratchBuffer feature_groups;  // the whole query's CSC, for the query gradients by feature
+  Vector<Scalar> d_stored;          // dX in CSR order when from_coo's order differs
+  ScratchBuffer feature_groups;     // the whole query's CSC, for the query gradients by feature
   RowMatrix<Scalar> bias_partials;  // a broadcast bias's gradient: one partial sum per run
 
   std::size_t bytes() const {

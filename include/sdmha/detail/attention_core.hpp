@@ -269,8 +269,8 @@ class AttentionCore {
     if (options.training && options.dropout_rate > 0.0) {
       plan.dropout_rate = options.dropout_rate;
       plan.dropout_seed = options.dropout_generator == nullptr ? options.dropout_seed
-                          : pass == Pass::forward       ? options.dropout_generator->next()
-                                                        : options.dropout_generator->last();
+                          : pass == Pass::forward              ? options.dropout_generator->next()
+                                                               : options.dropout_generator->last();
     }
     return plan;
   }

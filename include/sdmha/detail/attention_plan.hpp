@@ -86,7 +86,7 @@ struct AttentionPlan {
   FullyMaskedRows fully_masked_rows = FullyMaskedRows::zeros;
   ScoreStrategy strategy = ScoreStrategy::project_first;
   QueryStatistics query;
-  bool return_scores = false;             // the (B, H, T, S) probabilities are returned
+  bool return_scores = false;  // the (B, H, T, S) probabilities are returned
   // The call's dropout (rate 0: none): its seed is drawn once per call, before any work.
   double dropout_rate = 0.0;
   std::uint64_t dropout_seed = 0;
