@@ -1,0 +1,649 @@
+// The attention bias and the broadcast masks (AttentionOptions::attention_bias, attention_mask as
+// views of (T, S), (B, T, S), (B, 1, T, S), (B, H, T, S) or (1, H, T, S) tensors), the bias
+// gradient, DropoutGenerator and ProjectedContext::append: forward against the float64 reference
+// for every shape and semantics option (both score strategies, the online softmax past kKeyTile
+// keys), views that are read at call time and never copied, every gradient against central
+// differences with a bias present, the bias gradient's sum over the broadcast axes bitwise the
+// same for any thread count, shape errors, the dropout seeds' sequence and the appended context.
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "gradient_check.hpp"
+#include "test_support.hpp"
+
+namespace {
+
+using namespace sdmha_test;
+
+template <typename T>
+using Tensor2 = Eigen::Tensor<T, 2, Eigen::RowMajor>;
+template <typename T>
+using Tensor4 = Eigen::Tensor<T, 4, Eigen::RowMajor>;
+
+constexpr double kInfinity = std::numeric_limits<double>::infinity();
+// Central differences of the bias: the same step and tolerances as every other gradient's.
+constexpr double kStep = gradient_check::kStep;
+constexpr double kAbsoluteTolerance = gradient_check::kAbsoluteTolerance;
+constexpr double kRelativeTolerance = gradient_check::kRelativeTolerance;
+// Two float64 sums of the same terms in different orders (the bias gradient over the broadcast
+// axes, summed by us and by the library): a few ulps of the largest partial sum.
+constexpr double kReorderedSumTolerance = 1e-12;
+
+// A shape a mask or bias may have: rank 2 (T, S), 3 (B, T, S) or 4 (B', H', T, S).
+struct BroadcastShape {
+  const char* name;
+  int rank;
+  bool per_batch;  // B' = B (else 1)
+  bool per_head;   // H' = H (else 1)
+};
+
+std::vector<BroadcastShape> broadcast_shapes() {
+  return {{"T_S", 2, false, false},   {"B_T_S", 3, true, false},   {"B_1_T_S", 4, true, false},
+          {"B_H_T_S", 4, true, true}, {"1_H_T_S", 4, false, true}, {"1_1_T_S", 4, false, false}};
+}
+
+// A mask or bias of one BroadcastShape, owned here (the options only view it), with its float64
+// twin for the reference in (B', H', T, S) order (the same element order for every rank).
+template <typename T>
+struct Broadcast {
+  BroadcastShape shape{};
+  long batch = 1, heads = 1, steps = 0, key_steps = 0;  // B', H', T, S
+  Tensor2<T> rank2;
+  Tensor3<T> rank3;
+  Tensor4<T> rank4;
+
+  Broadcast(const BroadcastShape& s, long b, long h, long t, long k)
+      : shape(s), batch(s.per_batch ? b : 1), heads(s.per_head ? h : 1), steps(t), key_steps(k) {
+    if (s.rank == 2) rank2.resize(t, k);
+    if (s.rank == 3) rank3.resize(batch, t, k);
+    if (s.rank == 4) rank4.resize(batch, heads, t, k);
+  }
+  long size() const { return batch * heads * steps * key_steps; }
+  T* data() {
+    return shape.rank == 2 ? rank2.data() : shape.rank == 3 ? rank3.data() : rank4.data();
+  }
+  // The view, through the implicit conversion from each rank's tensor.
+  sdmha::BroadcastRef<T> ref() const {
+    if (shape.rank == 2) return rank2;
+    if (shape.rank == 3) return rank3;
+    return rank4;
+  }
+};
+
+// Fills a mask: ~25% blocked, and ~20% of the (b', h', t) rows blocked entirely.
+void fill_mask(Broadcast<bool>& mask, std::vector<char>& twin, std::mt19937_64& generator) {
+  std::bernoulli_distribution blocked(0.25), whole_row(0.2);
+  twin.resize(std::size_t(mask.size()));
+  for (long row = 0; row * mask.key_steps < mask.size(); ++row) {
+    const bool row_blocked = whole_row(generator);
+    for (long s = 0; s < mask.key_steps; ++s) {
+      const long i = row * mask.key_steps + s;
+      mask.data()[i] = !row_blocked && !blocked(generator);
+      twin[std::size_t(i)] = mask.data()[i];
+    }
+  }
+}
+
+// Fills a bias with values in [−2, 2] rounded to Scalar, a fraction of them −∞.
+template <typename Scalar>
+void fill_bias(Broadcast<Scalar>& bias, std::vector<double>& twin, std::mt19937_64& generator,
+               double minus_infinity_fraction = 0.1) {
+  std::uniform_real_distribution<double> value(-2.0, 2.0);
+  std::bernoulli_distribution minus_infinity(minus_infinity_fraction);
+  twin.resize(std::size_t(bias.size()));
+  for (long i = 0; i < bias.size(); ++i) {
+    bias.data()[i] = minus_infinity(generator) ? Scalar(-kInfinity) : Scalar(value(generator));
+    twin[std::size_t(i)] = double(bias.data()[i]);
+  }
+}
+
+// A case with an optional broadcast mask and bias of the given shapes (null: none), both owned
+// by the caller and viewed by c.options and the reference's problem.
+template <typename Scalar>
+void attach(Case<Scalar>& c, Broadcast<bool>* mask, Broadcast<Scalar>* bias,
+            std::mt19937_64& generator) {
+  if (mask != nullptr) {
+    fill_mask(*mask, c.problem.broadcast_mask, generator);
+    c.problem.mask_batch = mask->batch;
+    c.problem.mask_heads = mask->heads;
+    c.options.attention_mask = mask->ref();
+  }
+  if (bias != nullptr) {
+    fill_bias(*bias, c.problem.attention_bias, generator);
+    c.problem.bias_batch = bias->batch;
+    c.problem.bias_heads = bias->heads;
+    c.options.attention_bias = bias->ref();
+  }
+}
+
+// The semantics options, applied to both the options and the reference.
+struct Semantics {
+  bool causal = false;
+  bool bottom_right = false;
+  bool uniform = false;
+  double scale = 0.0;  // 0: 1/√Dk
+  sdmha::ScoreStrategy strategy = sdmha::ScoreStrategy::project_first;
+};
+
+template <typename Scalar>
+void apply(const Semantics& m, Case<Scalar>& c) {
+  c.options.use_causal_mask = c.problem.causal = m.causal;
+  c.options.causal_alignment =
+      m.bottom_right ? sdmha::CausalAlignment::bottom_right : sdmha::CausalAlignment::top_left;
+  c.problem.causal_offset = m.bottom_right ? c.shape.key_steps - c.shape.steps : 0;
+  c.options.fully_masked_rows =
+      m.uniform ? sdmha::FullyMaskedRows::uniform : sdmha::FullyMaskedRows::zeros;
+  c.problem.uniform_fully_masked = m.uniform;
+  if (m.scale != 0.0) c.options.scale = m.scale;
+  c.problem.scale = m.scale;
+  c.options.score_strategy = m.strategy;
+}
+
+std::string describe(const Shape& shape, const Semantics& m) {
+  return "B=" + std::to_string(shape.batch) + " H=" + std::to_string(shape.heads) +
+         " T=" + std::to_string(shape.steps) + " S=" + std::to_string(shape.key_steps) +
+         (m.causal ? (m.bottom_right ? " causal bottom_right" : " causal top_left") : "") +
+         (m.uniform ? " uniform" : " zeros") + " scale=" + std::to_string(m.scale) + " " +
+         sdmha::to_string(m.strategy);
+}
+
+// The layer's forward against the reference, probabilities too when `scores`, and bitwise the
+// same output for 1 and 2 threads.
+template <typename Scalar>
+void expect_matches_reference(Case<Scalar>& c, bool scores = true) {
+  const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
+  c.options.return_attention_scores = scores;
+  c.options.num_threads = 2;
+  const auto result = layer.forward(c.query(), c.key, c.value, c.options);
+  const auto expected = sdmha_reference::forward(c.problem);
+  EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<Scalar>()));
+  if (scores) {
+    EXPECT_TRUE(all_near(result.attention_scores.data(), expected.probabilities,
+                         relative_tolerance<Scalar>()));
+  }
+  c.options.num_threads = 1;
+  const auto single = layer.forward(c.query(), c.key, c.value, c.options);
+  for (Index i = 0; i < result.output.size(); ++i)
+    ASSERT_EQ(single.output.data()[i], result.output.data()[i]) << "thread counts differ at " << i;
+}
+
+// Odd sizes, T ≠ S both ways, B = 1 and H = 1.
+std::vector<Shape> small_shapes() {
+  std::vector<Shape> list;
+  Shape s;
+  s.batch = 2, s.heads = 3, s.steps = 5, s.key_steps = 7;
+  list.push_back(s);
+  s.batch = 1, s.heads = 1, s.steps = 4, s.key_steps = 9;
+  list.push_back(s);
+  s.batch = 1, s.heads = 2, s.steps = 6, s.key_steps = 3;
+  list.push_back(s);
+  s.batch = 3, s.heads = 1, s.steps = 3, s.key_steps = 3;
+  list.push_back(s);
+  return list;
+}
+
+template <typename Scalar>
+class AttentionBiasTest : public ::testing::Test {};
+TYPED_TEST_SUITE(AttentionBiasTest, ScalarTypes, );
+
+// Every mask shape (or none) with every bias shape (or none), on each small shape; the semantics
+// options cycle through their combinations so that every pair meets each of them somewhere.
+TYPED_TEST(AttentionBiasTest, EveryMaskAndBiasShapeMatchesReference) {
+  using Scalar = TypeParam;
+  const auto shapes = broadcast_shapes();
+  std::uint64_t seed = 0;
+  for (const Shape& shape : small_shapes())
+    for (int mask_shape = -1; mask_shape < int(shapes.size()); ++mask_shape)
+      for (int bias_shape = -1; bias_shape < int(shapes.size()); ++bias_shape) {
+        auto c = make_case<Scalar>(shape, 1000 + seed);
+        std::mt19937_64 generator(2000 + seed);
+        Semantics m;
+        m.causal = seed % 3 != 0;
+        m.bottom_right = seed % 3 == 2;
+        m.uniform = (seed / 3) % 2 == 1;
+        m.scale = seed % 4 == 1 ? 0.37 : 0.0;
+        m.strategy = seed % 2 == 0 ? sdmha::ScoreStrategy::project_first
+                                   : sdmha::ScoreStrategy::sparse_regrouped;
+        ++seed;
+        apply(m, c);
+        std::unique_ptr<Broadcast<bool>> mask;
+        std::unique_ptr<Broadcast<Scalar>> bias;
+        if (mask_shape >= 0)
+          mask = std::make_unique<Broadcast<bool>>(shapes[std::size_t(mask_shape)], shape.batch,
+                                                   shape.heads, shape.steps, shape.key_steps);
+        if (bias_shape >= 0)
+          bias = std::make_unique<Broadcast<Scalar>>(shapes[std::size_t(bias_shape)], shape.batch,
+                                                     shape.heads, shape.steps, shape.key_steps);
+        attach(c, mask.get(), bias.get(), generator);
+        SCOPED_TRACE(describe(shape, m) + " mask " + (mask ? mask->shape.name : "none") + " bias " +
+                     (bias ? bias->shape.name : "none"));
+        expect_matches_reference(c);
+      }
+}
+
+// A per-head mask and bias together with key padding and the (B, T, S) mask of make_case, under
+// every causal alignment, both policies, both strategies and a custom scale.
+TYPED_TEST(AttentionBiasTest, EverySemanticsOptionWithMaskAndBias) {
+  using Scalar = TypeParam;
+  const auto shapes = broadcast_shapes();
+  std::uint64_t seed = 0;
+  for (const Shape& base : small_shapes())
+    for (int causal = 0; causal < 3; ++causal)
+      for (bool uniform : {false, true})
+        for (double scale : {0.0, -0.6})
+          for (auto strategy :
+               {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+            Shape shape = base;
+            shape.key_padding = true;
+            auto c = make_case<Scalar>(shape, 3000 + seed);
+            std::mt19937_64 generator(4000 + seed++);
+            const Semantics m{causal > 0, causal == 2, uniform, scale, strategy};
+            apply(m, c);
+            Broadcast<bool> mask(shapes[4], shape.batch, shape.heads, shape.steps, shape.key_steps);
+            Broadcast<Scalar> bias(shapes[seed % shapes.size()], shape.batch, shape.heads,
+                                   shape.steps, shape.key_steps);
+            attach(c, &mask, &bias, generator);
+            SCOPED_TRACE(describe(shape, m) + " bias " + bias.shape.name);
+            expect_matches_reference(c);
+          }
+}
+
+// Past kKeyTile keys the forward takes the online softmax over key tiles (project_first, zeros,
+// no returned scores); the bias and the masks must apply per tile at the right key offsets.
+TYPED_TEST(AttentionBiasTest, OnlineSoftmaxPathWithBiasAndMasks) {
+  using Scalar = TypeParam;
+  std::uint64_t seed = 0;
+  for (const BroadcastShape& bias_shape : broadcast_shapes())
+    for (int causal = 0; causal < 3; ++causal)
+      for (bool uniform : {false, true}) {
+        Shape shape;
+        shape.batch = 2, shape.heads = 2, shape.steps = 6;
+        shape.key_steps = sdmha::detail::kKeyTile + 89;
+        shape.query_dim = 12;
+        auto c = make_case<Scalar>(shape, 5000 + seed);
+        std::mt19937_64 generator(6000 + seed++);
+        const Semantics m{causal > 0, causal == 2, uniform, 0.3,
+                          sdmha::ScoreStrategy::project_first};
+        apply(m, c);
+        Broadcast<bool> mask(broadcast_shapes()[std::size_t(seed % 6)], shape.batch, shape.heads,
+                             shape.steps, shape.key_steps);
+        Broadcast<Scalar> bias(bias_shape, shape.batch, shape.heads, shape.steps, shape.key_steps);
+        attach(c, &mask, &bias, generator);
+        // Rows whose every key past the first tile is −∞: the running maximum of the online
+        // softmax meets a tile that adds nothing.
+        for (long t = 0; t < shape.steps; t += 2)
+          for (long s = sdmha::detail::kKeyTile; s < shape.key_steps; ++s) {
+            bias.data()[t * shape.key_steps + s] = Scalar(-kInfinity);
+            c.problem.attention_bias[std::size_t(t * shape.key_steps + s)] = -kInfinity;
+          }
+        SCOPED_TRACE(describe(shape, m) + " bias " + bias_shape.name);
+        expect_matches_reference(c, false);
+      }
+}
+
+// A bias with every entry −∞ blocks every row: each is fully masked under either policy.
+TYPED_TEST(AttentionBiasTest, AllMinusInfinityBiasBlocksEveryRow) {
+  using Scalar = TypeParam;
+  for (bool uniform : {false, true}) {
+    auto c = make_case<Scalar>(Shape{}, 7000);
+    Semantics m;
+    m.uniform = uniform;
+    apply(m, c);
+    Tensor2<Scalar> bias(c.shape.steps, c.shape.key_steps);
+    bias.setConstant(Scalar(-kInfinity));
+    c.options.attention_bias = bias;
+    c.problem.attention_bias.assign(std::size_t(bias.size()), -kInfinity);
+    expect_matches_reference(c);
+  }
+}
+
+// ---- views ------------------------------------------------------------------------------------
+
+// The options hold views: writing into the caller's bias or mask between two calls changes the
+// second call's output, to what the reference gives for the new values.
+TYPED_TEST(AttentionBiasTest, ViewsAreReadAtCallTime) {
+  using Scalar = TypeParam;
+  auto c = make_case<Scalar>(Shape{}, 8000);
+  std::mt19937_64 generator(8001);
+  Broadcast<bool> mask(broadcast_shapes()[4], 2, 2, 5, 7);
+  Broadcast<Scalar> bias(broadcast_shapes()[1], 2, 2, 5, 7);
+  attach(c, &mask, &bias, generator);
+  const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
+  const auto before = layer.forward(c.query(), c.key, c.value, c.options).output;
+  // One finite entry per row moves (a constant over a whole row would leave the softmax as is).
+  for (long row = 0; row * bias.key_steps < bias.size(); ++row) {
+    const long i = row * bias.key_steps + row % bias.key_steps;
+    if (std::isinf(c.problem.attention_bias[std::size_t(i)])) continue;
+    bias.data()[i] += Scalar(1.5);
+    c.problem.attention_bias[std::size_t(i)] = double(bias.data()[i]);
+  }
+  const auto after_bias = layer.forward(c.query(), c.key, c.value, c.options).output;
+  EXPECT_TRUE(all_near(after_bias.data(), sdmha_reference::forward(c.problem).output,
+                       relative_tolerance<Scalar>()));
+  bool changed = false;
+  for (Index i = 0; i < before.size(); ++i)
+    changed = changed || before.data()[i] != after_bias.data()[i];
+  EXPECT_TRUE(changed) << "the bias was copied, not viewed";
+  for (long i = 0; i < mask.size(); ++i) {
+    mask.data()[i] = !mask.data()[i];
+    c.problem.broadcast_mask[std::size_t(i)] = mask.data()[i];
+  }
+  const auto after_mask = layer.forward(c.query(), c.key, c.value, c.options).output;
+  EXPECT_TRUE(all_near(after_mask.data(), sdmha_reference::forward(c.problem).output,
+                       relative_tolerance<Scalar>()));
+}
+
+// A (T, S) bias on B·H > 1 serves every (b, h) as the expanded (B, H, T, S) copy does: the same
+// additions, so the same output bit for bit; likewise a (1, H, T, S) mask and its expansion.
+TYPED_TEST(AttentionBiasTest, BroadcastEqualsExpanded) {
+  using Scalar = TypeParam;
+  auto c = make_case<Scalar>(Shape{}, 8100);
+  std::mt19937_64 generator(8101);
+  const long B = c.shape.batch, H = c.shape.heads, T = c.shape.steps, S = c.shape.key_steps;
+  Broadcast<bool> mask(broadcast_shapes()[4], B, H, T, S);
+  Broadcast<Scalar> bias(broadcast_shapes()[0], B, H, T, S);
+  attach(c, &mask, &bias, generator);
+  Tensor4<Scalar> bias_expanded(B, H, T, S);
+  Tensor4<bool> mask_expanded(B, H, T, S);
+  for (long b = 0; b < B; ++b)
+    for (long h = 0; h < H; ++h)
+      for (long t = 0; t < T; ++t)
+        for (long s = 0; s < S; ++s) {
+          bias_expanded(b, h, t, s) = bias.rank2(t, s);
+          mask_expanded(b, h, t, s) = mask.rank4(0, h, t, s);
+        }
+  for (auto strategy :
+       {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+    c.options.score_strategy = strategy;
+    c.options.return_attention_scores = true;
+    const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
+    const auto broadcast = layer.forward(c.query(), c.key, c.value, c.options);
+    auto options = c.options;
+    options.attention_bias = bias_expanded;
+    options.attention_mask = mask_expanded;
+    const auto expanded = layer.forward(c.query(), c.key, c.value, options);
+    for (Index i = 0; i < broadcast.output.size(); ++i)
+      ASSERT_EQ(broadcast.output.data()[i], expanded.output.data()[i]) << i;
+    for (Index i = 0; i < broadcast.attention_scores.size(); ++i)
+      ASSERT_EQ(broadcast.attention_scores.data()[i], expanded.attention_scores.data()[i]) << i;
+  }
+}
+
+// A TensorMap over the caller's memory is a view as well.
+TEST(AttentionBias, TensorMapViews) {
+  auto c = make_case<double>(Shape{}, 8200);
+  std::vector<double> bias(std::size_t(c.shape.steps * c.shape.key_steps));
+  std::mt19937_64 generator(8201);
+  std::uniform_real_distribution<double> value(-1.0, 1.0);
+  for (double& entry : bias) entry = value(generator);
+  const Eigen::TensorMap<const Tensor2<double>> map(bias.data(), c.shape.steps, c.shape.key_steps);
+  c.options.attention_bias = map;
+  c.problem.attention_bias = bias;
+  expect_matches_reference(c);
+}
+
+// ---- backward ---------------------------------------------------------------------------------
+
+using Layer = sdmha::SparseDenseMHA<double>;
+
+// The bias gradient of `c` (whose options view `bias`) against central differences of the loss
+// at `max_checked` random entries and every −∞ or blocked one; returns how many failed.
+long check_bias_gradient(const Case<double>& c, Broadcast<double>& bias, std::uint64_t seed,
+                         Index max_checked = 30) {
+  const auto d_output = gradient_check::random_d_output(c, seed);
+  auto options = c.options;
+  options.compute_bias_gradient = true;
+  const Layer layer(c.config, c.weights);
+  const auto gradients = layer.backward(c.query(), c.key, c.value, d_output, options);
+  EXPECT_EQ(gradients.attention_bias.dimension(0), bias.batch);
+  EXPECT_EQ(gradients.attention_bias.dimension(1), bias.heads);
+  EXPECT_EQ(gradients.attention_bias.dimension(2), bias.steps);
+  EXPECT_EQ(gradients.attention_bias.dimension(3), bias.key_steps);
+  if (gradients.attention_bias.size() != bias.size()) return 1;
+  std::vector<Index> entries(std::size_t(bias.size()));
+  std::iota(entries.begin(), entries.end(), 0);
+  std::mt19937_64 generator(seed + 1);
+  std::shuffle(entries.begin(), entries.end(), generator);
+  entries.resize(std::min<std::size_t>(entries.size(), std::size_t(max_checked)));
+  long failed = 0;
+  for (Index entry : entries) {
+    double& parameter = bias.data()[entry];
+    const double saved = parameter;
+    parameter = saved + kStep;
+    const double above = gradient_check::loss<Layer>(c, d_output, c.options);
+    parameter = saved - kStep;
+    const double below = gradient_check::loss<Layer>(c, d_output, c.options);
+    parameter = saved;
+    const double numeric = (above - below) / (2 * kStep);
+    const double analytic = gradients.attention_bias.data()[entry];
+    if (!(std::abs(numeric - analytic) <=
+          kAbsoluteTolerance + kRelativeTolerance * std::abs(analytic)) &&
+        ++failed <= 10)
+      ADD_FAILURE() << "attention_bias " << bias.shape.name << "[" << entry << "]: analytic "
+                    << analytic << ", central difference " << numeric;
+  }
+  return failed;
+}
+
+// Every bias entry none of whose (b, h) may attend at its position (mask, causal or −∞ bias)
+// has gradient exactly 0; returns how many are blocked.
+long expect_zero_where_blocked(const Case<double>& c, const Broadcast<double>& bias,
+                               const Tensor4<double>& gradient) {
+  const auto& p = c.problem;
+  long blocked = 0;
+  for (long b = 0; b < p.batch; ++b)
+    for (long h = 0; h < p.heads; ++h)
+      for (long t = 0; t < p.steps; ++t)
+        for (long s = 0; s < p.key_steps; ++s) {
+          const long i = sdmha_reference::broadcast_index(bias.batch, bias.heads, p, b, h, t, s);
+          bool open = false;  // some (b, h) it serves may attend there
+          for (long b2 = 0; b2 < p.batch; ++b2)
+            for (long h2 = 0; h2 < p.heads; ++h2)
+              if (sdmha_reference::broadcast_index(bias.batch, bias.heads, p, b2, h2, t, s) == i)
+                open = open || (sdmha_reference::allowed(p, b2, h2, t, s) &&
+                                sdmha_reference::bias_at(p, b2, h2, t, s) != -kInfinity);
+          if (open || b != (bias.batch == 1 ? 0 : b) || h != (bias.heads == 1 ? 0 : h)) continue;
+          ++blocked;
+          EXPECT_EQ(gradient.data()[i], 0.0) << bias.shape.name << " blocked entry " << i;
+        }
+  return blocked;
+}
+
+// Per bias shape, with causal alignments and a broadcast mask: the bias gradient by central
+// differences, every other gradient still by central differences, 0 where blocked.
+TEST(AttentionBiasGradient, MatchesCentralDifferences) {
+  std::uint64_t seed = 0;
+  for (const BroadcastShape& bias_shape : broadcast_shapes())
+    for (int causal = 0; causal < 3; ++causal) {
+      Shape shape;
+      shape.batch = 2, shape.heads = 2, shape.steps = 4, shape.key_steps = 6;
+      shape.key_padding = causal == 0;
+      auto c = make_case<double>(shape, 9000 + seed);
+      std::mt19937_64 generator(9100 + seed);
+      Semantics m{causal > 0, causal == 2, seed % 2 == 1, seed % 3 == 0 ? 0.45 : 0.0,
+                  seed % 2 == 0 ? sdmha::ScoreStrategy::project_first
+                                : sdmha::ScoreStrategy::sparse_regrouped};
+      ++seed;
+      apply(m, c);
+      Broadcast<bool> mask(broadcast_shapes()[std::size_t(seed % 6)], 2, 2, 4, 6);
+      Broadcast<double> bias(bias_shape, 2, 2, 4, 6);
+      attach(c, &mask, &bias, generator);
+      SCOPED_TRACE(describe(shape, m) + " bias " + bias_shape.name + " mask " + mask.shape.name);
+      EXPECT_EQ(check_bias_gradient(c, bias, 9200 + seed), 0);
+      EXPECT_EQ(gradient_check::check(c, c.options, 9300 + seed, 10), 0);
+      auto options = c.options;
+      options.compute_bias_gradient = true;
+      const auto gradients =
+          Layer(c.config, c.weights)
+              .backward(c.query(), c.key, c.value, gradient_check::random_d_output(c, 1), options);
+      expect_zero_where_blocked(c, bias, gradients.attention_bias);
+    }
+}
+
+// The shapes that check_bias_gradient's cases hold blocked entries, so that the zero check checks.
+TEST(AttentionBiasGradient, ZeroAtBlockedPositions) {
+  Shape shape;
+  shape.batch = 2, shape.heads = 3, shape.steps = 5, shape.key_steps = 5;
+  auto c = make_case<double>(shape, 9400);
+  std::mt19937_64 generator(9401);
+  apply(Semantics{true, false, false, 0.0, sdmha::ScoreStrategy::project_first}, c);
+  for (const BroadcastShape& bias_shape : broadcast_shapes()) {
+    Broadcast<bool> mask(broadcast_shapes()[3], 2, 3, 5, 5);
+    Broadcast<double> bias(bias_shape, 2, 3, 5, 5);
+    attach(c, &mask, &bias, generator);
+    auto options = c.options;
+    options.compute_bias_gradient = true;
+    const auto gradients =
+        Layer(c.config, c.weights)
+            .backward(c.query(), c.key, c.value, gradient_check::random_d_output(c, 2), options);
+    EXPECT_GT(expect_zero_where_blocked(c, bias, gradients.attention_bias), 0) << bias_shape.name;
+  }
+}
+
+// Every gradient as flat views, for bitwise comparisons.
+std::vector<std::pair<const double*, Index>> all_gradients(const sdmha::MhaGradients<double>& g) {
+  auto view = [](const auto& x) { return std::make_pair(x.data(), Index(x.size())); };
+  return {view(g.query_kernel), view(g.query_bias), view(g.key_kernel),    view(g.key_bias),
+          view(g.value_kernel), view(g.value_bias), view(g.output_kernel), view(g.output_bias),
+          view(g.query_values), view(g.key),        view(g.value),         view(g.attention_bias)};
+}
+
+void expect_bitwise_equal(const sdmha::MhaGradients<double>& a,
+                          const sdmha::MhaGradients<double>& b) {
+  const auto first = all_gradients(a), second = all_gradients(b);
+  for (std::size_t k = 0; k < first.size(); ++k) {
+    ASSERT_EQ(first[k].second, second[k].second) << "gradient " << k;
+    for (Index i = 0; i < first[k].second; ++i)
+      ASSERT_EQ(first[k].first[i], second[k].first[i]) << "gradient " << k << " entry " << i;
+  }
+}
+
+// B·H > kBiasGradientChunks (8) items: a broadcast bias's gradient is summed in fixed runs of
+// several items. Every gradient is bitwise the same for 1 and 2 threads, the broadcast gradient
+// equals the expanded bias's gradient summed over the broadcast axes, and central differences
+// agree.
+TEST(AttentionBiasGradient, FixedRunsAreThreadIndependentAndSumTheExpandedGradient) {
+  std::uint64_t seed = 0;
+  for (const auto& sizes :
+       {std::array<long, 2>{3, 4}, std::array<long, 2>{5, 2}, std::array<long, 2>{1, 11}})
+    for (const BroadcastShape& bias_shape : broadcast_shapes()) {
+      Shape shape;
+      shape.batch = sizes[0], shape.heads = sizes[1], shape.steps = 4, shape.key_steps = 5;
+      shape.query_dim = 10, shape.key_dim = 3;
+      auto c = make_case<double>(shape, 9500 + seed);
+      std::mt19937_64 generator(9600 + seed++);
+      apply(Semantics{true, true, false, 0.0, sdmha::ScoreStrategy::project_first}, c);
+      Broadcast<bool> mask(broadcast_shapes()[2], shape.batch, shape.heads, 4, 5);
+      Broadcast<double> bias(bias_shape, shape.batch, shape.heads, 4, 5);
+      attach(c, &mask, &bias, generator);
+      SCOPED_TRACE(std::string(bias_shape.name) + " B=" + std::to_string(shape.batch) +
+                   " H=" + std::to_string(shape.heads));
+      const auto d_output = gradient_check::random_d_output(c, seed);
+      const Layer layer(c.config, c.weights);
+      auto options = c.options;
+      options.compute_bias_gradient = true;
+      options.num_threads = 1;
+      const auto single = layer.backward(c.query(), c.key, c.value, d_output, options);
+      options.num_threads = 2;
+      const auto two = layer.backward(c.query(), c.key, c.value, d_output, options);
+      expect_bitwise_equal(single, two);
+      // The same bias expanded to (B, H, T, S): its gradient is the per-(b, h) dS.
+      Tensor4<double> expanded(shape.batch, shape.heads, 4, 5);
+      for (long b = 0; b < shape.batch; ++b)
+        for (long h = 0; h < shape.heads; ++h)
+          for (long t = 0; t < 4; ++t)
+            for (long s = 0; s < 5; ++s)
+              expanded(b, h, t, s) = c.problem.attention_bias[std::size_t(
+                  sdmha_reference::broadcast_index(bias.batch, bias.heads, c.problem, b, h, t, s))];
+      options.attention_bias = expanded;
+      const auto full = layer.backward(c.query(), c.key, c.value, d_output, options);
+      std::vector<double> summed(std::size_t(bias.size()), 0.0);
+      for (long b = 0; b < shape.batch; ++b)
+        for (long h = 0; h < shape.heads; ++h)
+          for (long t = 0; t < 4; ++t)
+            for (long s = 0; s < 5; ++s)
+              summed[std::size_t(sdmha_reference::broadcast_index(bias.batch, bias.heads, c.problem,
+                                                                  b, h, t, s))] +=
+                  full.attention_bias(b, h, t, s);
+      EXPECT_TRUE(all_near(single.attention_bias.data(), summed, kReorderedSumTolerance));
+      EXPECT_EQ(check_bias_gradient(c, bias, 9700 + seed, 12), 0);
+    }
+}
+
+// The bias gradient is empty unless asked for and a bias is given; the other gradients do not
+// depend on whether it was asked for.
+TEST(AttentionBiasGradient, EmptyWhenNotAsked) {
+  auto c = make_case<double>(Shape{}, 9800);
+  std::mt19937_64 generator(9801);
+  Broadcast<double> bias(broadcast_shapes()[3], 2, 2, 5, 7);
+  attach(c, nullptr, &bias, generator);
+  const Layer layer(c.config, c.weights);
+  const auto d_output = gradient_check::random_d_output(c, 3);
+  auto options = c.options;
+  const auto without = layer.backward(c.query(), c.key, c.value, d_output, options);
+  EXPECT_EQ(without.attention_bias.size(), 0);
+  options.compute_bias_gradient = true;
+  const auto with = layer.backward(c.query(), c.key, c.value, d_output, options);
+  EXPECT_EQ(with.attention_bias.size(), bias.size());
+  auto cleared = with;
+  cleared.attention_bias = Tensor4<double>();
+  expect_bitwise_equal(without, cleared);
+  options.attention_bias = sdmha::BroadcastRef<double>();
+  EXPECT_EQ(layer.backward(c.query(), c.key, c.value, d_output, options).attention_bias.size(), 0);
+  // A workspace and gradients kept from a call with the bias gradient: the next call without it
+  // leaves it empty.
+  sdmha::Workspace<double> workspace;
+  sdmha::MhaGradients<double> kept;
+  options.attention_bias = bias.ref();
+  layer.backward(c.query(), c.key, c.value, d_output, options, workspace, kept);
+  EXPECT_EQ(kept.attention_bias.size(), bias.size());
+  options.compute_bias_gradient = false;
+  layer.backward(c.query(), c.key, c.value, d_output, options, workspace, kept);
+  EXPECT_EQ(kept.attention_bias.size(), 0);
+}
+
+// ---- shape errors -----------------------------------------------------------------------------
+
+TEST(AttentionBiasErrors, BadShapesAreShapeErrors) {
+  auto c = make_case<double>(Shape{}, 9900);  // B = 2, H = 2, T = 5, S = 7
+  const Layer layer(c.config, c.weights);
+  const auto d_output = gradient_check::random_d_output(c, 4);
+  Tensor3<double> bias_wrong_s(2, 5, 6);
+  Tensor4<double> bias_wrong_heads(2, 3, 5, 7), bias_wrong_batch(3, 1, 5, 7);
+  Tensor2<double> bias_wrong_t(4, 7);
+  Tensor3<bool> mask_wrong_batch(3, 5, 7);
+  Tensor4<bool> mask_wrong_heads(1, 4, 5, 7);
+  const std::string expected =
+      "expected (B, T, S) = (2, 5, 7), (T, S) = (5, 7) or (B, H, T, S) = (2, 2, 5, 7) with B or H "
+      "possibly 1";
+  auto options = c.options;
+  auto expect_error = [&](const sdmha::AttentionOptions<double>& o, const std::string& fragment) {
+    SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), c.key, c.value, o), sdmha::ShapeError,
+                            fragment);
+    SDMHA_EXPECT_THROW_WITH(layer.backward(c.query(), c.key, c.value, d_output, o),
+                            sdmha::ShapeError, fragment);
+    SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), c.key, c.value, o), sdmha::ShapeError,
+                            expected);
+  };
+  options.attention_bias = bias_wrong_s;
+  expect_error(options, "attention_bias is (2, 5, 6); ");
+  options.attention_bias = bias_wrong_heads;
+  expect_error(options, "attention_bias is (2, 3, 5, 7); ");
+  options.attention_bias = bias_wrong_batch;
+  expect_error(options, "attention_bias is (3, 1, 5, 7); ");
+  options.attention_bias = bias_wrong_t;
+  expect_error(options, "attention_bias is (4, 7); ");
+  options.attention_bias = sdmha::BroadcastRef<double>();
+  options.attention_mask = mask_wrong_batch;
+  expect_error(options, "attention_mask is (3, 5, 7); ");
+  options.attention_mask = mask_wrong_heads;
+  expect_error(options, "attention_mask is (1, 4, 5, 7); ");
+  // A raw view with a size but no data.
+  options.attention_mask = sdmha::BroadcastRef<bool>(nullptr, 2, 2, 5, 7);
+  SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), c.key, c.value, options), sdmha::ShapeError,
+                          "attention_mask has no data");
+}
+
+}  // namespace
