@@ -22,6 +22,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -247,14 +248,51 @@ struct PyQuery {
   }
 };
 
-// Options and the per-call objects, from keyword arguments.
+// Options and the per-call objects, from keyword arguments. options.attention_mask and
+// options.attention_bias are views (sdmha::BroadcastRef) of the NumPy arrays kept here, which
+// live as long as the CallArguments, i.e. the whole call.
 template <typename Scalar>
 struct CallArguments {
   sdmha::AttentionOptions<Scalar> options;
   sdmha::Workspace<Scalar>* workspace = nullptr;
   std::shared_ptr<sdmha::ProjectedContext<Scalar>> context;
   py::object keep_workspace;
+  py::object keep_mask, keep_bias;      // the contiguous arrays the options view
+  std::vector<py::ssize_t> bias_shape;  // the bias as given, for its gradient
 };
+
+// A (T, S), (B, T, S) or (B, H, T, S) array as a BroadcastRef over its data (rank 3 is
+// (B, T, S), as sdmha reads it); `array` must be C-contiguous and outlive the view. An array
+// with no elements and every dimension 0 means none.
+template <typename T>
+sdmha::BroadcastRef<T> broadcast_view(const char* where, const char* name, const py::array& array) {
+  const py::ssize_t rank = array.ndim();
+  if (rank < 2 || rank > 4)
+    fail<sdmha::ShapeError>(where, name, " has shape ", shape_text(array),
+                            "; expected (T, S), (B, T, S) or (B, H, T, S) with B or H possibly 1");
+  bool all_zero = true;
+  for (py::ssize_t axis = 0; axis < rank; ++axis) all_zero = all_zero && array.shape(axis) == 0;
+  if (all_zero) return {};
+  const Index key_steps = array.shape(rank - 1), steps = array.shape(rank - 2);
+  const Index batch = rank >= 3 ? array.shape(0) : 1;
+  const Index heads = rank == 4 ? array.shape(1) : 1;
+  return sdmha::BroadcastRef<T>(static_cast<const T*>(array.data()), batch, heads, steps, key_steps,
+                                int(rank));
+}
+
+inline sdmha::CausalAlignment alignment_from(const std::string& name) {
+  if (name == "top_left") return sdmha::CausalAlignment::top_left;
+  if (name == "bottom_right") return sdmha::CausalAlignment::bottom_right;
+  fail<sdmha::ConfigError>("options", "causal_alignment = '", name,
+                           "'; expected 'top_left' or 'bottom_right'");
+}
+
+inline sdmha::FullyMaskedRows fully_masked_from(const std::string& name) {
+  if (name == "zeros") return sdmha::FullyMaskedRows::zeros;
+  if (name == "uniform") return sdmha::FullyMaskedRows::uniform;
+  fail<sdmha::ConfigError>("options", "fully_masked_rows = '", name,
+                           "'; expected 'zeros' or 'uniform'");
+}
 
 inline sdmha::ScoreStrategy strategy_from(const std::string& name) {
   if (name == "automatic") return sdmha::ScoreStrategy::automatic;
@@ -274,13 +312,32 @@ CallArguments<Scalar> call_arguments(const char* where, const py::dict& kwargs) 
     try {
       if (key == "attention_mask") {
         if (value.is_none()) continue;
-        const BoolArray mask = BoolArray::ensure(value);
+        const py::array given = py::array::ensure(value);
+        if (!given) throw py::error_already_set();
+        if (given.dtype().kind() != 'b')
+          throw py::type_error(std::string("sdmha: ") + where + ": attention_mask has dtype " +
+                               std::string(py::str(given.dtype())) +
+                               "; expected bool (True = may attend)");
+        const BoolArray mask = BoolArray::ensure(given);  // a copy only if not C-contiguous
         if (!mask) throw py::error_already_set();
-        if (mask.ndim() != 3)
-          fail<sdmha::ShapeError>(where, "attention_mask has ", mask.ndim(),
-                                  " dimensions; expected 3 (B, T, S)");
-        options.attention_mask.resize(mask.shape(0), mask.shape(1), mask.shape(2));
-        std::copy(mask.data(), mask.data() + mask.size(), options.attention_mask.data());
+        call.keep_mask = mask;
+        options.attention_mask = broadcast_view<bool>(where, "attention_mask", mask);
+      } else if (key == "attention_bias") {
+        if (value.is_none()) continue;
+        const InArray<Scalar> bias = InArray<Scalar>::ensure(value);  // the layer's dtype
+        if (!bias) throw py::error_already_set();
+        call.keep_bias = bias;
+        call.bias_shape.assign(bias.shape(), bias.shape() + bias.ndim());
+        options.attention_bias = broadcast_view<Scalar>(where, "attention_bias", bias);
+      } else if (key == "compute_bias_gradient") {
+        options.compute_bias_gradient = value.cast<bool>();
+      } else if (key == "scale") {
+        if (value.is_none()) continue;
+        options.scale = value.cast<double>();
+      } else if (key == "causal_alignment") {
+        options.causal_alignment = alignment_from(value.cast<std::string>());
+      } else if (key == "fully_masked_rows") {
+        options.fully_masked_rows = fully_masked_from(value.cast<std::string>());
       } else if (key == "key_padding_mask") {
         if (value.is_none()) continue;
         const BoolArray mask = BoolArray::ensure(value);
@@ -498,6 +555,7 @@ class PyLayer {
     result["query_values"] = recycled_.query_values->adopt(std::move(g.query_values), nonzeros);
     result["key"] = tensor(*recycled_.key, g.key);
     result["value"] = tensor(*recycled_.value, g.value);
+    result["attention_bias"] = bias_gradient(call, std::move(g.attention_bias));
     return result;
   }
 
@@ -533,6 +591,16 @@ class PyLayer {
   }
 
  private:
+  // The (B', H', T, S) bias gradient in the shape the bias was given in (same element order),
+  // or None when it was not asked for.
+  static py::object bias_gradient(const CallArguments<Scalar>& call,
+                                  Eigen::Tensor<Scalar, 4, Eigen::RowMajor>&& gradient) {
+    if (!call.options.compute_bias_gradient || call.options.attention_bias.empty())
+      return py::none();
+    auto owned = std::make_shared<Eigen::Tensor<Scalar, 4, Eigen::RowMajor>>(std::move(gradient));
+    return view<Scalar>(owned->data(), call.bias_shape, owner_of(owned));
+  }
+
   using RowMatrix = sdmha::RowMatrix<Scalar>;
   using Vector = sdmha::Vector<Scalar>;
   using Tensor3 = Eigen::Tensor<Scalar, 3, Eigen::RowMajor>;
@@ -678,20 +746,22 @@ void bind_dtype(py::module_& m) {
       .def("set_weight", &L::set_weight, py::arg("name"), py::arg("array"),
            "copies `array` (same shape) into the weight, in place")
       .def("forward", &L::forward, py::arg("query"), py::arg("key"), py::arg("value") = py::none(),
-           "forward(query, key, value=None, *, attention_mask=None, use_causal_mask=False, "
-           "key_padding_mask=None, "
-           "return_attention_scores=False, num_threads=0, training=False, dropout_rate=0.0, "
-           "dropout_seed=0, "
+           "forward(query, key, value=None, *, attention_mask=None, attention_bias=None, "
+           "use_causal_mask=False, causal_alignment='top_left', scale=None, "
+           "fully_masked_rows='zeros', key_padding_mask=None, return_attention_scores=False, "
+           "num_threads=0, training=False, dropout_rate=0.0, dropout_seed=0, "
            "score_strategy='automatic', workspace=None, context=None) -> (output (B, T, O), scores "
-           "(B, H, T, S) or "
-           "None). value=None means value = key; with a context, key and value are not read.")
+           "(B, H, T, S) or None). value=None means value = key; with a context, key and value are "
+           "not read. attention_mask (bool, True = may attend) and attention_bias (the layer's "
+           "dtype, added to the scaled scores) are (T, S), (B, T, S), (B, 1, T, S), (B, H, T, S) "
+           "or (1, H, T, S) arrays, read in place when C-contiguous.")
       .def("backward", &L::backward, py::arg("query"), py::arg("key"), py::arg("value"),
            py::arg("d_output"),
            "backward(query, key, value, d_output, **the forward's options) -> dict of gradients: "
            "the weights' "
-           "names (biases None without use_bias), query_values, key, value. value=None means value "
-           "= key (the "
-           "two gradients are returned apart; add them).")
+           "names (biases None without use_bias), query_values, key, value, and attention_bias "
+           "(in the bias's shape as given; None unless compute_bias_gradient=True). value=None "
+           "means value = key (the two gradients are returned apart; add them).")
       .def("project_context", &L::project_context, py::arg("key"), py::arg("value") = py::none(),
            py::arg("num_threads") = 0, py::arg("workspace") = py::none(),
            "K = key·Wk + bk and V = value·Wv + bv once, for forward/backward(context=). The layer "
@@ -762,6 +832,43 @@ py::dict load_keras_layer(const std::string& path, const std::string& layer_name
 }
 #endif
 
+// Whether io::LayerInputs has an attention_bias member (files that carry one).
+template <typename Inputs, typename = void>
+struct has_attention_bias : std::false_type {};
+template <typename Inputs>
+struct has_attention_bias<Inputs, std::void_t<decltype(std::declval<Inputs&>().attention_bias)>>
+    : std::true_type {};
+
+// A row-major Eigen tensor of any rank as an array viewing it (None when it has no elements);
+// `base` keeps it alive.
+template <typename Tensor>
+auto optional_tensor(const Tensor& tensor, const py::handle& base)
+    -> decltype(Tensor::NumDimensions, py::object()) {
+  if (tensor.size() == 0) return py::none();
+  std::vector<py::ssize_t> shape;
+  for (int axis = 0; axis < int(Tensor::NumDimensions); ++axis)
+    shape.push_back(tensor.dimension(axis));
+  return view<typename Tensor::Scalar>(tensor.data(), std::move(shape), base);
+}
+
+// io::BroadcastTensor (a (B', H', T, S) tensor and the rank it was stored with) as an array of
+// the stored shape: (T, S), (B', T, S) or (B', H', T, S).
+template <typename Stored>
+auto optional_tensor(const Stored& stored, const py::handle& base)
+    -> decltype(stored.tensor, stored.rank, py::object()) {
+  if (stored.empty()) return py::none();
+  const auto& t = stored.tensor;
+  std::vector<py::ssize_t> shape;
+  if (stored.rank == 2)
+    shape = {t.dimension(2), t.dimension(3)};
+  else if (stored.rank == 3)
+    shape = {t.dimension(0), t.dimension(2), t.dimension(3)};
+  else
+    shape = {t.dimension(0), t.dimension(1), t.dimension(2), t.dimension(3)};
+  using T = std::remove_const_t<std::remove_pointer_t<decltype(t.data())>>;
+  return view<T>(t.data(), std::move(shape), base);
+}
+
 template <typename Scalar>
 py::dict load_inputs(const std::string& path) {
   auto inputs = std::make_shared<sdmha::io::LayerInputs<Scalar>>();
@@ -781,14 +888,11 @@ py::dict load_inputs(const std::string& path) {
   result["key"] = tensor(inputs->key);
   result["value"] = tensor(inputs->value);
   result["has_key"] = inputs->has_key;
-  const auto& mask = inputs->attention_mask;
-  if (mask.size() == 0) {
-    result["attention_mask"] = py::none();
-  } else {
-    py::array_t<bool> copy({mask.dimension(0), mask.dimension(1), mask.dimension(2)});
-    std::copy(mask.data(), mask.data() + mask.size(), copy.mutable_data());
-    result["attention_mask"] = copy;
-  }
+  result["attention_mask"] = optional_tensor(inputs->attention_mask, base);
+  if constexpr (has_attention_bias<sdmha::io::LayerInputs<Scalar>>::value)
+    result["attention_bias"] = optional_tensor(inputs->attention_bias, base);
+  else
+    result["attention_bias"] = py::none();
   return result;
 }
 #endif
@@ -897,7 +1001,6 @@ PYBIND11_MODULE(_sdmha, m) {
       },
       py::arg("path"), py::arg("dtype") = "float32",
       "sdmha::io::load_inputs -> {'query': SparseQuery_<dtype>, 'key', 'value', 'attention_mask' "
-      "or None, "
-      "'has_key'}");
+      "(bool) or None, 'attention_bias' or None, 'has_key'}");
 #endif
 }
