@@ -31,6 +31,8 @@ fail() {
 }
 
 golden() { echo "$GOLDENS/$1.safetensors"; }
+# The cases of tests/data/semantics/ (tools/make_semantics_goldens.py), next to the goldens.
+semantics() { echo "$GOLDENS/../semantics/$1.safetensors"; }
 
 # Runs sdmha-run with the given arguments; its stdout, stderr and status land in
 # run.stdout, run.stderr and $status.
@@ -90,6 +92,10 @@ compare_with_golden() {
   compare "$OUT" "$(golden "$1")" output=expected/output attention_scores=expected/attention_scores
 }
 
+compare_with_semantics() {
+  compare "$OUT" "$(semantics "$1")" output=expected/output attention_scores=expected/attention_scores
+}
+
 edit() {
   "$EDIT" "$@" || { echo "cannot prepare the test: edit $* failed" >&2; exit 1; }
 }
@@ -140,6 +146,66 @@ case $CASE in
     expect_success --weights "$(golden "${CASE#regrouped:}")" --inputs "$(golden "${CASE#regrouped:}")" \
       --out "$OUT" --scores --threads 2 --strategy sparse_regrouped
     compare_with_golden "${CASE#regrouped:}"
+    ;;
+
+  semantics:*)
+    name=${CASE#semantics:}
+    expect_success --weights "$(semantics "$name")" --inputs "$(semantics "$name")" \
+      --out "$OUT" --scores --threads 2
+    compare_with_semantics "$name"
+    ;;
+  semantics_regrouped:*)
+    name=${CASE#semantics_regrouped:}
+    expect_success --weights "$(semantics "$name")" --inputs "$(semantics "$name")" \
+      --out "$OUT" --scores --threads 2 --strategy sparse_regrouped
+    compare_with_semantics "$name"
+    ;;
+
+  bias_split_files)
+    # Mask and bias in the inputs file; scale, fully_masked_rows and causal_alignment from the
+    # weights file's metadata, over the inputs file's (which gets other values).
+    for name in scale_keras_f64 fully_masked_mask_uniform_keras_f64; do
+      edit "$(semantics $name)" --out weights.safetensors --drop query/indices --drop query/values \
+        --drop query/dense_shape --drop key --drop value --drop attention_mask \
+        --drop attention_bias --drop expected/output --drop expected/attention_scores
+      edit "$(semantics $name)" --out inputs.safetensors --drop query/kernel --drop query/bias \
+        --drop key/kernel --drop key/bias --drop value/kernel --drop value/bias \
+        --drop attention_output/kernel --drop attention_output/bias \
+        --metadata scale 99 --metadata fully_masked_rows zeros --metadata causal_alignment bottom_right
+      # Without a scale in the weights file, the inputs file's applies.
+      if [[ $name != scale_* ]]; then
+        edit inputs.safetensors --out inputs.safetensors --metadata scale 0.5773502691896258
+      fi
+      expect_success --weights weights.safetensors --inputs inputs.safetensors --out "$OUT" --scores
+      compare_with_semantics $name
+      rm -f "$OUT"
+    done
+    ;;
+  bias_npz_files)
+    for name in mask_bhts_bias_ts_torch_f64 fully_masked_bias_uniform_keras_f64 \
+        mask_b1ts_bias_bhts_keras_f32; do
+      make_npz "$(semantics $name)" "$WORKDIR/$name.npz"
+      expect_success --weights "$WORKDIR/$name.npz" --inputs "$WORKDIR/$name.npz" --out "$OUT" --scores
+      compare_with_semantics $name
+      rm -f "$OUT"
+    done
+    ;;
+  mask_bias_ranks)
+    # The same numbers stored with another rank broadcast the same way: (B, T, S) as
+    # (B, 1, T, S), (T, S) as (1, T, S) and (1, 1, T, S).
+    name=mask_bts_bias_bhts_keras_f64
+    edit "$(semantics $name)" --out rank4.safetensors --reshape attention_mask 2,1,4,5
+    expect_success --weights rank4.safetensors --inputs rank4.safetensors --out "$OUT" --scores
+    compare_with_semantics $name
+    rm -f "$OUT"
+    name=mask_ts_bias_b1ts_keras_f64
+    for shape in 1,4,5 1,1,4,5; do
+      edit "$(semantics $name)" --out reshaped.safetensors --reshape attention_mask $shape \
+        --reshape attention_bias 2,4,5
+      expect_success --weights reshaped.safetensors --inputs reshaped.safetensors --out "$OUT" --scores
+      compare_with_semantics $name
+      rm -f "$OUT"
+    done
     ;;
 
   split_files)
@@ -284,8 +350,54 @@ case $CASE in
     # (not under AddressSanitizer, whose shadow memory needs the address space).
     edit "$(golden keras_basic_f64)" --out huge_shape.safetensors --set query/dense_shape 1 1000000000
     grep -qa __asan_init "$RUN" || ulimit -v 8000000 2>/dev/null
-    expect_error 1 "huge_shape.safetensors" -- \
+    expect_error 1 "huge_shape.safetensors" "(2, 1000000000, 16)" "max_rows" "memory" -- \
       --weights huge_shape.safetensors --inputs huge_shape.safetensors --out "$OUT"
+    ;;
+  bad_mask_shape)
+    # (B, T, S) = (2, 4, 5) relabelled (2, 5, 4): refused when the inputs are read.
+    edit "$(semantics mask_bts_bias_bhts_keras_f64)" --out bad_mask.safetensors \
+      --reshape attention_mask 2,5,4
+    expect_error 1 "bad_mask.safetensors" "'attention_mask'" "[2, 5, 4]" "expected [2, 4, 5]" -- \
+      --weights bad_mask.safetensors --inputs bad_mask.safetensors --out "$OUT"
+    # Rank 5.
+    edit "$(semantics mask_bts_bias_bhts_keras_f64)" --out rank5.safetensors \
+      --reshape attention_mask 1,2,1,4,5
+    expect_error 1 "rank5.safetensors" "'attention_mask'" "[1, 2, 1, 4, 5]" -- \
+      --weights rank5.safetensors --inputs rank5.safetensors --out "$OUT"
+    ;;
+  bad_bias_shape)
+    # A batch of 4 where the query's is 2 (neither B nor 1).
+    edit "$(semantics bias_only_bhts_keras_f64)" --out bad_bias.safetensors \
+      --reshape attention_bias 4,1,4,5
+    expect_error 1 "bad_bias.safetensors" "'attention_bias'" "[4, 1, 4, 5]" -- \
+      --weights bad_bias.safetensors --inputs bad_bias.safetensors --out "$OUT"
+    ;;
+  bad_mask_heads)
+    # (B, H, T, S) = (2, 2, 4, 5) relabelled (1, 4, 4, 5): 4 heads where the layer has 2; only
+    # the layer knows its heads, so the message names both files.
+    edit "$(semantics mask_bhts_bias_ts_torch_f64)" --out heads.safetensors \
+      --reshape attention_mask 1,4,4,5
+    expect_error 1 "heads.safetensors" "attention_mask is (1, 4, 4, 5)" "(B, H, T, S) = (2, 2, 4, 5)" -- \
+      --weights "$(semantics mask_bhts_bias_ts_torch_f64)" --inputs heads.safetensors --out "$OUT"
+    ;;
+  bad_bias_heads)
+    edit "$(semantics bias_only_bhts_keras_f64)" --out heads.safetensors \
+      --reshape attention_bias 1,4,4,5
+    expect_error 1 "heads.safetensors" "attention_bias is (1, 4, 4, 5)" -- \
+      --weights heads.safetensors --inputs heads.safetensors --out "$OUT"
+    ;;
+  bad_bias_dtype)
+    edit "$(semantics bias_only_bhts_keras_f64)" --out int_bias.safetensors \
+      --retype attention_bias I64
+    expect_error 1 "int_bias.safetensors" "'attention_bias'" "I64" "expected F32 or F64" -- \
+      --weights int_bias.safetensors --inputs int_bias.safetensors --out "$OUT"
+    ;;
+  bad_mask_dtype)
+    # A mask byte that is neither 0 nor 1.
+    edit "$(semantics mask_bts_bias_bhts_keras_f64)" --out byte_mask.safetensors \
+      --retype attention_mask U8 --set attention_mask 3 7
+    expect_error 1 "byte_mask.safetensors" "'attention_mask'" -- \
+      --weights byte_mask.safetensors --inputs byte_mask.safetensors --out "$OUT"
     ;;
   npz_missing_tensor)
     make_npz "$(golden torch_packed_f64)" "$WORKDIR/no_value.npz" --drop value

@@ -44,7 +44,10 @@ Required:
   --weights PATH    Keras names (query/kernel, ...; a layer prefix is allowed) or PyTorch
                     nn.MultiheadAttention names (in_proj_weight, out_proj.weight, ...)
   --inputs PATH     query/indices, query/values, query/dense_shape, value, and optionally
-                    key (default: key = value) and attention_mask (True = may attend)
+                    key (default: key = value), attention_mask (BOOL, True = may attend)
+                    and attention_bias (F32/F64, added to the scaled scores before the
+                    softmax; -inf blocks), each (T, S), (B, T, S) or (B, H, T, S) with B
+                    or H possibly 1 (broadcast over the batch or the heads)
   --out PATH        the safetensors file to write (not .npy/.npz); replaced atomically
 
 Options (--num-heads, --layout and --causal/--no-causal override the weights file's
@@ -60,17 +63,22 @@ __metadata__; an option with a value also takes the form --option=value):
   --help            print this text and exit
 
 Precision: the run takes the dtype of the inputs' query/values: F64 runs in float64;
-F32, F16 and BF16 run in float32. Every other floating tensor (weights, key, value) is
-converted to that precision (F64 to float32 rounds to nearest). output and attention_scores
-are written as F32 or F64 accordingly, with metadata num_heads, key_dim, value_dim,
-output_dim, layout, use_causal_mask, causal_alignment, fully_masked_rows, scale (when set),
-score_strategy and dtype. The weights file's metadata (else the inputs file's) may also carry causal_alignment (top_left,
-the default, or bottom_right: step t sees keys s <= t + S - T), scale (a decimal number; default
-1/sqrt(key_dim)) and fully_masked_rows (zeros, the default, or uniform: 1/S on every key of a
-row whose keys are all blocked).
+F32, F16 and BF16 run in float32. Every other floating tensor (weights, key, value,
+attention_bias) is converted to that precision (F64 to float32 rounds to nearest). output and
+attention_scores are written as F32 or F64 accordingly, with metadata num_heads, key_dim,
+value_dim, output_dim, layout, use_causal_mask, causal_alignment, fully_masked_rows, scale (when
+set), score_strategy and dtype.
 
-Exit status: 0 on success; 1 for a bad, missing or inconsistent file or tensor, or a failure
-to write (one line "sdmha-run: error: ..." on stderr, no output file); 2 for bad usage.
+Semantics: the weights file's metadata (else the inputs file's) may carry use_causal_mask,
+causal_alignment (top_left, the default, or bottom_right: step t sees keys s <= t + S - T),
+scale (a decimal number; default 1/sqrt(key_dim)) and fully_masked_rows (zeros, the default,
+or uniform: 1/S on every key of a row whose keys are all blocked).
+
+A query/dense_shape whose batch * steps rows would not fit in this machine's memory is refused
+before anything is allocated.
+
+Exit status: 0 on success; 1 for a bad, missing or inconsistent file or tensor (a mask or a
+bias of the wrong shape or dtype included), or a failure to write (one line "sdmha-run: error: ..." on stderr, no output file); 2 for bad usage.
 )";
 
 // Bad command-line usage: exit status 2.
@@ -288,53 +296,54 @@ std::optional<long double> physical_memory_bytes() {
 }
 
 // A file of a few hundred bytes can declare a query of a billion steps (query/dense_shape holds
-// only three numbers), whose output alone outgrows the machine: refuse it up front rather than be
-// killed by the system halfway through allocating. The estimate counts what every (batch, step)
-// row needs at least: its output, projected query, attended values, its scores when written, and
-// its CSR bookkeeping.
+// only three numbers), whose output alone outgrows the machine: the library's row limit
+// (SparseQueryLimits, checked by load_inputs before it allocates) is set to the rows that fit in
+// this machine's memory, so the run is refused up front rather than killed by the system halfway
+// through allocating. A row needs at least its output, projected query, attended values, its
+// scores when written, and its CSR bookkeeping.
+struct RowBudget {
+  sdmha::SparseQueryLimits limits;
+  long double memory = 0;     // bytes; 0 when the platform does not say (the default limit holds)
+  long double row_bytes = 0;  // per (batch, step) row
+};
+
 template <typename Scalar>
-void check_problem_fits_in_memory(const sdmha::io::TensorSource& inputs, const std::string& path,
-                                  const sdmha::MhaConfig& config, bool return_scores) {
-  using sdmha::io::DType;
+RowBudget row_budget(const sdmha::io::TensorSource& inputs, const sdmha::MhaConfig& config,
+                     bool return_scores) {
+  RowBudget budget;
   const auto memory = physical_memory_bytes();
-  const std::string shape_name = "query/dense_shape";
-  if (!memory || !inputs.contains(shape_name)) return;
-  const DType shape_dtype = inputs.dtype(shape_name);
-  if (inputs.shape(shape_name) != std::vector<std::int64_t>{3} ||
-      (shape_dtype != DType::I64 && shape_dtype != DType::I32)) {
-    return;
-  }
-  const auto dense_shape = inputs.read<std::int64_t>(shape_name);
-  // Shapes that SparseQuery rejects (negative, or B·T past its storage index) or that disagree
-  // with the value's batch get load_inputs' more precise message.
-  using StorageIndex = typename sdmha::SparseDenseMHA<Scalar>::StorageIndex;
-  constexpr auto index_limit = static_cast<long double>(std::numeric_limits<StorageIndex>::max());
-  if (dense_shape[0] < 0 || dense_shape[1] < 0 ||
-      static_cast<long double>(dense_shape[0]) * dense_shape[1] >= index_limit) {
-    return;
-  }
+  if (!memory) return budget;
   long double key_steps = 0;
-  if (inputs.contains("value")) {
-    const auto value_shape = inputs.shape("value");
-    if (value_shape.size() != 3 || value_shape[0] != dense_shape[0]) return;
-    key_steps = static_cast<long double>(value_shape[1]);
-  }
+  if (inputs.contains("value") && inputs.shape("value").size() == 3)
+    key_steps = static_cast<long double>(inputs.shape("value")[1]);
   const long double heads = static_cast<long double>(config.num_heads);
   const long double per_row_elements =
       static_cast<long double>(config.resolved_output_dim(0)) + heads * config.key_dim +
       heads * config.resolved_value_dim() + (return_scores ? heads * key_steps : 0.0L);
-  const long double rows = static_cast<long double>(dense_shape[0]) * dense_shape[1];
-  const long double needed = rows * (per_row_elements * sizeof(Scalar) + 2 * sizeof(std::int64_t));
-  if (needed > *memory) {
+  budget.memory = *memory;
+  budget.row_bytes = per_row_elements * sizeof(Scalar) + 2 * sizeof(std::int64_t);
+  const long double rows = *memory / budget.row_bytes;
+  constexpr auto most = static_cast<long double>(std::numeric_limits<sdmha::Index>::max());
+  budget.limits.max_rows = static_cast<sdmha::Index>(std::min(rows, most));
+  return budget;
+}
+
+// load_inputs under the row budget; a query past it is said to be past this machine's memory.
+template <typename Scalar>
+sdmha::io::LayerInputs<Scalar> load_inputs_within(const sdmha::io::TensorSource& inputs,
+                                                  const RowBudget& budget) {
+  try {
+    return sdmha::io::load_inputs<Scalar>(inputs, budget.limits);
+  } catch (const sdmha::ShapeError& error) {
+    const std::string message = error.what();
+    if (budget.memory <= 0 || message.find("max_rows") == std::string::npos) throw;
     constexpr long double gibibyte = 1024.0L * 1024.0L * 1024.0L;
-    std::ostringstream message;
-    message.precision(3);
-    message << "sdmha: " << in_quotes(path) << ": tensor '" << shape_name << "' = ("
-            << dense_shape[0] << ", " << dense_shape[1] << ", " << dense_shape[2]
-            << ") asks for a result of at least " << static_cast<double>(needed / gibibyte)
-            << " GiB, more than this machine's " << static_cast<double>(*memory / gibibyte)
-            << " GiB of memory";
-    throw sdmha::ShapeError(message.str());
+    std::ostringstream why;
+    why.precision(3);
+    why << message << ": the rows of " << static_cast<double>(budget.row_bytes)
+        << " bytes each that this machine's " << static_cast<double>(budget.memory / gibibyte)
+        << " GiB of memory holds";
+    throw sdmha::ShapeError(why.str());
   }
 }
 
@@ -354,9 +363,8 @@ void run(const Arguments& arguments, const sdmha::io::TensorSource& weights_sour
           in_quotes(inputs) +
               ": query/indices, query/values and query/dense_shape do not form a "
               "valid sparse query: "};
-  check_problem_fits_in_memory<Scalar>(inputs_source, inputs, layer_file.config,
-                                       arguments.return_scores);
-  const auto layer_inputs = sdmha::io::load_inputs<Scalar>(inputs_source);
+  const auto layer_inputs = load_inputs_within<Scalar>(
+      inputs_source, row_budget<Scalar>(inputs_source, layer_file.config, arguments.return_scores));
 
   step = {"running the layer", inputs,
           "the inputs in " + in_quotes(inputs) + " do not fit the layer in " + in_quotes(weights) +
@@ -364,6 +372,7 @@ void run(const Arguments& arguments, const sdmha::io::TensorSource& weights_sour
   const sdmha::SparseDenseMHA<Scalar> layer(layer_file.config, layer_file.weights);
   sdmha::AttentionOptions<Scalar> options;
   options.attention_mask = layer_inputs.attention_mask;
+  options.attention_bias = layer_inputs.attention_bias;
   // The attention's semantics: the weights file's metadata, else the inputs file's.
   const auto from = [&](const char* key) -> const sdmha::io::TensorSource& {
     return weights_source.metadata_value(key) ? weights_source : inputs_source;

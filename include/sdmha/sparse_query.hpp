@@ -59,6 +59,17 @@ struct CsrView {
   }
 };
 
+// Bounds on what from_coo allocates from its three shape numbers alone. A file of a few hundred
+// bytes can declare a query of 10^9 steps: from_coo's O(B·T) row arrays (12 bytes a row with
+// int offsets) would then be allocated before a single coordinate is read. B·T above max_rows is
+// a ShapeError naming the shape and the limit. The default, 2^27 rows (1.5 GiB of row arrays,
+// and B·T·O·sizeof(Scalar) more for a layer's output), is past any batch this library is meant
+// for; raise it for a larger one, or lower it where the inputs come from untrusted files.
+struct SparseQueryLimits {
+  static constexpr Index default_max_rows = Index(1) << 27;
+  Index max_rows = default_max_rows;  // B·T at most
+};
+
 template <typename Scalar, typename StorageIndex = int>
 class SparseQuery {
   static_assert(std::is_floating_point<Scalar>::value,
@@ -79,12 +90,14 @@ class SparseQuery {
   // Entries may come in any order. Duplicate coordinates are summed into one stored value (as
   // tf.sparse.reorder followed by a dense conversion would do); `coo_to_stored()` keeps, for every
   // input entry, the position of the stored value it went into. Rows end up with sorted columns.
-  // Cost: O(nnz log(nnz per row) + B·T).
+  // Cost: O(nnz log(nnz per row) + B·T); B·T is bounded by `limits.max_rows`.
   static SparseQuery from_coo(Index batch, Index steps, Index features,
                               const Eigen::Ref<const CooIndices>& indices,
-                              const Eigen::Ref<const Vector<Scalar>>& values) {
+                              const Eigen::Ref<const Vector<Scalar>>& values,
+                              const SparseQueryLimits& limits = {}) {
     constexpr const char* where = "SparseQuery::from_coo";
     check_dense_shape(where, batch, steps, features);
+    check_row_limit(where, batch, steps, features, limits);
     if (indices.cols() != 3)
       detail::fail<ShapeError>(where, "indices has ", indices.cols(),
                                " columns; expected 3 (batch, step, feature)");
@@ -263,6 +276,16 @@ class SparseQuery {
     if (steps != 0 && batch > (limit - 1) / steps)
       detail::fail<ShapeError>(where, "batch * steps = ", batch, " * ", steps,
                                " does not fit the storage index type; expected < ", limit);
+  }
+
+  // After check_dense_shape, so that batch * steps does not overflow.
+  static void check_row_limit(const char* where, Index batch, Index steps, Index features,
+                              const SparseQueryLimits& limits) {
+    if (batch * steps > limits.max_rows)
+      detail::fail<ShapeError>(where, "dense shape (", batch, ", ", steps, ", ", features,
+                               ") has batch * steps = ", batch * steps,
+                               " rows; expected at most max_rows = ", limits.max_rows,
+                               " (SparseQueryLimits)");
   }
 
   static CsrView<Scalar, StorageIndex> view_of(const SparseMatrixType& matrix) {

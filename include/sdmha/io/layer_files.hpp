@@ -10,7 +10,9 @@
 //   v_proj_weight (E, Ev) when kdim/vdim differ — in_proj_bias (3E), out_proj.weight (E, E),
 //   out_proj.bias (E). num_heads comes from the metadata or the caller.
 // Inputs: query/indices (nnz, 3) int64, query/values (nnz), query/dense_shape (3) int64,
-//   key (B, S, Ek) optional (Keras: key = value), value (B, S, Ev), attention_mask (B, T, S) bool.
+//   key (B, S, Ek) optional (Keras: key = value), value (B, S, Ev), attention_mask bool and
+//   attention_bias F32/F64 (both optional), each (T, S), (B', T, S) or (B', H', T, S) with
+//   B' ∈ {1, B}, H' ∈ {1, H}: True = may attend; the bias is added to the scaled scores.
 // __metadata__ (strings): num_heads, key_dim, value_dim, layout (keras|torch), use_causal_mask,
 // causal_alignment (top_left|bottom_right), scale (a decimal number; absent: 1/sqrt(key_dim)),
 // fully_masked_rows (zeros|uniform).
@@ -20,10 +22,12 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <unsupported/Eigen/CXX11/Tensor>
 
+#include "sdmha/broadcast_ref.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/io/npy.hpp"
 #include "sdmha/io/safetensors.hpp"
@@ -417,19 +421,96 @@ LayerFile<Scalar> load_layer(const TensorSource& source, const LayerFileOptions&
   return layer;
 }
 
+// A mask or a bias read from a file, kept as the rank-4 (B', H', T, S) tensor it broadcasts as,
+// with the rank it was stored with. It binds to AttentionOptions' views:
+//   options.attention_mask = inputs.attention_mask;  options.attention_bias =
+//   inputs.attention_bias;
+// (the options then point into this object, which must outlive the call). Empty when absent.
+template <typename T>
+struct BroadcastTensor {
+  Eigen::Tensor<T, 4, Eigen::RowMajor> tensor;  // (B', H', T, S); all dimensions 0 when absent
+  int rank = 0;                                 // 2, 3 or 4 as stored; 0 when absent
+
+  bool empty() const { return rank == 0; }
+  Index size() const { return tensor.size(); }
+  Index dimension(int axis) const { return tensor.dimension(axis); }
+  const T* data() const { return tensor.data(); }
+  BroadcastRef<T> view() const {
+    if (empty()) return {};
+    return BroadcastRef<T>(tensor.data(), tensor.dimension(0), tensor.dimension(1),
+                           tensor.dimension(2), tensor.dimension(3), rank);
+  }
+  operator BroadcastRef<T>() const& { return view(); }  // NOLINT: implicit by design
+  // A temporary would be gone before the call reads the view.
+  operator BroadcastRef<T>() const&& = delete;
+};
+
 template <typename Scalar>
 struct LayerInputs {
   SparseQuery<Scalar> query;
   Eigen::Tensor<Scalar, 3, Eigen::RowMajor> key;  // equals value when the file has no key
   Eigen::Tensor<Scalar, 3, Eigen::RowMajor> value;
-  Eigen::Tensor<bool, 3, Eigen::RowMajor> attention_mask;  // all dimensions 0 when absent
+  BroadcastTensor<bool> attention_mask;    // (T, S), (B', T, S) or (B', H', T, S); may be empty
+  BroadcastTensor<Scalar> attention_bias;  // the same shapes; may be empty
   bool has_key = false;
 };
 
-// Reads query/indices, query/values, query/dense_shape, key (optional), value and
-// attention_mask (optional). Shapes are checked here; the query's indices by SparseQuery.
+}  // namespace sdmha::io
+
+namespace sdmha::detail {
+
+// Reads `name` (attention_mask or attention_bias) when present: rank 2 (T, S), rank 3 (B', T, S)
+// or rank 4 (B', H', T, S) with B' ∈ {1, B}. H' is checked by forward, which knows the heads.
+template <typename T>
+io::BroadcastTensor<T> read_broadcast(const io::TensorSource& source, const std::string& name,
+                                      std::int64_t batch, std::int64_t steps,
+                                      std::int64_t key_steps) {
+  io::BroadcastTensor<T> result;
+  if (!source.contains(name)) return result;
+  const auto dims = source.shape(name);
+  const std::size_t rank = dims.size();
+  std::int64_t full[4] = {1, 1, -1, -1};  // (B', H', T, S)
+  if (rank == 2) {
+    full[2] = dims[0], full[3] = dims[1];
+  } else if (rank == 3) {
+    full[0] = dims[0], full[2] = dims[1], full[3] = dims[2];
+  } else if (rank == 4) {
+    for (int axis = 0; axis < 4; ++axis) full[axis] = dims[axis];
+  }
+  const bool ok = (rank >= 2 && rank <= 4) && (full[0] == 1 || full[0] == batch) && full[1] >= 1 &&
+                  full[2] == steps && full[3] == key_steps;
+  if (!ok) {
+    const std::vector<std::int64_t> expected{batch, steps, key_steps};
+    fail<ShapeError>("io", source.source(), ": tensor '", name, "' has shape ", format_shape(dims),
+                     "; expected ", format_shape(expected), " or another of (T, S) = [", steps,
+                     ", ", key_steps, "], (B, T, S), (B, H, T, S) with B = ", batch,
+                     " or 1 and H the layer's heads or 1");
+  }
+  // A mask's dtype is read<bool>'s to check (BOOL or U8 of 0s and 1s); a bias is F32 or F64.
+  if constexpr (!std::is_same<T, bool>::value) {
+    const io::DType dtype = source.dtype(name);
+    if (dtype != io::DType::F32 && dtype != io::DType::F64)
+      fail<FormatError>("io", source.source(), ": tensor '", name, "' has dtype ",
+                        io::dtype_name(dtype), "; expected F32 or F64");
+  }
+  const auto data = source.read<T>(name);
+  result.tensor.resize(full[0], full[1], full[2], full[3]);
+  SDMHA_ASSERT(Index(data.size()) == result.tensor.size());
+  std::copy(data.begin(), data.end(), result.tensor.data());
+  result.rank = int(rank);
+  return result;
+}
+
+}  // namespace sdmha::detail
+
+namespace sdmha::io {
+
+// Reads query/indices, query/values, query/dense_shape, key (optional), value, attention_mask
+// and attention_bias (optional). Shapes are checked here (the heads of a rank-4 mask or bias by
+// forward); the query's indices by SparseQuery, whose rows are bounded by `limits` (a dense shape
+// of three numbers must not allocate past it).
 template <typename Scalar>
-LayerInputs<Scalar> load_inputs(const TensorSource& source) {
+LayerInputs<Scalar> load_inputs(const TensorSource& source, const SparseQueryLimits& limits = {}) {
   LayerInputs<Scalar> inputs;
   const auto shape = source.expect_rank("query/dense_shape", 1);
   detail::expect_dims(source, "query/dense_shape", shape, {3});
@@ -450,7 +531,7 @@ LayerInputs<Scalar> load_inputs(const TensorSource& source) {
     inputs.query = SparseQuery<Scalar>::from_coo(
         dense_shape[0], dense_shape[1], dense_shape[2],
         Eigen::Map<const Coo>(indices.data(), index_shape[0], 3),
-        Eigen::Map<const Vector<Scalar>>(values.data(), Index(values.size())));
+        Eigen::Map<const Vector<Scalar>>(values.data(), Index(values.size())), limits);
   } catch (const IndexError& error) {
     throw IndexError(with_context(error));
   } catch (const ShapeError& error) {
@@ -470,14 +551,11 @@ LayerInputs<Scalar> load_inputs(const TensorSource& source) {
   inputs.value = read_tensor("value");
   inputs.has_key = source.contains("key");
   inputs.key = inputs.has_key ? read_tensor("key") : inputs.value;
-  if (source.contains("attention_mask")) {
-    const auto dims = source.expect_rank("attention_mask", 3);
-    detail::expect_dims(source, "attention_mask", dims,
-                        {dense_shape[0], dense_shape[1], inputs.value.dimension(1)});
-    const auto mask = source.read<bool>("attention_mask");
-    inputs.attention_mask.resize(dims[0], dims[1], dims[2]);
-    std::copy(mask.begin(), mask.end(), inputs.attention_mask.data());
-  }
+  const std::int64_t key_steps = inputs.value.dimension(1);
+  inputs.attention_mask = detail::read_broadcast<bool>(source, "attention_mask", dense_shape[0],
+                                                       dense_shape[1], key_steps);
+  inputs.attention_bias = detail::read_broadcast<Scalar>(source, "attention_bias", dense_shape[0],
+                                                         dense_shape[1], key_steps);
   return inputs;
 }
 
