@@ -646,4 +646,228 @@ TEST(AttentionBiasErrors, BadShapesAreShapeErrors) {
                           "attention_mask has no data");
 }
 
+// ---- DropoutGenerator -------------------------------------------------------------------------
+
+constexpr double kDropoutRate = 0.3;
+
+sdmha::AttentionOptions<double> training_options(sdmha::DropoutGenerator* generator) {
+  sdmha::AttentionOptions<double> options;
+  options.training = true;
+  options.dropout_rate = kDropoutRate;
+  options.dropout_generator = generator;
+  return options;
+}
+
+bool same(const Tensor3<double>& a, const Tensor3<double>& b) {
+  if (a.size() != b.size()) return false;
+  for (Index i = 0; i < a.size(); ++i)
+    if (a.data()[i] != b.data()[i]) return false;
+  return true;
+}
+
+// Each training forward draws a fresh seed (a fresh mask): consecutive outputs differ; the same
+// starting seed gives the same sequence; the result reports the seed drawn.
+TEST(DropoutGenerator, FreshSeedPerForwardReproducibleSequence) {
+  auto c = make_case<double>(Shape{}, 10000);
+  const Layer layer(c.config, c.weights);
+  sdmha::DropoutGenerator first(42), second(42), other(43);
+  std::vector<Tensor3<double>> outputs;
+  for (int step = 0; step < 3; ++step) {
+    const auto a = layer.forward(c.query(), c.key, c.value, training_options(&first));
+    EXPECT_EQ(a.dropout_seed, first.last());
+    EXPECT_EQ(first.draws(), std::uint64_t(step + 1));
+    const auto b = layer.forward(c.query(), c.key, c.value, training_options(&second));
+    EXPECT_EQ(a.dropout_seed, b.dropout_seed);
+    EXPECT_TRUE(same(a.output, b.output)) << "step " << step;
+    const auto o = layer.forward(c.query(), c.key, c.value, training_options(&other));
+    EXPECT_NE(o.dropout_seed, a.dropout_seed);
+    for (const auto& earlier : outputs) EXPECT_FALSE(same(earlier, a.output)) << "step " << step;
+    outputs.push_back(a.output);
+  }
+  EXPECT_EQ(first.seed(), 42u);
+  // Not training, or rate 0: no draw, no dropout, seed 0 reported.
+  auto options = training_options(&first);
+  options.training = false;
+  EXPECT_EQ(layer.forward(c.query(), c.key, c.value, options).dropout_seed, 0u);
+  options.training = true;
+  options.dropout_rate = 0.0;
+  EXPECT_EQ(layer.forward(c.query(), c.key, c.value, options).dropout_seed, 0u);
+  EXPECT_EQ(first.draws(), 3u);
+  // Without a generator, dropout_seed is used as it is.
+  options = training_options(nullptr);
+  options.dropout_seed = 77;
+  EXPECT_EQ(layer.forward(c.query(), c.key, c.value, options).dropout_seed, 77u);
+}
+
+// Uniform probabilities (a zero key kernel and no biases) and identity value and output
+// projections: output(b, t, s) is 1/(S·(1 − rate)) where (b, 0, t, s) is kept and 0 where
+// dropped, so the output counts the dropped entries. Over n entries the count is Binomial(n,
+// rate): within 5 standard deviations of n·rate (a false failure about once in 10⁶ runs).
+TEST(DropoutGenerator, EmpiricalRateWithinBinomialBound) {
+  Shape shape;
+  shape.batch = 4, shape.steps = 50, shape.key_steps = 50, shape.heads = 1, shape.key_dim = 4;
+  shape.value_in_dim = 50, shape.value_dim = 50, shape.output_dim = 50;
+  shape.use_bias = false;
+  auto c = make_case<double>(shape, 10100);
+  c.weights.key_kernel.setZero();
+  c.weights.value_kernel.setIdentity();
+  c.weights.output_kernel.setIdentity();
+  c.value.setZero();
+  for (long b = 0; b < shape.batch; ++b)
+    for (long s = 0; s < shape.key_steps; ++s) c.value(b, s, s) = 1.0;
+  const Layer layer(c.config, c.weights);
+  sdmha::DropoutGenerator generator(7);
+  const double kept_value = 1.0 / (double(shape.key_steps) * (1.0 - kDropoutRate));
+  long dropped = 0, entries = 0;
+  for (int step = 0; step < 3; ++step) {
+    const auto output = layer.forward(c.query(), c.key, c.value, training_options(&generator));
+    for (Index i = 0; i < output.output.size(); ++i, ++entries) {
+      const double value = output.output.data()[i];
+      if (value == 0.0)
+        ++dropped;
+      else
+        EXPECT_NEAR(value, kept_value, 1e-12) << i;
+    }
+  }
+  const double n = double(entries), mean = n * kDropoutRate;
+  const double deviation = std::sqrt(n * kDropoutRate * (1.0 - kDropoutRate));
+  EXPECT_LE(std::abs(double(dropped) - mean), 5.0 * deviation)
+      << dropped << " dropped of " << entries;
+}
+
+// Backward with the generator uses the mask of the latest forward: the same gradients as with
+// dropout_seed = that forward's seed and no generator; backward draws nothing.
+TEST(DropoutGenerator, BackwardReusesTheForwardsMask) {
+  auto c = make_case<double>(Shape{}, 10200);
+  const Layer layer(c.config, c.weights);
+  const auto d_output = gradient_check::random_d_output(c, 5);
+  sdmha::DropoutGenerator generator(11);
+  auto with_generator = training_options(&generator);
+  layer.forward(c.query(), c.key, c.value, with_generator);
+  const auto result = layer.forward(c.query(), c.key, c.value, with_generator);
+  ASSERT_EQ(generator.draws(), 2u);
+  const auto g = layer.backward(c.query(), c.key, c.value, d_output, with_generator);
+  EXPECT_EQ(generator.draws(), 2u);
+  EXPECT_EQ(generator.last(), result.dropout_seed);
+  auto by_seed = training_options(nullptr);
+  by_seed.dropout_seed = result.dropout_seed;
+  const auto expected = layer.backward(c.query(), c.key, c.value, d_output, by_seed);
+  expect_bitwise_equal(g, expected);
+  // And the mask matters: another seed's gradients differ.
+  by_seed.dropout_seed = result.dropout_seed + 1;
+  const auto other = layer.backward(c.query(), c.key, c.value, d_output, by_seed);
+  bool differs = false;
+  for (Index i = 0; i < g.value_kernel.size(); ++i)
+    differs = differs || g.value_kernel.data()[i] != other.value_kernel.data()[i];
+  EXPECT_TRUE(differs);
+  // The forward by seed is the forward of the generator's step.
+  EXPECT_TRUE(same(layer
+                       .forward(c.query(), c.key, c.value,
+                                [&] {
+                                  auto o = training_options(nullptr);
+                                  o.dropout_seed = result.dropout_seed;
+                                  return o;
+                                }())
+                       .output,
+                   result.output));
+}
+
+TEST(DropoutGenerator, LastBeforeAnyDrawIsConfigError) {
+  sdmha::DropoutGenerator generator(3);
+  SDMHA_EXPECT_THROW_WITH(generator.last(), sdmha::ConfigError, "no seed drawn yet");
+  auto c = make_case<double>(Shape{}, 10300);
+  const Layer layer(c.config, c.weights);
+  SDMHA_EXPECT_THROW_WITH(
+      layer.backward(c.query(), c.key, c.value, gradient_check::random_d_output(c, 6),
+                     training_options(&generator)),
+      sdmha::ConfigError, "no seed drawn yet");
+  EXPECT_EQ(generator.draws(), 0u);
+  const std::uint64_t first = generator.next();
+  EXPECT_EQ(generator.last(), first);
+  EXPECT_EQ(generator.draws(), 1u);
+  EXPECT_NE(generator.next(), first);
+}
+
+// ---- ProjectedContext::append -----------------------------------------------------------------
+
+// Key steps [begin, end) of every batch entry.
+template <typename Scalar>
+Tensor3<Scalar> key_steps(const Tensor3<Scalar>& x, long begin, long end) {
+  Tensor3<Scalar> part(x.dimension(0), end - begin, x.dimension(2));
+  for (Index b = 0; b < x.dimension(0); ++b)
+    for (long s = begin; s < end; ++s)
+      for (Index e = 0; e < x.dimension(2); ++e) part(b, s - begin, e) = x(b, s, e);
+  return part;
+}
+
+// Projecting in parts and appending equals projecting at once: each projected row is its own
+// input row times the kernel. In float the GEMM engine sums each entry's Ek terms in one order
+// whatever the row count, so exactly; in double Eigen picks its product kernel by shape (a
+// coefficient-wise one for small products), which may reorder those terms, so within a few ulps.
+template <typename Scalar>
+::testing::AssertionResult same_projection(const Scalar* got, const Scalar* expected, Index size) {
+  std::vector<double> twin(expected, expected + size);
+  return all_near(got, twin, std::is_same<Scalar, float>::value ? 0.0 : kReorderedSumTolerance);
+}
+
+TYPED_TEST(AttentionBiasTest, AppendedContextEqualsWholeProjection) {
+  using Scalar = TypeParam;
+  Shape shape;
+  shape.batch = 3, shape.steps = 4, shape.key_steps = 13, shape.heads = 2;
+  shape.value_dim = 5;
+  auto c = make_case<Scalar>(shape, 10400);
+  const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
+  const auto whole = layer.project_context(c.key, c.value);
+  for (long split : {1L, 6L, 12L}) {
+    sdmha::ProjectedContext<Scalar> context;  // empty: the first append takes `more` as it is
+    const auto first_key = key_steps(c.key, 0, split), first_value = key_steps(c.value, 0, split);
+    const auto rest_key = key_steps(c.key, split, 13), rest_value = key_steps(c.value, split, 13);
+    context.append(layer.project_context(first_key, first_value));
+    context.append(layer.project_context(rest_key, rest_value));
+    ASSERT_EQ(context.batch, whole.batch);
+    ASSERT_EQ(context.key_steps, whole.key_steps);
+    ASSERT_EQ(context.keys.rows(), whole.keys.rows());
+    ASSERT_EQ(context.values.rows(), whole.values.rows());
+    EXPECT_TRUE(same_projection(context.keys.data(), whole.keys.data(), whole.keys.size()))
+        << "split " << split;
+    EXPECT_TRUE(same_projection(context.values.data(), whole.values.data(), whole.values.size()))
+        << "split " << split;
+    // Decoding: T new steps against all S, causal bottom-right, with a bias.
+    auto options = c.options;
+    options.use_causal_mask = true;
+    options.causal_alignment = sdmha::CausalAlignment::bottom_right;
+    Tensor2<Scalar> bias(4, 13);
+    for (Index i = 0; i < bias.size(); ++i) bias.data()[i] = Scalar(0.1 * double(i % 7));
+    options.attention_bias = bias;
+    const auto appended = layer.forward(c.query(), context, options).output;
+    const auto direct = layer.forward(c.query(), c.key, c.value, options).output;
+    const auto on_whole = layer.forward(c.query(), whole, options).output;
+    EXPECT_TRUE(same_projection(appended.data(), on_whole.data(), on_whole.size()))
+        << "split " << split;
+    EXPECT_TRUE(same_projection(appended.data(), direct.data(), direct.size()))
+        << "split " << split;
+  }
+}
+
+TEST(ProjectedContextAppend, MismatchedBatchOrWidthIsShapeError) {
+  auto c = make_case<double>(Shape{}, 10500);  // B = 2
+  const Layer layer(c.config, c.weights);
+  auto context = layer.project_context(c.key, c.value);
+  const Tensor3<double> one_key = key_steps(c.key, 0, 3), one_value = key_steps(c.value, 0, 3);
+  Tensor3<double> short_key(1, 3, c.key.dimension(2)), short_value(1, 3, c.value.dimension(2));
+  short_key.setConstant(0.5);
+  short_value.setConstant(0.25);
+  SDMHA_EXPECT_THROW_WITH(context.append(layer.project_context(short_key, short_value)),
+                          sdmha::ShapeError, "more has batch 1; expected 2");
+  Shape wider;
+  wider.key_dim = 6;
+  auto other = make_case<double>(wider, 10501);
+  const Layer other_layer(other.config, other.weights);
+  SDMHA_EXPECT_THROW_WITH(context.append(other_layer.project_context(one_key, one_value)),
+                          sdmha::ShapeError, "more has key and value widths");
+  EXPECT_EQ(context.key_steps, 7);  // a refused append changes nothing
+  context.append(layer.project_context(one_key, one_value));
+  EXPECT_EQ(context.key_steps, 10);
+}
+
 }  // namespace
