@@ -1,7 +1,15 @@
-// The golden cases of tests/data/goldens/ (computed with PyTorch in float64, Keras 3 math), read
-// through sdmha's own safetensors reader and weight mapping, run through the layer with both
-// score strategies, compared elementwise with the README's tolerances.
+// The golden cases of tests/data/goldens/ (computed with PyTorch in float64, Keras 3 math) and
+// of tests/data/semantics/ (masks and biases of every broadcast shape, scale, causal alignment,
+// fully masked rows; an independent float64 numpy reference), read through sdmha's own
+// safetensors reader and weight mapping, run through the layer with both score strategies,
+// compared elementwise with the README's tolerances.
 #include "test_support.hpp"
+
+#include <algorithm>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include <sdmha/backward.hpp>
 #include <sdmha/io/layer_files.hpp>
@@ -18,7 +26,20 @@ const char* const kGoldenCases[] = {
     "keras_empty_rows_f64", "keras_fully_masked_f64", "torch_packed_f64", "keras_medium_f32"};
 
 std::string golden_path(const std::string& name) {
+  if (name.compare(0, 10, "semantics/") == 0)
+    return std::string(SDMHA_TEST_DATA_DIR) + "/" + name + ".safetensors";
   return std::string(SDMHA_TEST_DATA_DIR) + "/goldens/" + name + ".safetensors";
+}
+
+// Every file of tests/data/semantics/, as "semantics/<case>".
+std::vector<std::string> semantics_cases() {
+  std::vector<std::string> names;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(std::string(SDMHA_TEST_DATA_DIR) + "/semantics"))
+    if (entry.path().extension() == ".safetensors")
+      names.push_back("semantics/" + entry.path().stem().string());
+  std::sort(names.begin(), names.end());
+  return names;
 }
 
 // The README's tolerances: float64 1e-10·(1 + |expected|), float32 2e-5·(1 + |expected|).
@@ -39,7 +60,11 @@ void run_golden(const std::string& name, double tolerance) {
   const sdmha::SparseDenseMHA<Scalar> layer(layer_file.config, layer_file.weights);
   sdmha::AttentionOptions<Scalar> options;
   options.attention_mask = inputs.attention_mask;
+  options.attention_bias = inputs.attention_bias;
   options.use_causal_mask = layer_file.use_causal_mask;
+  options.causal_alignment = layer_file.causal_alignment;
+  options.scale = layer_file.scale;
+  options.fully_masked_rows = layer_file.fully_masked_rows;
   options.return_attention_scores = true;
   for (auto strategy :
        {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
@@ -70,6 +95,45 @@ TEST(Goldens, EveryCaseInItsOwnPrecision) {
       run_golden<double>(name, golden_tolerance<double>());
     }
   }
+}
+
+TEST(Goldens, EverySemanticsCaseInItsOwnPrecision) {
+  const auto names = semantics_cases();
+  ASSERT_GE(names.size(), 20u);
+  for (const auto& name : names) {
+    if (is_float32_case(name)) {
+      run_golden<float>(name, golden_tolerance<float>());
+    } else {
+      run_golden<double>(name, golden_tolerance<double>());
+    }
+  }
+}
+
+// The stored rank survives loading: a (T, S) mask stays (T, S) in messages and views.
+TEST(Goldens, SemanticsMasksAndBiasesKeepTheirStoredShape) {
+  const auto source =
+      sdmha::io::TensorSource::open(golden_path("semantics/mask_ts_bias_b1ts_keras_f64"));
+  const auto inputs = sdmha::io::load_inputs<double>(source);
+  EXPECT_EQ(inputs.attention_mask.rank, 2);
+  EXPECT_EQ(inputs.attention_bias.rank, 4);
+  const sdmha::BroadcastRef<bool> mask = inputs.attention_mask;
+  EXPECT_EQ(mask.batch(), 1);
+  EXPECT_EQ(mask.heads(), 1);
+  EXPECT_EQ(mask.steps(), 4);
+  EXPECT_EQ(mask.key_steps(), 5);
+  const sdmha::BroadcastRef<double> bias = inputs.attention_bias;
+  EXPECT_EQ(bias.batch(), 2);
+  EXPECT_EQ(bias.heads(), 1);
+  const auto layer = sdmha::io::load_layer<double>(source);
+  EXPECT_EQ(layer.fully_masked_rows, sdmha::FullyMaskedRows::zeros);
+  const auto scaled = sdmha::io::load_layer<double>(
+      sdmha::io::TensorSource::open(golden_path("semantics/scale_keras_f64")));
+  EXPECT_EQ(scaled.scale, std::optional<double>(0.7));
+  const auto uniform = sdmha::io::load_layer<double>(sdmha::io::TensorSource::open(
+      golden_path("semantics/causal_bottom_right_t6_s4_uniform_torch_f64")));
+  EXPECT_EQ(uniform.fully_masked_rows, sdmha::FullyMaskedRows::uniform);
+  EXPECT_EQ(uniform.causal_alignment, sdmha::CausalAlignment::bottom_right);
+  EXPECT_TRUE(uniform.use_causal_mask);
 }
 
 // Float computation of the float64 cases stays within float tolerance of the float64 answer.

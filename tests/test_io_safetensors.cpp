@@ -1,6 +1,8 @@
 // Tests for sdmha/io/safetensors.hpp: writer → reader round trips over every dtype, exact F16 and
 // BF16 widening, the conversions a typed read allows and refuses, every malformed header the
-// reader must reject, the atomic write, and the real golden file keras_basic_f64.safetensors.
+// reader must reject, the atomic write, and the real golden file keras_basic_f64.safetensors;
+// and io::load_inputs (layer_files.hpp) on a mask and a bias of every broadcast shape, their bad
+// shapes and dtypes, and its row limit.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "sdmha/io/layer_files.hpp"
 #include "sdmha/io/safetensors.hpp"
 
 #ifndef SDMHA_TEST_DATA_DIR
@@ -759,6 +762,147 @@ TEST(SafetensorsGolden, KerasBasicF64) {
     for (std::size_t s = 0; s < 7; ++s) sum += scores[row * 7 + s];
     EXPECT_NEAR(sum, 1.0f, 1e-5f) << "row " << row;
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// load_inputs: attention_mask and attention_bias of every broadcast shape, the row limit
+
+// Inputs of B = 2, T = 3, Eq = 4, S = 5, Ev = 6, with the tensors `extra` adds.
+template <typename Extra>
+SafetensorsFile inputs_file(Extra&& extra, std::int64_t steps = 3) {
+  SafetensorsWriter writer;
+  const std::int64_t dense_shape[3] = {2, steps, 4};
+  const std::int64_t indices[6] = {0, 0, 1, 1, 2, 3};
+  const double values[2] = {0.5, -1.5};
+  const std::vector<double> value(2 * 5 * 6, 0.25);
+  writer.add<std::int64_t>("query/dense_shape", {3}, dense_shape);
+  writer.add<std::int64_t>("query/indices", {2, 3}, indices);
+  writer.add<double>("query/values", {2}, values);
+  writer.add<double>("value", {2, 5, 6}, value.data());
+  extra(writer);
+  return SafetensorsFile::from_bytes(writer.to_bytes(), "inputs.safetensors");
+}
+
+std::int64_t element_count(const std::vector<std::int64_t>& shape) {
+  std::int64_t count = 1;
+  for (const std::int64_t dimension : shape) count *= dimension;
+  return count;
+}
+
+void add_mask(SafetensorsWriter& writer, const std::vector<std::int64_t>& shape) {
+  std::vector<std::uint8_t> bytes(static_cast<std::size_t>(element_count(shape)));
+  for (std::size_t i = 0; i < bytes.size(); ++i) bytes[i] = std::uint8_t(i % 3 != 0);
+  writer.add("attention_mask", DType::BOOL, shape, bytes.data(), bytes.size());
+}
+
+template <typename T>
+void add_bias(SafetensorsWriter& writer, const std::vector<std::int64_t>& shape) {
+  std::vector<T> data(static_cast<std::size_t>(element_count(shape)));
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = T(i) / T(8);
+  writer.add<T>("attention_bias", shape, data.data());
+}
+
+TEST(LoadInputs, MaskAndBiasOfEveryShapeKeepTheirRankAndBindAsViews) {
+  struct Shape {
+    std::vector<std::int64_t> stored;
+    std::int64_t batch, heads;  // (B', H') of the view
+  };
+  const Shape shapes[] = {{{3, 5}, 1, 1},       {{2, 3, 5}, 2, 1},    {{1, 3, 5}, 1, 1},
+                          {{2, 1, 3, 5}, 2, 1}, {{2, 7, 3, 5}, 2, 7}, {{1, 7, 3, 5}, 1, 7},
+                          {{1, 1, 3, 5}, 1, 1}};
+  for (const Shape& shape : shapes) {
+    SCOPED_TRACE(::testing::PrintToString(shape.stored));
+    const sdmha::io::TensorSource source(inputs_file([&](SafetensorsWriter& writer) {
+      add_mask(writer, shape.stored);
+      add_bias<float>(writer, shape.stored);  // F32, read as double
+    }));
+    const auto inputs = sdmha::io::load_inputs<double>(source);
+    sdmha::AttentionOptions<double> options;
+    options.attention_mask = inputs.attention_mask;
+    options.attention_bias = inputs.attention_bias;
+    EXPECT_EQ(inputs.attention_mask.rank, int(shape.stored.size()));
+    EXPECT_EQ(options.attention_mask.rank(), int(shape.stored.size()));
+    EXPECT_EQ(options.attention_mask.batch(), shape.batch);
+    EXPECT_EQ(options.attention_mask.heads(), shape.heads);
+    EXPECT_EQ(options.attention_mask.steps(), 3);
+    EXPECT_EQ(options.attention_mask.key_steps(), 5);
+    EXPECT_EQ(options.attention_bias.batch(), shape.batch);
+    EXPECT_EQ(options.attention_bias.heads(), shape.heads);
+    // The views point into the loaded tensors, element i of the stored order at flat index i.
+    EXPECT_EQ(options.attention_mask.data(), inputs.attention_mask.data());
+    EXPECT_EQ(options.attention_bias.data(), inputs.attention_bias.data());
+    const std::int64_t last = element_count(shape.stored) - 1;
+    EXPECT_EQ(options.attention_mask.data()[last], last % 3 != 0);
+    EXPECT_EQ(options.attention_bias.data()[last], double(float(last) / 8.0f));
+    EXPECT_EQ(*options.attention_bias.at(shape.batch - 1, shape.heads - 1, 2, 4), last / 8.0);
+  }
+  // Both absent: empty views.
+  const auto none = sdmha::io::load_inputs<float>(
+      sdmha::io::TensorSource(inputs_file([](SafetensorsWriter&) {})));
+  sdmha::AttentionOptions<float> options;
+  options.attention_mask = none.attention_mask;
+  options.attention_bias = none.attention_bias;
+  EXPECT_TRUE(none.attention_mask.empty());
+  EXPECT_TRUE(options.attention_mask.empty());
+  EXPECT_TRUE(options.attention_bias.empty());
+}
+
+TEST(LoadInputs, RejectsMasksAndBiasesOfTheWrongShapeOrDtype) {
+  auto load = [](auto&& extra) {
+    return sdmha::io::load_inputs<double>(sdmha::io::TensorSource(inputs_file(extra)));
+  };
+  expect_error<ShapeError>(
+      [&] { load([](SafetensorsWriter& w) {
+              add_mask(w, {2, 3, 4});
+            }); },
+      {"inputs.safetensors", "tensor 'attention_mask' has shape [2, 3, 4]; expected [2, 3, 5]"});
+  expect_error<ShapeError>([&] { load([](SafetensorsWriter& w) {
+                                   add_mask(w, {3, 3, 5});
+                                 }); },
+                           {"tensor 'attention_mask' has shape [3, 3, 5]", "B = 2 or 1"});
+  expect_error<ShapeError>([&] { load([](SafetensorsWriter& w) { add_mask(w, {5}); }); },
+                           {"tensor 'attention_mask' has shape [5]"});
+  expect_error<ShapeError>(
+      [&] { load([](SafetensorsWriter& w) {
+              add_mask(w, {1, 2, 1, 3, 5});
+            }); },
+      {"tensor 'attention_mask' has shape [1, 2, 1, 3, 5]"});
+  expect_error<ShapeError>(
+      [&] { load([](SafetensorsWriter& w) {
+              add_bias<double>(w, {2, 0, 3, 5});
+            }); },
+      {"tensor 'attention_bias' has shape [2, 0, 3, 5]"});
+  expect_error<ShapeError>([&] { load([](SafetensorsWriter& w) {
+                                   add_bias<double>(w, {4, 5});
+                                 }); },
+                           {"tensor 'attention_bias' has shape [4, 5]; expected [2, 3, 5]"});
+  expect_error<FormatError>(
+      [&] { load([](SafetensorsWriter& w) {
+              add_bias<std::int64_t>(w, {3, 5});
+            }); },
+      {"inputs.safetensors", "tensor 'attention_bias' has dtype I64; expected F32 or F64"});
+  expect_error<FormatError>(
+      [&] {
+        load([](SafetensorsWriter& w) {
+          const std::vector<double> data(15, 1.0);
+          w.add<double>("attention_mask", {3, 5}, data.data());
+        });
+      },
+      {"tensor 'attention_mask'", "F64"});
+}
+
+TEST(LoadInputs, RejectsADenseShapePastTheRowLimitBeforeAllocating) {
+  // Three numbers ask for (2, 10^9, 4): the default limit refuses them.
+  const sdmha::io::TensorSource huge(inputs_file([](SafetensorsWriter&) {}, 1000000000));
+  expect_error<ShapeError>([&] { sdmha::io::load_inputs<double>(huge); },
+                           {"inputs.safetensors", "'query/dense_shape'",
+                            "dense shape (2, 1000000000, 4) has batch * steps = 2000000000 rows",
+                            "max_rows = 134217728"});
+  // A caller's own limit.
+  const sdmha::io::TensorSource small(inputs_file([](SafetensorsWriter&) {}));
+  expect_error<ShapeError>([&] { sdmha::io::load_inputs<double>(small, {5}); },
+                           {"batch * steps = 6 rows; expected at most max_rows = 5"});
+  EXPECT_EQ(sdmha::io::load_inputs<double>(small, {6}).query.rows(), 6);
 }
 
 }  // namespace

@@ -426,6 +426,31 @@ TYPED_TEST(SparseQueryTest, RejectsShapesThatOverflowTheStorageIndex) {
                           "nnz = 40000 does not fit the storage index type; expected nnz <= 32767");
 }
 
+// from_coo allocates O(B·T) from its three shape numbers: past SparseQueryLimits::max_rows it
+// refuses before allocating, naming the shape and the limit.
+TYPED_TEST(SparseQueryTest, FromCooRejectsRowsPastItsLimit) {
+  using Scalar = TypeParam;
+  const CooIndices no_indices(0, 3);
+  const sdmha::Vector<Scalar> no_values;
+  const sdmha::SparseQueryLimits ten_rows{10};
+  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_coo(4, 5, 3, no_indices, no_values, ten_rows),
+                          sdmha::ShapeError,
+                          "SparseQuery::from_coo: dense shape (4, 5, 3) has batch * steps = 20 "
+                          "rows; expected at most max_rows = 10 (SparseQueryLimits)");
+  const auto at_limit = Query<Scalar>::from_coo(2, 5, 3, no_indices, no_values, ten_rows);
+  EXPECT_EQ(at_limit.rows(), 10);
+  // The default bounds a dense shape read from a small file: (2, 10^9, 16) fits the storage
+  // index but not the default limit of 2^27 rows.
+  EXPECT_EQ(sdmha::SparseQueryLimits().max_rows, Index(1) << 27);
+  SDMHA_EXPECT_THROW_WITH(Query<Scalar>::from_coo(2, 1000000000, 16, no_indices, no_values),
+                          sdmha::ShapeError,
+                          "dense shape (2, 1000000000, 16) has batch * steps = 2000000000 rows; "
+                          "expected at most max_rows = 134217728");
+  // Zero steps ask for no rows whatever the batch; a raised limit lets more rows through.
+  EXPECT_EQ(Query<Scalar>::from_coo(Index(1) << 28, 0, 4, no_indices, no_values).rows(), 0);
+  EXPECT_EQ(Query<Scalar>::from_coo(10, 50, 4, no_indices, no_values, {500}).rows(), 500);
+}
+
 TYPED_TEST(SparseQueryTest, RejectsIndicesOfTheWrongShape) {
   using Scalar = TypeParam;
   const typename Query<Scalar>::CooIndices two_columns = Query<Scalar>::CooIndices::Zero(4, 2);
