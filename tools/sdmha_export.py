@@ -8,7 +8,11 @@ Tensor names are those of tests/data/goldens/README.md:
     query = sparse_query_tensors(x)              # tf.SparseTensor / torch sparse (B, T, E),
                                                  # scipy.sparse (B*T, E) with batch=, steps=,
                                                  # or a dense (B, T, E) array
-    write_inputs("inputs.safetensors", query, value, key=None, attention_mask=None)
+    write_inputs("inputs.safetensors", query, value, key=None, attention_mask=None,
+                 attention_bias=None)
+    # PyTorch's attn_mask / key_padding_mask: a bool mask (inverted) and a float one (a bias)
+    write_inputs(..., **attention_inputs_from_torch(B, T, S, attn_mask, key_padding_mask,
+                                                    num_heads=H))
 
 then `sdmha-run --weights weights.safetensors --inputs inputs.safetensors --out out.safetensors`
 and `python3 tools/sdmha_compare.py out.safetensors reference.npy` (see tools/README.md).
@@ -43,6 +47,7 @@ __all__ = [
     "inputs_tensors",
     "write_inputs",
     "attention_mask_from_torch",
+    "attention_inputs_from_torch",
     "write_safetensors",
     "read_safetensors",
     "write_npz",
@@ -435,40 +440,154 @@ def sparse_query_tensors(x, batch=None, steps=None):
     }
 
 
-def attention_mask_from_torch(batch, steps, key_steps, attn_mask=None, key_padding_mask=None):
-    """PyTorch's masks as one (B, T, S) boolean attention_mask, Keras' polarity (True = may attend).
+_BROADCAST_SHAPES = "(T, S), (B, T, S), (B, 1, T, S), (B, H, T, S) or (1, H, T, S)"
 
-    attn_mask: (T, S) or (B, T, S) boolean, True = blocked (PyTorch's convention; a float mask of
-    0/-inf is read as blocked where -inf). key_padding_mask: (B, S) boolean, True = padding.
-    Per-head masks (B*H, T, S) have no counterpart in sdmha's inputs and are rejected.
+
+def _torch_attn_mask(attn_mask, batch, steps, key_steps, num_heads):
+    """PyTorch's attn_mask as an array of rank 2 (T, S) or 4 (B', H', T, S); 3-D is (N*H, L, S)."""
+    mask = _as_array(attn_mask, "attn_mask")
+    if mask.dtype != np.bool_ and mask.dtype.kind != "f":
+        raise ExportError(
+            f"attn_mask has dtype {mask.dtype}; expected bool (True = blocked) or floating point "
+            "(added to the scores), as PyTorch reads it (convert a uint8 mask with .bool())"
+        )
+    shape = mask.shape
+    expected = (
+        f"expected (L, S) = ({steps}, {key_steps}), (N*H, L, S) = "
+        f"({batch}*{num_heads if num_heads else 'H'}, {steps}, {key_steps}) or (N, H, L, S)"
+    )
+    if mask.ndim < 2 or mask.ndim > 4 or shape[-2:] != (steps, key_steps):
+        raise ExportError(f"attn_mask has shape {shape}; {expected}")
+    if mask.ndim == 3:
+        if num_heads is None:
+            raise ExportError(
+                f"attn_mask has shape {shape}, PyTorch's per-head (N*H, L, S); pass num_heads= to "
+                f"read it as (N, H, L, S) ({expected})"
+            )
+        if shape[0] != batch * num_heads:
+            raise ExportError(
+                f"attn_mask has shape {shape}; its first dimension {shape[0]} is not "
+                f"N*H = {batch}*{num_heads} = {batch * num_heads}; {expected}"
+            )
+        mask = mask.reshape(batch, num_heads, steps, key_steps)
+    elif mask.ndim == 4:
+        heads_ok = shape[1] == 1 or num_heads is None or shape[1] == num_heads
+        if shape[0] not in (1, batch) or not heads_ok:
+            raise ExportError(f"attn_mask has shape {shape}; {expected} with N or H possibly 1")
+    return mask
+
+
+def _key_padding(key_padding_mask, batch, key_steps):
+    padding = _as_array(key_padding_mask, "key_padding_mask")
+    if padding.dtype != np.bool_:
+        raise ExportError(
+            f"key_padding_mask has dtype {padding.dtype}; expected bool (True = padding)"
+        )
+    if padding.shape != (batch, key_steps):
+        raise ExportError(
+            f"key_padding_mask has shape {padding.shape}; expected (B, S) = ({batch}, {key_steps})"
+        )
+    return padding
+
+
+def _as_four(array):
+    """(T, S) -> (1, 1, T, S), (B, T, S) -> (B, 1, T, S): sdmha's reading of the ranks."""
+    if array.ndim == 2:
+        return array[None, None]
+    return array[:, None] if array.ndim == 3 else array
+
+
+def attention_inputs_from_torch(
+    batch, steps, key_steps, attn_mask=None, key_padding_mask=None, num_heads=None
+):
+    """PyTorch's masks as sdmha's inputs: {"attention_mask": bool or None (True = may attend),
+    "attention_bias": float or None (added to the scaled scores)}, for write_inputs(**result).
+
+    attn_mask (nn.MultiheadAttention / scaled_dot_product_attention):
+      bool   True = blocked; inverted into attention_mask.
+      float  added to the scores; it becomes attention_bias as it is: 0, -inf and large
+             negatives (-1e9, finfo.min) alike are kept as bias values (-inf blocks in sdmha as in
+             PyTorch; a large negative weighs as in PyTorch, not as a block).
+      (L, S) stays (T, S); (N*H, L, S) is read as (N, H, L, S) (needs num_heads, checks N*H);
+      (N, H, L, S) with N or H possibly 1 stays as it is.
+    key_padding_mask: bool (B, S), True = padding; ANDed into attention_mask.
+    Other shapes or dtypes raise ExportError (a ValueError) naming the argument and its shape.
     """
-    allowed = np.ones((batch, steps, key_steps), dtype=bool)
+    mask = bias = None
     if attn_mask is not None:
-        mask = _as_array(attn_mask, "attn_mask")
-        blocked = mask if mask.dtype == bool else np.isneginf(mask)
-        if blocked.shape not in ((steps, key_steps), (batch, steps, key_steps)):
-            raise ExportError(
-                f"attn_mask has shape {blocked.shape}; expected (T, S) = ({steps}, {key_steps}) "
-                f"or (B, T, S) = ({batch}, {steps}, {key_steps})"
-            )
-        allowed &= ~np.broadcast_to(blocked, allowed.shape)
+        converted = _torch_attn_mask(attn_mask, batch, steps, key_steps, num_heads)
+        if converted.dtype == np.bool_:
+            mask = ~converted
+        else:
+            bias = converted
     if key_padding_mask is not None:
-        padding = _as_array(key_padding_mask, "key_padding_mask").astype(bool)
-        if padding.shape != (batch, key_steps):
+        allowed = ~_key_padding(key_padding_mask, batch, key_steps)[:, None, :]  # (B, 1, S)
+        if mask is None:
+            mask = np.broadcast_to(allowed, (batch, steps, key_steps))
+        elif mask.ndim == 2:
+            mask = mask[None] & allowed
+        else:
+            mask = mask & allowed[:, None]
+    if mask is not None:
+        mask = np.ascontiguousarray(mask)
+    return {"attention_mask": mask, "attention_bias": bias}
+
+
+def attention_mask_from_torch(
+    batch, steps, key_steps, attn_mask=None, key_padding_mask=None, num_heads=None
+):
+    """PyTorch's bool masks as one boolean attention_mask, Keras' polarity (True = may attend):
+    (B, T, S), or (B, H, T, S) for per-head masks ((N*H, L, S) with num_heads, or (N, H, L, S)).
+
+    attn_mask: bool, True = blocked. A float attn_mask is an additive bias, not a mask: this
+    function refuses it; attention_inputs_from_torch turns it into attention_bias.
+    key_padding_mask: (B, S) boolean, True = padding.
+    """
+    if attn_mask is not None:
+        array = _as_array(attn_mask, "attn_mask")
+        if array.dtype != np.bool_:
             raise ExportError(
-                f"key_padding_mask has shape {padding.shape}; "
-                f"expected (B, S) = ({batch}, {key_steps})"
+                f"attn_mask has dtype {array.dtype}; attention_mask_from_torch takes bool masks "
+                "(True = blocked). A float attn_mask is added to the scores: use "
+                "attention_inputs_from_torch, which makes it attention_bias"
             )
-        allowed &= ~padding[:, None, :]
-    return allowed
+    inputs = attention_inputs_from_torch(
+        batch, steps, key_steps, attn_mask, key_padding_mask, num_heads
+    )
+    mask = inputs["attention_mask"]
+    if mask is None:
+        return np.ones((batch, steps, key_steps), dtype=bool)
+    if mask.ndim == 2:
+        return np.ascontiguousarray(np.broadcast_to(mask, (batch, steps, key_steps)))
+    if mask.ndim == 4:
+        return np.ascontiguousarray(np.broadcast_to(mask, (batch,) + mask.shape[1:]))
+    return mask
 
 
-def inputs_tensors(query, value, key=None, attention_mask=None):
+def _broadcast_input(array, name, batch, steps, key_steps):
+    """Checks a mask or bias shape: (T, S), (B', T, S) or (B', H', T, S) with B' in {1, B}."""
+    shape = array.shape
+    ok = (
+        2 <= array.ndim <= 4
+        and shape[-2:] == (steps, key_steps)
+        and (array.ndim == 2 or shape[0] in (1, batch))
+    )
+    if not ok:
+        raise ExportError(
+            f"{name} has shape {shape}; expected {_BROADCAST_SHAPES} with (B, T, S) = "
+            f"({batch}, {steps}, {key_steps}) and H the layer's heads"
+        )
+    return np.ascontiguousarray(array)
+
+
+def inputs_tensors(query, value, key=None, attention_mask=None, attention_bias=None):
     """{name: array} of a layer call's inputs: query (the dict of sparse_query_tensors, or anything
-    it takes without batch/steps), value (B, S, Ev), key (B, S, Ek) or None for key = value, and
-    attention_mask (B, T, S) boolean in Keras' polarity (True = may attend) or None.
+    it takes without batch/steps), value (B, S, Ev), key (B, S, Ek) or None for key = value,
+    attention_mask bool in Keras' polarity (True = may attend) and attention_bias float (added to
+    the scaled scores), each (T, S), (B, T, S), (B, 1, T, S), (B, H, T, S), (1, H, T, S) or None.
 
-    value and key are cast to the query values' dtype, the precision sdmha-run will run in.
+    value, key and attention_bias are cast to the query values' dtype (float32 unless float64),
+    the precision sdmha-run will run in; attention_mask is written as BOOL.
     """
     if not (isinstance(query, dict) and "query/indices" in query):
         query = sparse_query_tensors(query)
@@ -486,20 +605,37 @@ def inputs_tensors(query, value, key=None, attention_mask=None):
                 f"key has shape {key.shape}; expected (B, S, Ek) with (B, S) = {value.shape[:2]}"
             )
         tensors["key"] = key.astype(dtype, copy=False)
+    key_steps = value.shape[1]
     if attention_mask is not None:
         mask = _as_array(attention_mask, "attention_mask")
-        if mask.shape != (batch, steps, value.shape[1]):
+        if mask.dtype.kind == "f":
             raise ExportError(
-                f"attention_mask has shape {mask.shape}; expected (B, T, S) = "
-                f"({batch}, {steps}, {value.shape[1]})"
+                f"attention_mask has dtype {mask.dtype}; expected bool (True = may attend). A float "
+                "mask is an additive bias: pass it as attention_bias (attention_inputs_from_torch "
+                "converts PyTorch's attn_mask)"
             )
+        if mask.dtype != np.bool_ and not np.isin(mask, (0, 1)).all():
+            raise ExportError(
+                f"attention_mask has dtype {mask.dtype} with values other than 0 and 1; "
+                "expected bool (True = may attend)"
+            )
+        mask = _broadcast_input(mask, "attention_mask", batch, steps, key_steps)
         tensors["attention_mask"] = mask.astype(bool)
+    if attention_bias is not None:
+        bias = _as_array(attention_bias, "attention_bias")
+        if bias.dtype.kind != "f":
+            raise ExportError(
+                f"attention_bias has dtype {bias.dtype}; expected floating point (added to the scores)"
+            )
+        bias = _broadcast_input(bias, "attention_bias", batch, steps, key_steps)
+        bias_dtype = np.float64 if dtype == np.float64 else np.float32
+        tensors["attention_bias"] = bias.astype(bias_dtype, copy=False)
     return tensors
 
 
-def write_inputs(path, query, value, key=None, attention_mask=None):
+def write_inputs(path, query, value, key=None, attention_mask=None, attention_bias=None):
     """Writes a layer call's inputs (see inputs_tensors) to `path` (.safetensors, or .npz)."""
-    _write(path, inputs_tensors(query, value, key, attention_mask), None)
+    _write(path, inputs_tensors(query, value, key, attention_mask, attention_bias), None)
 
 
 # --------------------------------------------------------------------------- self-check
@@ -516,14 +652,19 @@ def _reference_attention(tensors, metadata, causal):
     k = np.einsum("bse,ehd->bshd", key, tensors["key/kernel"]) + tensors["key/bias"]
     v = np.einsum("bse,ehd->bshd", value, tensors["value/kernel"]) + tensors["value/bias"]
     scores = np.einsum("bthd,bshd->bhts", q / np.sqrt(int(metadata["key_dim"])), k)
-    allowed = np.ones((shape[0], shape[1], key.shape[1]), dtype=bool)
+    allowed = np.ones((shape[0], 1, shape[1], key.shape[1]), dtype=bool)
     if "attention_mask" in tensors:
-        allowed &= tensors["attention_mask"]
+        allowed = allowed & _as_four(tensors["attention_mask"])
     if causal:
-        allowed &= np.tril(np.ones((shape[1], key.shape[1]), dtype=bool))
-    scores = np.where(allowed[:, None], scores, -np.inf)
+        allowed = allowed & np.tril(np.ones((shape[1], key.shape[1]), dtype=bool))
+    if "attention_bias" in tensors:
+        bias = _as_four(tensors["attention_bias"].astype(np.float64))
+        allowed = allowed & (bias != -np.inf)
+        scores = scores + np.where(allowed, bias, 0.0)
+    allowed = np.broadcast_to(allowed, scores.shape)
+    scores = np.where(allowed, scores, -np.inf)
     top = np.max(scores, axis=-1, keepdims=True)
-    exp = np.where(allowed[:, None], np.exp(scores - np.where(np.isfinite(top), top, 0)), 0.0)
+    exp = np.where(allowed, np.exp(scores - np.where(np.isfinite(top), top, 0)), 0.0)
     total = exp.sum(axis=-1, keepdims=True)
     probs = np.divide(exp, total, out=np.zeros_like(exp), where=total > 0)
     attended = np.einsum("bhts,bshd->bthd", probs, v)

@@ -111,13 +111,13 @@ class _Call:
 class _SparseQueryAttention(torch.autograd.Function):
     """sdmha's forward and backward as one autograd node.
 
-    Inputs: (binding, call, indptr, columns, query_values, key, value, *eight weights (None for
-    absent biases)). Outputs: output (B, T, O) and, when asked, the attention scores (B, H, T, S),
-    which are not differentiable.
+    Inputs: (binding, call, indptr, columns, query_values, key, value, attention_bias (or None),
+    *eight weights (None for absent biases)). Outputs: output (B, T, O) and, when asked, the
+    attention scores (B, H, T, S), which are not differentiable.
     """
 
     @staticmethod
-    def forward(ctx, binding, call, indptr, columns, query_values, key, value, *weights):
+    def forward(ctx, binding, call, indptr, columns, query_values, key, value, bias, *weights):
         weights = dict(zip(WEIGHT_NAMES, weights))
         binding.load(weights)
         dtype = binding.dtype
@@ -125,18 +125,23 @@ class _SparseQueryAttention(torch.autograd.Function):
                                              columns.numpy(), _array("query values", query_values, dtype))
         key_array = _array("key", key, dtype)
         value_array = key_array if call.value_is_key else _array("value", value, dtype)
+        options = call.options
+        if bias is not None:
+            # The binding views this array (no copy) in forward and backward; ctx keeps it alive.
+            options = dict(options, attention_bias=_array("attention_bias", bias, dtype))
         context = None
         if call.save_context:
             # K and V projected once, for the forward and again for the backward.
             context = binding.layer.project_context(key_array, value_array, call.num_threads,
                                                     workspace=binding.workspace)
         output, scores = binding.layer.forward(query, key_array, value_array, workspace=binding.workspace,
-                                               context=context, **call.options)
+                                               context=context, **options)
         ctx.binding, ctx.call, ctx.query, ctx.context = binding, call, query, context
+        ctx.options = options
         ctx.arrays = (key_array, value_array)
         # Saved for autograd's version check: a weight or input changed in place between
         # forward and backward raises instead of giving a gradient of something else.
-        ctx.save_for_backward(query_values, key, value, *weights.values())
+        ctx.save_for_backward(query_values, key, value, bias, *weights.values())
         output = torch.from_numpy(output)
         if scores is None:
             return output
@@ -149,19 +154,22 @@ class _SparseQueryAttention(torch.autograd.Function):
     def backward(ctx, d_output, *unused):
         saved = ctx.saved_tensors
         binding, call = ctx.binding, ctx.call
-        binding.load(dict(zip(WEIGHT_NAMES, saved[3:])))  # no copy for a module's own parameters
+        binding.load(dict(zip(WEIGHT_NAMES, saved[4:])))  # no copy for a module's own parameters
         d_output = _array("d_output", d_output, binding.dtype)
         key_array, value_array = ctx.arrays
-        grads = binding.layer.backward(ctx.query, key_array, value_array, d_output,
-                                       workspace=binding.workspace, context=ctx.context, **call.options)
         needs = ctx.needs_input_grad
+        options = ctx.options
+        if "attention_bias" in options:
+            options = dict(options, compute_bias_gradient=bool(needs[7]))
+        grads = binding.layer.backward(ctx.query, key_array, value_array, d_output,
+                                       workspace=binding.workspace, context=ctx.context, **options)
 
         def tensor(name, index):
-            array = grads[name]
+            array = grads.get(name)
             return torch.from_numpy(array) if needs[index] and array is not None else None
 
         return (None, None, None, None, tensor("query_values", 4), tensor("key", 5), tensor("value", 6),
-                *(tensor(name, 7 + i) for i, name in enumerate(WEIGHT_NAMES)))
+                tensor("attention_bias", 7), *(tensor(name, 8 + i) for i, name in enumerate(WEIGHT_NAMES)))
 
 
 # ---- inputs ---------------------------------------------------------------------------------------
@@ -229,9 +237,8 @@ def _dense(name, tensor, dtype):
     return tensor.contiguous()
 
 
-def _mask(name, mask, rank):
-    if mask is None:
-        return None
+def _bool_array(name, mask, ranks):
+    """A bool mask (torch or array-like) as a C-contiguous NumPy array of one of `ranks` dims."""
     if isinstance(mask, torch.Tensor):
         if mask.dtype != torch.bool:
             raise TypeError(f"sdmha: {name} has dtype {mask.dtype}; expected torch.bool")
@@ -240,22 +247,104 @@ def _mask(name, mask, rank):
         mask = np.asarray(mask)
         if mask.dtype != np.bool_:
             raise TypeError(f"sdmha: {name} has dtype {mask.dtype}; expected bool")
-    if mask.ndim != rank:
-        raise ShapeError(f"sdmha: {name} has shape {mask.shape}; expected {rank} dimensions")
-    return mask
+    if mask.ndim not in ranks:
+        raise ShapeError(f"sdmha: {name} has shape {mask.shape}; expected {_RANK_TEXT[ranks]}")
+    return np.ascontiguousarray(mask)
+
+
+_RANK_TEXT = {
+    (2,): "2 dimensions (B, S)",
+    (2, 3, 4): "(T, S), (B, T, S) or (B, H, T, S) with B or H possibly 1",
+}
+
+
+def _mask(name, mask, rank):
+    return None if mask is None else _bool_array(name, mask, (rank,))
+
+
+def _four(shape):
+    """(T, S) -> (1, 1, T, S), (B, T, S) -> (B, 1, T, S) (sdmha's reading of rank 3)."""
+    shape = tuple(shape)
+    if len(shape) == 2:
+        return (1, 1) + shape
+    if len(shape) == 3:
+        return (shape[0], 1) + shape[1:]
+    return shape
+
+
+def _torch_mask_4d(attn_mask, batch, heads):
+    """PyTorch's attn_mask as (…, L, S) of rank 2 or 4: a 3-D mask is (N·H, L, S) (nn.MultiheadAttention's
+    per-head layout, batch entry major) and is read as (N, H, L, S)."""
+    if attn_mask.dim() == 3:
+        if attn_mask.shape[0] != batch * heads:
+            raise ShapeError(
+                f"sdmha: attn_mask has shape {tuple(attn_mask.shape)}; a 3-D attn_mask is PyTorch's (N*H, L, S) "
+                f"with N*H = {batch}*{heads} = {batch * heads}; expected (L, S), (N*H, L, S) or (N, H, L, S)")
+        return attn_mask.reshape(batch, heads, attn_mask.shape[1], attn_mask.shape[2])
+    if attn_mask.dim() not in (2, 4):
+        raise ShapeError(f"sdmha: attn_mask has shape {tuple(attn_mask.shape)}; expected (L, S), (N*H, L, S) or "
+                         "(N, H, L, S)")
+    return attn_mask
+
+
+def _float_bias(name, bias, dtype):
+    if not isinstance(bias, torch.Tensor):
+        bias = torch.as_tensor(np.asarray(bias))
+    if not bias.is_floating_point():
+        raise TypeError(f"sdmha: {name} has dtype {bias.dtype}; expected a floating-point tensor")
+    if bias.device.type != "cpu":
+        raise TypeError(f"sdmha: {name} is on {bias.device}; sdmha runs on the CPU")
+    if bias.dim() not in (2, 3, 4):
+        raise ShapeError(f"sdmha: {name} has shape {tuple(bias.shape)}; expected {_RANK_TEXT[(2, 3, 4)]}")
+    return bias.to(dtype)  # differentiable
+
+
+def _attention_terms(attention_mask, attention_bias, attn_mask, batch, heads, dtype):
+    """(mask NumPy bool or None, bias tensor or None) from the three conventions:
+
+    attention_mask  bool, True = may attend (Keras); (T, S), (B, T, S), (B, H, T, S), B or H 1.
+    attention_bias  float, added to the scaled scores; the same shapes (3-D is (B, T, S)).
+    attn_mask       PyTorch's: bool True = blocked, or float added to the scores; (L, S),
+                    (N*H, L, S) (read as (N, H, L, S)) or (N, H, L, S).
+    Several masks are ANDed, several biases summed (broadcast to their common shape)."""
+    masks, biases = [], []
+    if attention_mask is not None:
+        masks.append(_bool_array("attention_mask", attention_mask, (2, 3, 4)))
+    if attention_bias is not None:
+        biases.append(_float_bias("attention_bias", attention_bias, dtype))
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            attn_mask = torch.as_tensor(np.asarray(attn_mask))
+        attn_mask = _torch_mask_4d(attn_mask, batch, heads)
+        if attn_mask.dtype == torch.bool:
+            masks.append(_bool_array("attn_mask", ~attn_mask.detach().cpu(), (2, 3, 4)))
+        else:
+            biases.append(_float_bias("attn_mask", attn_mask, dtype))
+    mask = masks[0] if len(masks) == 1 else None
+    if len(masks) > 1:
+        mask = np.ascontiguousarray(np.logical_and.reduce(np.broadcast_arrays(*(m.reshape(_four(m.shape))
+                                                                                for m in masks))))
+    bias = biases[0] if len(biases) == 1 else None
+    if len(biases) > 1:
+        bias = sum(b.reshape(_four(b.shape)) for b in biases)
+    return mask, bias
 
 
 def _options(attention_mask, key_padding_mask, use_causal_mask, return_attention_scores, num_threads,
-             score_strategy, dropout, training):
+             score_strategy, dropout, training, scale=None, causal_alignment="top_left",
+             fully_masked_rows="zeros"):
     options = {
         "use_causal_mask": bool(use_causal_mask),
         "return_attention_scores": bool(return_attention_scores),
         "num_threads": int(num_threads),
         "score_strategy": score_strategy,
+        "causal_alignment": causal_alignment,
+        "fully_masked_rows": fully_masked_rows,
     }
-    mask = _mask("attention_mask", attention_mask, 3)
-    if mask is not None:
-        options["attention_mask"] = mask
+    if scale is not None:
+        options["scale"] = float(scale)
+    if attention_mask is not None:
+        options["attention_mask"] = attention_mask
     padding = _mask("key_padding_mask", key_padding_mask, 2)
     if padding is not None:
         options["key_padding_mask"] = padding
@@ -267,7 +356,7 @@ def _options(attention_mask, key_padding_mask, use_causal_mask, return_attention
     return options
 
 
-def _apply(binding, query, key, value, weights, options, num_threads):
+def _apply(binding, query, key, value, weights, options, num_threads, bias=None):
     dtype = binding.dtype
     value_is_key = value is None or value is key
     key = _dense("key", key, dtype)
@@ -279,9 +368,20 @@ def _apply(binding, query, key, value, weights, options, num_threads):
                              f"query's batch {batch}")
     needs_grad = torch.is_grad_enabled() and (
         values.requires_grad or key.requires_grad or value.requires_grad
+        or (bias is not None and bias.requires_grad)
         or any(w is not None and w.requires_grad for w in weights))
     call = _Call(batch, steps, features, options, value_is_key, needs_grad, num_threads)
-    return _SparseQueryAttention.apply(binding, call, indptr, columns, values, key, value, *weights)
+    return _SparseQueryAttention.apply(binding, call, indptr, columns, values, key, value, bias, *weights)
+
+
+def _one_bias(attention_bias, attn_bias):
+    if attention_bias is not None and attn_bias is not None:
+        raise TypeError("sdmha: attention_bias and attn_bias are the same argument; give one")
+    return attn_bias if attention_bias is None else attention_bias
+
+
+def _batch_of(key):
+    return key.shape[0] if isinstance(key, torch.Tensor) and key.dim() == 3 else 0
 
 
 # ---- the module -----------------------------------------------------------------------------------
@@ -385,15 +485,32 @@ class SparseQueryMultiheadAttention(nn.Module):
         return binding
 
     def forward(self, query, key, value=None, attention_mask=None, use_causal_mask=False,
-                return_attention_scores=False, key_padding_mask=None):
+                return_attention_scores=False, key_padding_mask=None, *, attention_bias=None, attn_bias=None,
+                attn_mask=None, scale=None, causal_alignment="top_left", fully_masked_rows="zeros"):
         """query: sparse COO (B, T, Eq) or sparse CSR (B*T, Eq); key (B, S, Ek); value (B, S, Ev),
-        None meaning key; attention_mask bool (B, T, S), True = may attend (Keras);
-        key_padding_mask bool (B, S), True = padding (PyTorch). Returns output (B, T, O), and
-        with return_attention_scores the probabilities (B, H, T, S) (not differentiable) too."""
+        None meaning key. Returns output (B, T, O), and with return_attention_scores the
+        probabilities (B, H, T, S) (not differentiable) too.
+
+        Masks and biases, each (T, S), (B, T, S), (B, H, T, S) or with B or H 1 (all combine):
+
+        * attention_mask: bool, True = may attend (Keras' convention); a 3-D one is (B, T, S).
+        * attention_bias (alias attn_bias): float, added to the scaled scores before the softmax
+          (S = scale·Q·Kᵀ + bias; −inf blocks); differentiable, its gradient in its own shape.
+        * attn_mask: PyTorch's convention: a bool one has True = blocked (inverted here), a float
+          one is an additive bias (as attention_bias); a 3-D one is nn.MultiheadAttention's
+          (N·H, L, S), read as (N, H, L, S).
+        * key_padding_mask: bool (B, S), True = padding (PyTorch).
+
+        scale: the factor on the scores (default 1/sqrt(key_dim)); causal_alignment 'top_left'
+        (s <= t) or 'bottom_right' (s <= t + S - T) for use_causal_mask; fully_masked_rows
+        'zeros' (PyTorch, Keras 3) or 'uniform' (rows with every key blocked average every value)."""
         binding = self._bound()
-        options = _options(attention_mask, key_padding_mask, use_causal_mask, return_attention_scores,
-                           self.num_threads, self.score_strategy, self.dropout, self.training)
-        return _apply(binding, query, key, value, self._weights(), options, self.num_threads)
+        mask, bias = _attention_terms(attention_mask, _one_bias(attention_bias, attn_bias), attn_mask,
+                                      _batch_of(key), self.num_heads, binding.dtype)
+        options = _options(mask, key_padding_mask, use_causal_mask, return_attention_scores,
+                           self.num_threads, self.score_strategy, self.dropout, self.training, scale,
+                           causal_alignment, fully_masked_rows)
+        return _apply(binding, query, key, value, self._weights(), options, self.num_threads, bias)
 
     def extra_repr(self):
         text = (f"num_heads={self.num_heads}, key_dim={self.key_dim}, query_features={self.query_features}, "
@@ -465,12 +582,14 @@ def sparse_query_attention(query, key, value, query_kernel, query_bias, key_kern
                            value_bias, output_kernel, output_bias, num_heads, attention_mask=None,
                            use_causal_mask=False, return_attention_scores=False, key_padding_mask=None,
                            dropout=0.0, training=False, dropout_seed=None, num_threads=0,
-                           score_strategy="automatic"):
+                           score_strategy="automatic", *, attention_bias=None, attn_bias=None, attn_mask=None,
+                           scale=None, causal_alignment="top_left", fully_masked_rows="zeros"):
     """The layer as a function of its weights (Keras' layout, biases None without bias).
 
     Builds a C++ layer per call and copies the weights into it (the module avoids both);
-    differentiable in every tensor argument. key_dim, value_dim and the widths are read off the
-    kernels. dropout_seed fixes the dropout mask (default: drawn from torch's generator).
+    differentiable in every tensor argument (attention_bias too). key_dim, value_dim and the
+    widths are read off the kernels. dropout_seed fixes the dropout mask (default: drawn from
+    torch's generator). The masks, biases and semantics options are SparseQueryMultiheadAttention.forward's.
     """
     dtype = _check_dtype(query_kernel.dtype)
     heads = int(num_heads)
@@ -486,9 +605,11 @@ def sparse_query_attention(query, key, value, query_kernel, query_bias, key_kern
         raise ShapeError("sdmha: some biases are None and others not; expected all four or none")
     binding = _Binding(dtype, heads, query_kernel.shape[1] // heads, query_kernel.shape[0], key_kernel.shape[0],
                        value_kernel.shape[0], value_kernel.shape[1] // heads, output_kernel.shape[1], use_bias)
-    options = _options(attention_mask, key_padding_mask, use_causal_mask, return_attention_scores, num_threads,
-                       score_strategy, dropout, training)
+    mask, bias = _attention_terms(attention_mask, _one_bias(attention_bias, attn_bias), attn_mask, _batch_of(key),
+                                  heads, dtype)
+    options = _options(mask, key_padding_mask, use_causal_mask, return_attention_scores, num_threads,
+                       score_strategy, dropout, training, scale, causal_alignment, fully_masked_rows)
     if training and dropout > 0 and dropout_seed is not None:
         options["dropout_seed"] = int(dropout_seed)
     weights = [query_kernel, query_bias, key_kernel, key_bias, value_kernel, value_bias, output_kernel, output_bias]
-    return _apply(binding, query, key, value, weights, options, num_threads)
+    return _apply(binding, query, key, value, weights, options, num_threads, bias)

@@ -555,7 +555,8 @@ class PyLayer {
     result["query_values"] = recycled_.query_values->adopt(std::move(g.query_values), nonzeros);
     result["key"] = tensor(*recycled_.key, g.key);
     result["value"] = tensor(*recycled_.value, g.value);
-    result["attention_bias"] = bias_gradient(call, std::move(g.attention_bias));
+    if (call.options.compute_bias_gradient && !call.options.attention_bias.empty())
+      result["attention_bias"] = bias_gradient(call, std::move(g.attention_bias));
     return result;
   }
 
@@ -591,12 +592,9 @@ class PyLayer {
   }
 
  private:
-  // The (B', H', T, S) bias gradient in the shape the bias was given in (same element order),
-  // or None when it was not asked for.
+  // The (B', H', T, S) bias gradient in the shape the bias was given in (same element order).
   static py::object bias_gradient(const CallArguments<Scalar>& call,
                                   Eigen::Tensor<Scalar, 4, Eigen::RowMajor>&& gradient) {
-    if (!call.options.compute_bias_gradient || call.options.attention_bias.empty())
-      return py::none();
     auto owned = std::make_shared<Eigen::Tensor<Scalar, 4, Eigen::RowMajor>>(std::move(gradient));
     return view<Scalar>(owned->data(), call.bias_shape, owner_of(owned));
   }
@@ -760,8 +758,9 @@ void bind_dtype(py::module_& m) {
            "backward(query, key, value, d_output, **the forward's options) -> dict of gradients: "
            "the weights' "
            "names (biases None without use_bias), query_values, key, value, and attention_bias "
-           "(in the bias's shape as given; None unless compute_bias_gradient=True). value=None "
-           "means value = key (the two gradients are returned apart; add them).")
+           "(in the bias's shape as given; only with an attention_bias and "
+           "compute_bias_gradient=True). value=None means value = key (the two gradients are "
+           "returned apart; add them).")
       .def("project_context", &L::project_context, py::arg("key"), py::arg("value") = py::none(),
            py::arg("num_threads") = 0, py::arg("workspace") = py::none(),
            "K = key·Wk + bk and V = value·Wv + bv once, for forward/backward(context=). The layer "

@@ -99,13 +99,24 @@ class Case:
         return mask
 
 
+def as_four(tensor):
+    """(T, S) -> (1, 1, T, S), (B, T, S) -> (B, 1, T, S), (B, H, T, S) as it is (sdmha's reading)."""
+    if tensor.dim() == 2:
+        return tensor[None, None]
+    if tensor.dim() == 3:
+        return tensor[:, None]
+    return tensor
+
+
 def reference(query, key, value, weights, heads, attention_mask=None, use_causal_mask=False, key_padding_mask=None,
-              dropout_multiplier=None):
+              dropout_multiplier=None, attention_bias=None, scale=None):
     """Keras' MultiHeadAttention on a dense query (B, T, Eq), in the dtype of its inputs.
 
     Returns (output (B, T, O), probabilities (B, H, T, S)). A row whose every key is blocked gets
     zero probabilities (Keras 3 / sdmha). dropout_multiplier (B, H, T, S) multiplies the
-    probabilities after the softmax, as Keras' dropout does (keep / (1 - rate))."""
+    probabilities after the softmax, as Keras' dropout does (keep / (1 - rate)). attention_mask
+    (True = may attend) and attention_bias (added to the scaled scores; −inf blocks) are (T, S),
+    (B, T, S) or (B, H, T, S) with B or H possibly 1."""
     batch, steps, _ = query.shape
     key_steps = key.shape[1]
     w = weights
@@ -122,15 +133,18 @@ def reference(query, key, value, weights, heads, attention_mask=None, use_causal
     q = q.view(batch, steps, heads, key_dim).transpose(1, 2)
     k = k.view(batch, key_steps, heads, key_dim).transpose(1, 2)
     v = v.view(batch, key_steps, heads, value_dim).transpose(1, 2)
-    scores = (q / math.sqrt(key_dim)) @ k.transpose(-1, -2)
-    allowed = torch.ones(batch, steps, key_steps, dtype=torch.bool)
+    scores = (q / math.sqrt(key_dim) if scale is None else q * scale) @ k.transpose(-1, -2)
+    allowed = torch.ones(batch, 1, steps, key_steps, dtype=torch.bool)
     if attention_mask is not None:
-        allowed &= attention_mask
+        allowed = allowed & as_four(attention_mask)
     if use_causal_mask:
-        allowed &= torch.ones(steps, key_steps, dtype=torch.bool).tril()
+        allowed = allowed & torch.ones(steps, key_steps, dtype=torch.bool).tril()
     if key_padding_mask is not None:
-        allowed &= ~key_padding_mask[:, None, :]
-    allowed = allowed[:, None]
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+    if attention_bias is not None:
+        bias = as_four(attention_bias)
+        allowed = allowed & (bias != float("-inf"))
+        scores = scores + torch.where(allowed, bias, torch.zeros((), dtype=bias.dtype))
     any_allowed = allowed.any(-1, keepdim=True)
     # Fully blocked rows: softmax of zeros, then multiplied by 0 (no NaN in values or gradients).
     fill = torch.where(any_allowed, torch.tensor(float("-inf"), dtype=scores.dtype),
