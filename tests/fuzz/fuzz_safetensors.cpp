@@ -9,6 +9,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -24,9 +25,8 @@ using sdmha::io::SafetensorsFile;
 using sdmha::io::TensorSource;
 
 // load_inputs builds the query's CSR rows, B·T + 1 offsets that a dense shape of three numbers
-// can make as large as 2³¹: legitimate for the library (sdmha-run refuses such files up front by
-// the machine's memory), too much for a fuzzer. Inputs whose dense shape asks for more rows than
-// this are read but not loaded.
+// can make as large as 2³¹: it runs under this row limit (SparseQueryLimits), which must refuse a
+// larger dense shape with an sdmha::Error before allocating.
 constexpr std::int64_t kMaxQueryRows = std::int64_t(1) << 16;
 // The forward pass runs when the problem has at most this many scores and weights.
 constexpr std::int64_t kMaxForwardWork = std::int64_t(1) << 16;
@@ -61,30 +61,29 @@ std::int64_t bounded_product(const std::vector<std::int64_t>& shape, std::int64_
   return product;
 }
 
-// Whether load_inputs may be called: a query/dense_shape that is not three readable integers or
-// whose B·T stays small (load_inputs itself rejects the rest of what is wrong).
-bool dense_shape_is_affordable(const TensorSource& source) {
-  if (!source.contains("query/dense_shape")) return true;
-  std::vector<std::int64_t> dense_shape;
-  if (!sdmha_fuzz::accepts([&] { dense_shape = source.read<std::int64_t>("query/dense_shape"); }))
-    return true;
-  if (dense_shape.size() != 3) return true;
-  if (dense_shape[0] < 0 || dense_shape[1] < 0) return true;  // rejected before any allocation
-  return bounded_product({dense_shape[0], dense_shape[1]}, kMaxQueryRows) >= 0;
-}
-
 template <typename Scalar>
 void load_and_run(const TensorSource& source) {
   sdmha::io::LayerFile<Scalar> layer_file;
   const bool have_layer =
       sdmha_fuzz::accepts([&] { layer_file = sdmha::io::load_layer<Scalar>(source); });
-  if (!dense_shape_is_affordable(source)) return;
   sdmha::io::LayerInputs<Scalar> inputs;
-  const bool have_inputs =
-      sdmha_fuzz::accepts([&] { inputs = sdmha::io::load_inputs<Scalar>(source); });
+  const bool have_inputs = sdmha_fuzz::accepts(
+      [&] { inputs = sdmha::io::load_inputs<Scalar>(source, {kMaxQueryRows}); });
   if (have_inputs) {
+    SDMHA_FUZZ_CHECK(inputs.query.rows() <= kMaxQueryRows);
     SDMHA_FUZZ_CHECK(inputs.key.dimension(0) == inputs.query.batch());
     SDMHA_FUZZ_CHECK(inputs.value.dimension(0) == inputs.query.batch());
+    // A mask or bias keeps its stored rank and the query's steps and the value's key steps.
+    for (const auto& [rank, steps, key_steps] :
+         {std::tuple<int, Index, Index>{inputs.attention_mask.rank,
+                                        inputs.attention_mask.dimension(2),
+                                        inputs.attention_mask.dimension(3)},
+          {inputs.attention_bias.rank, inputs.attention_bias.dimension(2),
+           inputs.attention_bias.dimension(3)}}) {
+      SDMHA_FUZZ_CHECK(rank == 0 || (rank >= 2 && rank <= 4));
+      SDMHA_FUZZ_CHECK(rank == 0 ||
+                       (steps == inputs.query.steps() && key_steps == inputs.value.dimension(1)));
+    }
   }
   if (!have_layer || !have_inputs) return;
 
@@ -101,7 +100,11 @@ void load_and_run(const TensorSource& source) {
   sdmha::SparseDenseMHA<Scalar> layer(layer_file.config, layer_file.weights);
   sdmha::AttentionOptions<Scalar> options;
   options.attention_mask = inputs.attention_mask;
+  options.attention_bias = inputs.attention_bias;
   options.use_causal_mask = layer_file.use_causal_mask;
+  options.causal_alignment = layer_file.causal_alignment;
+  options.scale = layer_file.scale;
+  options.fully_masked_rows = layer_file.fully_masked_rows;
   options.return_attention_scores = true;
   options.num_threads = 1;
   for (auto strategy :

@@ -28,9 +28,8 @@ constexpr int kMaxEntries = 64;
 constexpr Index kMaxDenseElements = 4096;
 // With an int storage index a valid shape may have up to 2³¹ − 2 rows, and every constructor
 // legitimately needs B·T + 1 row offsets (plus, in from_coo, the counting sort's B·T + 1
-// counters): a valid shape above this many rows is skipped unless one of its entries is out of
-// range (then from_coo must throw before allocating anything). With int16 every valid shape is
-// small, so nothing is skipped there.
+// counters). from_coo runs under this row limit (SparseQueryLimits), which it must enforce before
+// allocating. With int16 every valid shape is below it.
 constexpr Index kMaxRowsToAllocate = Index(1) << 20;
 
 // Whether the library should accept the dense shape for StorageIndex (mirrors the documented
@@ -128,13 +127,15 @@ void fuzz_from_coo(FuzzedDataProvider& provider) {
   const bool well_formed = columns == 3 && value_count == entries;
   const bool valid = shape_is_valid<StorageIndex>(batch, steps, features) && well_formed &&
                      entries <= std::numeric_limits<StorageIndex>::max();
-  // See kMaxRowsToAllocate: a huge valid shape is tried only when an entry must stop it first.
-  if (valid && in_range && batch * steps > kMaxRowsToAllocate) return;
+  // A valid shape past the row limit is refused, whatever its entries.
+  const bool within_limit =
+      shape_is_valid<StorageIndex>(batch, steps, features) && batch * steps <= kMaxRowsToAllocate;
 
   Query query;
+  const sdmha::SparseQueryLimits limits{kMaxRowsToAllocate};
   const bool accepted = sdmha_fuzz::accepts(
-      [&] { query = Query::from_coo(batch, steps, features, indices, values); });
-  SDMHA_FUZZ_CHECK(accepted == (valid && in_range));
+      [&] { query = Query::from_coo(batch, steps, features, indices, values, limits); });
+  SDMHA_FUZZ_CHECK(accepted == (valid && in_range && within_limit));
   if (!accepted) return;
 
   CoordinateSums<Scalar> sums;
