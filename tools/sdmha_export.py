@@ -788,6 +788,36 @@ def _self_check(sdmha_run=None):
         except ExportError:
             check(True, "a 2-D dense query is rejected")
 
+        # PyTorch's masks: float -> bias kept as values, bool -> inverted mask, (N*H, L, S) ->
+        # (N, H, L, S), key padding ANDed, anything else refused with its name and shape.
+        float_mask = rng.standard_normal((2 * 3, 5, 5))
+        float_mask[0, 1, 2], float_mask[3, 0, 4] = -np.inf, -1e9
+        padding = np.zeros((2, 5), dtype=bool)
+        padding[1, 3] = True
+        converted = attention_inputs_from_torch(2, 5, 5, float_mask, padding, num_heads=3)
+        check(
+            np.array_equal(converted["attention_bias"], float_mask.reshape(2, 3, 5, 5))
+            and np.array_equal(converted["attention_mask"], ~padding[:, None].repeat(5, 1)),
+            "a float attn_mask (N*H, L, S) becomes attention_bias (N, H, L, S) with -inf and -1e9 "
+            "kept; key_padding_mask becomes the mask",
+        )
+        blocked = rng.random((5, 5)) < 0.3
+        converted = attention_inputs_from_torch(2, 5, 5, blocked)
+        check(
+            converted["attention_bias"] is None
+            and np.array_equal(converted["attention_mask"], ~blocked),
+            "a bool attn_mask (L, S) is inverted into attention_mask (T, S)",
+        )
+        for bad, what in (
+            (np.zeros((7, 5, 5), dtype=bool), "(N*H, L, S) whose N*H is not 2*3"),
+            (np.zeros((5, 5), dtype=np.int64), "an integer attn_mask"),
+        ):
+            try:
+                attention_inputs_from_torch(2, 5, 5, bad, num_heads=3)
+                check(False, f"{what} is refused")
+            except ExportError as error:
+                check("attn_mask" in str(error), f"{what} is refused ({error})")
+
         # 3. A random Keras-layout layer through sdmha-run, against the numpy reference.
         if sdmha_run is None:
             print("skip sdmha-run comparison (pass --sdmha-run PATH)")
@@ -816,9 +846,24 @@ def _self_check(sdmha_run=None):
                 key=rng.standard_normal((2, 5, ek)),
                 attention_mask=rng.random((2, 5, 5)) < 0.8,
             )
+            torch_mask = rng.standard_normal((2 * heads, 5, 5))
+            torch_mask[rng.random(torch_mask.shape) < 0.2] = -np.inf
+            torch_mask[:, :, 0] = 0.0  # no row blocked by the bias alone
+            bias_inputs = inputs_tensors(
+                dense,
+                value=inputs["value"],
+                key=inputs["key"],
+                **attention_inputs_from_torch(
+                    2, 5, 5, torch_mask, rng.random((2, 5)) < 0.3, num_heads=heads
+                ),
+            )
             weights_path = os.path.join(directory, "weights.safetensors")
             write_safetensors(weights_path, weights, metadata)
-            for suffix, writer in ((".safetensors", write_safetensors), (".npz", write_npz)):
+            for suffix, writer, inputs in (
+                (".safetensors", write_safetensors, inputs),
+                (".npz", write_npz, inputs),
+                ("_bias.safetensors", write_safetensors, bias_inputs),
+            ):
                 inputs_path = os.path.join(directory, "inputs" + suffix)
                 writer(inputs_path, inputs)
                 out_path = os.path.join(directory, "out.safetensors")
