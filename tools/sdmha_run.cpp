@@ -340,9 +340,9 @@ sdmha::io::LayerInputs<Scalar> load_inputs_within(const sdmha::io::TensorSource&
     constexpr long double gibibyte = 1024.0L * 1024.0L * 1024.0L;
     std::ostringstream why;
     why.precision(3);
-    why << message << ": the rows of " << static_cast<double>(budget.row_bytes)
-        << " bytes each that this machine's " << static_cast<double>(budget.memory / gibibyte)
-        << " GiB of memory holds";
+    why << message << "; max_rows here is what this machine's "
+        << static_cast<double>(budget.memory / gibibyte) << " GiB of memory holds at "
+        << static_cast<double>(budget.row_bytes) << " bytes a row";
     throw sdmha::ShapeError(why.str());
   }
 }
