@@ -172,7 +172,7 @@ case $CASE in
         --drop key/kernel --drop key/bias --drop value/kernel --drop value/bias \
         --drop attention_output/kernel --drop attention_output/bias \
         --metadata scale 99 --metadata fully_masked_rows zeros --metadata causal_alignment bottom_right
-      # Without a scale in the weights file, the inputs file's applies.
+      # Without a scale in the weights file, the inputs file's applies (here the default's value).
       if [[ $name != scale_* ]]; then
         edit inputs.safetensors --out inputs.safetensors --metadata scale 0.5773502691896258
       fi
@@ -180,6 +180,14 @@ case $CASE in
       compare_with_semantics $name
       rm -f "$OUT"
     done
+    # ... and another value changes the result.
+    edit inputs.safetensors --out inputs.safetensors --metadata scale 2.5
+    expect_success --weights weights.safetensors --inputs inputs.safetensors --out "$OUT"
+    echo "+ compare (expected to differ with the inputs file's scale)"
+    if "$COMPARE" "$OUT" "$(semantics fully_masked_mask_uniform_keras_f64)" \
+        output=expected/output >/dev/null; then
+      fail "the inputs file's scale was not read"
+    fi
     ;;
   bias_npz_files)
     for name in mask_bhts_bias_ts_torch_f64 fully_masked_bias_uniform_keras_f64 \
