@@ -422,10 +422,10 @@ LayerFile<Scalar> load_layer(const TensorSource& source, const LayerFileOptions&
 }
 
 // A mask or a bias read from a file, kept as the rank-4 (B', H', T, S) tensor it broadcasts as,
-// with the rank it was stored with. It binds to AttentionOptions' views:
-//   options.attention_mask = inputs.attention_mask;  options.attention_bias =
-//   inputs.attention_bias;
-// (the options then point into this object, which must outlive the call). Empty when absent.
+// with the rank it was stored with. It binds to AttentionOptions' views,
+//   options.attention_mask = inputs.attention_mask;
+//   options.attention_bias = inputs.attention_bias;
+// and the options then point into this object, which must outlive the call. Empty when absent.
 template <typename T>
 struct BroadcastTensor {
   Eigen::Tensor<T, 4, Eigen::RowMajor> tensor;  // (B', H', T, S); all dimensions 0 when absent
