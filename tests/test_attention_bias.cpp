@@ -389,7 +389,7 @@ TEST(AttentionBias, TensorMapViews) {
 using Layer = sdmha::SparseDenseMHA<double>;
 
 // The bias gradient of `c` (whose options view `bias`) against central differences of the loss
-// at `max_checked` random entries and every −∞ or blocked one; returns how many failed.
+// at `max_checked` random entries (−∞ and blocked ones among them); returns how many failed.
 long check_bias_gradient(const Case<double>& c, Broadcast<double>& bias, std::uint64_t seed,
                          Index max_checked = 30) {
   const auto d_output = gradient_check::random_d_output(c, seed);
@@ -482,7 +482,9 @@ TEST(AttentionBiasGradient, MatchesCentralDifferences) {
     }
 }
 
-// The shapes that check_bias_gradient's cases hold blocked entries, so that the zero check checks.
+// Causal with T = S and a per-(b, h) mask leave, for every bias shape, positions blocked in every
+// (b, h) an entry serves: there the bias gradient is exactly 0 (and such positions exist, so the
+// check checks something).
 TEST(AttentionBiasGradient, ZeroAtBlockedPositions) {
   Shape shape;
   shape.batch = 2, shape.heads = 3, shape.steps = 5, shape.key_steps = 5;
