@@ -97,7 +97,8 @@ struct AttentionOptions {
   BroadcastRef<bool> attention_mask;
   // Added to the scaled scores before the softmax, S = scale·Q·Kᵀ + bias: relative positions,
   // ALiBi, time decay, PyTorch's float attn_mask. Same shapes as attention_mask, a view. −∞
-  // blocks a position; NaN and +∞ are refused. A blocked position stays blocked whatever its bias.
+  // blocks a position; a NaN or +∞ makes its row NaN, as in PyTorch. A position blocked by a
+  // mask stays blocked whatever its bias.
   BroadcastRef<Scalar> attention_bias;
   // backward also returns ∂loss/∂attention_bias (MhaGradients::attention_bias), in the bias's
   // own shape: summed over the batch entries and heads it is broadcast to, in a fixed order.
@@ -142,7 +143,8 @@ struct ProjectedContext {
 
   // Appends the key steps of `more` (the same layer's project_context of the new key and value
   // steps, same batch) after each batch entry's own: the result equals projecting the whole
-  // key and value at once. Cost O(B·(S + S')·(H·Dk + H·Dv)) copies.
+  // key and value at once (bitwise where the GEMM's sums do not depend on the row count, as in
+  // the float AVX-512 engine; up to rounding otherwise). Cost O(B·(S + S')·(H·Dk + H·Dv)) copies.
   void append(const ProjectedContext& more) {
     constexpr const char* where = "ProjectedContext::append";
     if (keys.size() == 0 && values.size() == 0 && key_steps == 0 && batch == 0) {
