@@ -358,7 +358,7 @@ TYPED_TEST(BackwardTest, FullyBlockedRowsPassExactlyZeroGradient) {
   auto c = make_case<TypeParam>(s, 42);
   // Batch entry 2 attends nothing at all.
   for (long t = 0; t < s.steps; ++t)
-    for (long k = 0; k < s.key_steps; ++k) c.options.attention_mask(2, t, k) = false;
+    for (long k = 0; k < s.key_steps; ++k) c.mutable_mask()(2, t, k) = false;
   const auto d_output = random_d_output(c, 43);
   for (auto strategy :
        {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
@@ -370,7 +370,7 @@ TYPED_TEST(BackwardTest, FullyBlockedRowsPassExactlyZeroGradient) {
     for (Index e = 0; e < c.values.size(); ++e) {
       const long b = long(c.indices(e, 0)), t = long(c.indices(e, 1));
       bool any_allowed = false;
-      for (long k = 0; k < s.key_steps; ++k) any_allowed |= c.options.attention_mask(b, t, k);
+      for (long k = 0; k < s.key_steps; ++k) any_allowed |= c.mask()(b, t, k);
       if (!any_allowed) {
         ++blocked_rows;
         EXPECT_EQ(g.query_values[e], TypeParam(0)) << "entry " << e;
@@ -390,7 +390,7 @@ TYPED_TEST(BackwardTest, NonFiniteKeyAndValueInBlockedRowsNeverReachAGradient) {
   s.key_padding = true;
   auto clean = make_case<TypeParam>(s, 44);
   // Key step 3 of batch 0 blocked for every query; key step 5 of batch 1 padded.
-  for (long t = 0; t < s.steps; ++t) clean.options.attention_mask(0, t, 3) = false;
+  for (long t = 0; t < s.steps; ++t) clean.mutable_mask()(0, t, 3) = false;
   clean.options.key_padding_mask(1, 5) = true;
   auto poisoned = clean;
   constexpr TypeParam nan = std::numeric_limits<TypeParam>::quiet_NaN();
@@ -760,10 +760,13 @@ TYPED_TEST(BackwardTest, RejectsBadInput) {
                           sdmha::ShapeError,
                           "query has 17 features; expected the query kernel's input width 16");
   auto options = c.options;
-  options.attention_mask.resize(2, 5, 6);
-  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, options),
-                          sdmha::ShapeError,
-                          "attention_mask is (2, 5, 6); expected (B, T, S) = (2, 5, 7)");
+  Tensor3<bool> short_mask(2, 5, 6);
+  short_mask.setConstant(true);
+  options.attention_mask = short_mask;
+  SDMHA_EXPECT_THROW_WITH(
+      layer.backward(query, c.key, c.value, d_output, options), sdmha::ShapeError,
+      "attention_mask is (2, 5, 6); expected (B, T, S) = (2, 5, 7), (T, S) = (5, 7) "
+      "or (B, H, T, S) = (2, 2, 5, 7) with B or H possibly 1");
   options = c.options;
   options.dropout_rate = 1.0;
   SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, options),
@@ -794,7 +797,7 @@ Case<double> widened(const Case<float>& c) {
   d.values = c.values.cast<double>();
   d.key = c.key.cast<double>();
   d.value = c.value.cast<double>();
-  d.options.attention_mask = c.options.attention_mask;
+  d.use_mask(c.mask_storage);
   d.options.key_padding_mask = c.options.key_padding_mask;
   d.options.use_causal_mask = c.options.use_causal_mask;
   return d;

@@ -130,9 +130,10 @@ TYPED_TEST(DenseMhaTest, FullyBlockedRowGivesTheOutputBias) {
   s.fully_blocked_rows = true;
   const auto c = make_case<TypeParam>(s, 1150);
   auto options = c.options;
-  options.attention_mask.setConstant(true);
-  for (long key_step = 0; key_step < s.key_steps; ++key_step)
-    options.attention_mask(1, 2, key_step) = false;
+  Tensor3<bool> mask(s.batch, s.steps, s.key_steps);
+  mask.setConstant(true);
+  for (long key_step = 0; key_step < s.key_steps; ++key_step) mask(1, 2, key_step) = false;
+  options.attention_mask = mask;
   options.return_attention_scores = true;
   const sdmha::DenseMHA<TypeParam> layer(c.config, c.weights);
   const auto result = layer.forward(c.dense_query(), c.key, c.value, options);
@@ -148,7 +149,7 @@ TYPED_TEST(DenseMhaTest, NonFiniteKeyAndValueInBlockedPositionsDoNotReachTheOutp
   s.random_mask = true;
   auto c = make_case<TypeParam>(s, 1160);
   for (long t = 0; t < s.steps; ++t) {
-    c.options.attention_mask(0, t, 3) = false;
+    c.mutable_mask()(0, t, 3) = false;
     c.problem.attention_mask[(0 * s.steps + t) * s.key_steps + 3] = 0;
   }
   const auto expected = sdmha_reference::forward(c.problem);
@@ -236,9 +237,13 @@ TYPED_TEST(DenseMhaTest, RejectsKeysValuesAndMasksOfTheWrongShape) {
   SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, short_value), sdmha::ShapeError,
                           "key has 7 steps but value has 6");
   auto options = c.options;
-  options.attention_mask.resize(2, 4, 7);
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
-                          "attention_mask is (2, 4, 7); expected (B, T, S) = (2, 5, 7)");
+  Tensor3<bool> short_mask(2, 4, 7);
+  short_mask.setConstant(true);
+  options.attention_mask = short_mask;
+  SDMHA_EXPECT_THROW_WITH(
+      layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
+      "attention_mask is (2, 4, 7); expected (B, T, S) = (2, 5, 7), (T, S) = (5, 7) "
+      "or (B, H, T, S) = (2, 2, 5, 7) with B or H possibly 1");
   options = c.options;
   options.num_threads = -2;
   SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ConfigError,

@@ -168,7 +168,7 @@ Case<Scalar> blocked_problem(Blocking blocking, long steps, long key_steps,
       // Key steps 1 and S − 2 blocked for every query of this batch entry.
       for (long k : {1L, key_steps - 2}) {
         for (long t = 0; t < steps; ++t) {
-          c.options.attention_mask(b, t, k) = false;
+          c.mutable_mask()(b, t, k) = false;
           p.attention_mask[std::size_t((b * steps + t) * key_steps + k)] = 0;
         }
         blocked.push_back({b, k});

@@ -80,8 +80,9 @@ TYPED_TEST(OptionsTest, TensorRef3OfEmptyTensorsHasEmptyMatrices) {
 
 TYPED_TEST(OptionsTest, AttentionOptionsDefaultToNoMaskAllThreadsAutomaticStrategyNoDropout) {
   const sdmha::AttentionOptions<TypeParam> options;
+  EXPECT_TRUE(options.attention_mask.empty());
   EXPECT_EQ(options.attention_mask.size(), 0);
-  for (int axis = 0; axis < 3; ++axis) EXPECT_EQ(options.attention_mask.dimension(axis), 0);
+  for (int axis = 0; axis < 4; ++axis) EXPECT_EQ(options.attention_mask.dimension(axis), 0);
   EXPECT_FALSE(options.use_causal_mask);
   EXPECT_EQ(options.key_padding_mask.size(), 0);
   for (int axis = 0; axis < 2; ++axis) EXPECT_EQ(options.key_padding_mask.dimension(axis), 0);

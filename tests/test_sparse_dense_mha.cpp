@@ -98,9 +98,10 @@ TYPED_TEST(SparseDenseMhaTest, FullyBlockedRowGivesTheOutputBias) {
   s.fully_blocked_rows = true;
   const auto c = make_case<TypeParam>(s, 11);
   auto options = c.options;
-  options.attention_mask.setConstant(true);
-  for (long s_index = 0; s_index < s.key_steps; ++s_index)
-    options.attention_mask(1, 2, s_index) = false;
+  Tensor3<bool> mask(s.batch, s.steps, s.key_steps);
+  mask.setConstant(true);
+  for (long s_index = 0; s_index < s.key_steps; ++s_index) mask(1, 2, s_index) = false;
+  options.attention_mask = mask;
   options.return_attention_scores = true;
   const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
   const auto result = layer.forward(c.query(), c.key, c.value, options);
@@ -117,7 +118,7 @@ TYPED_TEST(SparseDenseMhaTest, NonFiniteKeyAndValueInBlockedPositionsDoNotReachT
   auto c = make_case<TypeParam>(s, 12);
   // Block key step 3 for every query of batch 0, then poison key and value at that step.
   for (long t = 0; t < s.steps; ++t) {
-    c.options.attention_mask(0, t, 3) = false;
+    c.mutable_mask()(0, t, 3) = false;
     c.problem.attention_mask[(0 * s.steps + t) * s.key_steps + 3] = 0;
   }
   const auto expected = sdmha_reference::forward(c.problem);
@@ -326,9 +327,13 @@ TYPED_TEST(SparseDenseMhaTest, RejectsMasksOfTheWrongShapeAndNegativeThreads) {
   const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
   const auto query = c.query();
   auto options = c.options;
-  options.attention_mask.resize(2, 5, 6);
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
-                          "attention_mask is (2, 5, 6); expected (B, T, S) = (2, 5, 7)");
+  Tensor3<bool> short_mask(2, 5, 6);
+  short_mask.setConstant(true);
+  options.attention_mask = short_mask;
+  SDMHA_EXPECT_THROW_WITH(
+      layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
+      "attention_mask is (2, 5, 6); expected (B, T, S) = (2, 5, 7), (T, S) = (5, 7) "
+      "or (B, H, T, S) = (2, 2, 5, 7) with B or H possibly 1");
   options = c.options;
   options.key_padding_mask.resize(1, 7);
   SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError,

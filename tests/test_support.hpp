@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -67,6 +68,22 @@ struct Case {
   sdmha::Vector<Scalar> values;
   Tensor3<Scalar> key, value;
   sdmha::AttentionOptions<Scalar> options;
+  // The (B, T, S) tensor options.attention_mask views (a view owns nothing). Copies of a Case
+  // share it, so a copy's view never dangles; mutable_mask() copies it first when it is shared,
+  // so writing through one Case never changes another's mask.
+  std::shared_ptr<Tensor3<bool>> mask_storage;
+
+  const Tensor3<bool>& mask() const { return *mask_storage; }
+  Tensor3<bool>& mutable_mask() {
+    if (mask_storage.use_count() > 1) use_mask(std::make_shared<Tensor3<bool>>(*mask_storage));
+    return *mask_storage;
+  }
+  // Points options.attention_mask at `storage` (none when null).
+  void use_mask(std::shared_ptr<Tensor3<bool>> storage) {
+    mask_storage = std::move(storage);
+    options.attention_mask =
+        mask_storage ? sdmha::BroadcastRef<bool>(*mask_storage) : sdmha::BroadcastRef<bool>();
+  }
 
   sdmha::SparseQuery<Scalar> query() const {
     return sdmha::SparseQuery<Scalar>::from_coo(shape.batch, shape.steps, shape.query_dim, indices,
@@ -183,7 +200,7 @@ Case<Scalar> make_case(const Shape& shape, std::uint64_t seed) {
     c.values[Index(i)] = values[order[i]];
   }
   if (shape.random_mask || shape.fully_blocked_rows) {
-    c.options.attention_mask.resize(p.batch, p.steps, p.key_steps);
+    c.use_mask(std::make_shared<Tensor3<bool>>(p.batch, p.steps, p.key_steps));
     std::bernoulli_distribution blocked(shape.random_mask ? 0.3 : 0.0), whole_row(0.25);
     p.attention_mask.resize(static_cast<std::size_t>(p.batch * p.steps * p.key_steps));
     for (long b = 0; b < p.batch; ++b)
@@ -191,7 +208,7 @@ Case<Scalar> make_case(const Shape& shape, std::uint64_t seed) {
         const bool row_blocked = shape.fully_blocked_rows && whole_row(generator);
         for (long s = 0; s < p.key_steps; ++s) {
           const bool allowed = !row_blocked && !blocked(generator);
-          c.options.attention_mask(b, t, s) = allowed;
+          c.mutable_mask()(b, t, s) = allowed;
           p.attention_mask[(b * p.steps + t) * p.key_steps + s] = allowed;
         }
       }
