@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -18,20 +19,25 @@ constexpr double kAbsoluteTolerance = 1e-7;
 constexpr double kRelativeTolerance = 1e-5;
 
 // A gradient with the parameter or input it belongs to.
+template <typename Scalar = double>
 struct GradientView {
   std::string name;
-  double* parameter;
-  const double* gradient;
+  Scalar* parameter;
+  const Scalar* gradient;
   Index parameter_size;
   Index gradient_size;
 };
 
-inline std::vector<GradientView> views(Case<double>& c, const sdmha::MhaGradients<double>& g) {
+// Every gradient of `g` beside the entry of `weights` (the layer's) or of the inputs in `c` it
+// belongs to.
+template <typename Scalar>
+std::vector<GradientView<Scalar>> views(sdmha::MhaWeights<Scalar>& weights, Case<Scalar>& c,
+                                        const sdmha::MhaGradients<Scalar>& g) {
   auto view = [](const char* name, auto& parameter, const auto& gradient) {
-    return GradientView{name, parameter.data(), gradient.data(), Index(parameter.size()),
-                        Index(gradient.size())};
+    return GradientView<Scalar>{name, parameter.data(), gradient.data(), Index(parameter.size()),
+                                Index(gradient.size())};
   };
-  auto& w = c.weights;
+  auto& w = weights;
   return {view("query_kernel", w.query_kernel, g.query_kernel),
           view("query_bias", w.query_bias, g.query_bias),
           view("key_kernel", w.key_kernel, g.key_kernel),
@@ -45,61 +51,118 @@ inline std::vector<GradientView> views(Case<double>& c, const sdmha::MhaGradient
           view("value", c.value, g.value)};
 }
 
-inline Tensor3<double> random_d_output(const Case<double>& c, std::uint64_t seed) {
+template <typename Scalar>
+std::vector<GradientView<Scalar>> views(Case<Scalar>& c, const sdmha::MhaGradients<Scalar>& g) {
+  return views(c.weights, c, g);
+}
+
+template <typename Scalar>
+Tensor3<Scalar> random_d_output(const Case<Scalar>& c, std::uint64_t seed) {
   std::mt19937_64 generator(seed);
   std::uniform_real_distribution<double> uniform(-1.0, 1.0);
-  Tensor3<double> d_output(c.problem.batch, c.problem.steps, c.problem.output_dim);
-  for (Index i = 0; i < d_output.size(); ++i) d_output.data()[i] = uniform(generator);
+  Tensor3<Scalar> d_output(c.problem.batch, c.problem.steps, c.problem.output_dim);
+  for (Index i = 0; i < d_output.size(); ++i) d_output.data()[i] = Scalar(uniform(generator));
   return d_output;
 }
 
-// Σ dY ⊙ Y through `Layer`'s forward, accumulated in long double so that its rounding stays far
-// below what the finite differences resolve.
-template <typename Layer>
-double loss(const Case<double>& c, const Tensor3<double>& d_output,
-            const sdmha::AttentionOptions<double>& options) {
-  const Layer layer(c.config, c.weights);
-  const auto output = layer.forward(c.query(), c.key, c.value, options).output;
+// Σ dY ⊙ Y, accumulated in long double so that its rounding stays far below what the finite
+// differences resolve.
+inline double weighted_sum(const Tensor3<double>& d_output, const Tensor3<double>& output) {
   long double total = 0;
   for (Index i = 0; i < output.size(); ++i)
     total += (long double)d_output.data()[i] * output.data()[i];
   return double(total);
 }
 
-// Checks `max_checked` random entries of every gradient (all of a smaller one) against
-// (L(θ + h) − L(θ − h)) / 2h; returns how many failed.
-template <typename Layer = sdmha::SparseDenseMHA<double>>
-long check(Case<double> c, const sdmha::AttentionOptions<double>& options, std::uint64_t seed,
-           Index max_checked = 40) {
-  const auto d_output = random_d_output(c, seed);
+// Σ dY ⊙ Y through `Layer`'s forward.
+template <typename Layer>
+double loss(const Case<double>& c, const Tensor3<double>& d_output,
+            const sdmha::AttentionOptions<double>& options) {
   const Layer layer(c.config, c.weights);
-  const auto gradients = layer.backward(c.query(), c.key, c.value, d_output, options);
-  std::mt19937_64 generator(seed + 1);
+  return weighted_sum(d_output, layer.forward(c.query(), c.key, c.value, options).output);
+}
+
+// What a check saw.
+struct Summary {
+  long checked = 0;
   long failed = 0;
-  for (const auto& view : views(c, gradients)) {
-    EXPECT_EQ(view.gradient_size, view.parameter_size) << view.name;
-    if (view.gradient_size != view.parameter_size) return failed + 1;
-    std::vector<Index> entries(static_cast<std::size_t>(view.parameter_size));
-    std::iota(entries.begin(), entries.end(), 0);
-    std::shuffle(entries.begin(), entries.end(), generator);
-    entries.resize(std::min<std::size_t>(entries.size(), std::size_t(max_checked)));
-    for (Index entry : entries) {
+  double worst = 0;  // the largest |numeric − analytic| / (absolute + relative·|analytic|)
+
+  Summary& operator+=(const Summary& other) {
+    checked += other.checked;
+    failed += other.failed;
+    worst = std::max(worst, other.worst);
+    return *this;
+  }
+};
+
+// `max_checked` distinct entries of [0, size) drawn by `generator` (all of them when fewer).
+inline std::vector<Index> sample(Index size, Index max_checked, std::mt19937_64& generator) {
+  std::vector<Index> entries(static_cast<std::size_t>(size));
+  std::iota(entries.begin(), entries.end(), 0);
+  std::shuffle(entries.begin(), entries.end(), generator);
+  entries.resize(std::min<std::size_t>(entries.size(), std::size_t(max_checked)));
+  return entries;
+}
+
+// Checks `max_checked` random entries of every gradient (all of a smaller one) against
+// (L(θ + h) − L(θ − h)) / 2h, L = Σ dY ⊙ forward(…) through `layer`. `weights` are the layer's
+// own (it shares them), perturbed in place like the inputs in `c`. `report` false: count the
+// failures without adding test failures (for negative controls).
+template <typename Layer>
+Summary check_layer(const Layer& layer, sdmha::MhaWeights<double>& weights, Case<double>& c,
+                    const sdmha::AttentionOptions<double>& options, std::uint64_t seed,
+                    Index max_checked, bool report = true) {
+  const auto d_output = random_d_output(c, seed);
+  const auto gradients = layer.backward(c.query(), c.key, c.value, d_output, options);
+  auto loss_now = [&] {
+    return weighted_sum(d_output, layer.forward(c.query(), c.key, c.value, options).output);
+  };
+  std::mt19937_64 generator(seed + 1);
+  Summary summary;
+  for (const auto& view : views(weights, c, gradients)) {
+    if (report) {
+      EXPECT_EQ(view.gradient_size, view.parameter_size) << view.name;
+    }
+    if (view.gradient_size != view.parameter_size) {
+      ++summary.failed;
+      continue;
+    }
+    for (Index entry : sample(view.parameter_size, max_checked, generator)) {
       double& parameter = view.parameter[entry];
       const double saved = parameter;
       parameter = saved + kStep;
-      const double above = loss<Layer>(c, d_output, options);
+      const double above = loss_now();
       parameter = saved - kStep;
-      const double below = loss<Layer>(c, d_output, options);
+      const double below = loss_now();
       parameter = saved;
       const double numeric = (above - below) / (2 * kStep), analytic = view.gradient[entry];
-      if (!(std::abs(numeric - analytic) <=
-            kAbsoluteTolerance + kRelativeTolerance * std::abs(analytic)) &&
-          ++failed <= 10)
+      const double error = std::abs(numeric - analytic);
+      const double tolerance = kAbsoluteTolerance + kRelativeTolerance * std::abs(analytic);
+      ++summary.checked;
+      summary.worst = std::max(summary.worst, error / tolerance);
+      if (!(error <= tolerance) && ++summary.failed <= 10 && report)
         ADD_FAILURE() << view.name << "[" << entry << "]: analytic " << analytic
                       << ", central difference " << numeric;
     }
   }
-  return failed;
+  return summary;
+}
+
+// check_layer through a `Layer` made from c's configuration and (a copy of) its weights.
+template <typename Layer = sdmha::SparseDenseMHA<double>>
+Summary summarize(Case<double> c, const sdmha::AttentionOptions<double>& options,
+                  std::uint64_t seed, Index max_checked = 40, bool report = true) {
+  auto weights = std::make_shared<sdmha::MhaWeights<double>>(c.weights);
+  const Layer layer(c.config, weights);
+  return check_layer(layer, *weights, c, options, seed, max_checked, report);
+}
+
+// How many entries failed.
+template <typename Layer = sdmha::SparseDenseMHA<double>>
+long check(Case<double> c, const sdmha::AttentionOptions<double>& options, std::uint64_t seed,
+           Index max_checked = 40) {
+  return summarize<Layer>(std::move(c), options, seed, max_checked).failed;
 }
 
 }  // namespace sdmha_test::gradient_check

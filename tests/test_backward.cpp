@@ -5,6 +5,8 @@
 // input.
 #include "test_support.hpp"
 
+#include "gradient_check.hpp"
+
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -17,44 +19,9 @@ namespace {
 template <typename Scalar>
 using Layer = sdmha::SparseDenseMHA<Scalar>;
 
-// A gradient with the parameter or input it belongs to (null `parameter` when only compared).
-template <typename Scalar>
-struct GradientView {
-  std::string name;
-  Scalar* parameter;
-  const Scalar* gradient;
-  Index parameter_size;
-  Index gradient_size;
-};
-
-template <typename Scalar>
-std::vector<GradientView<Scalar>> views(Case<Scalar>& c, const sdmha::MhaGradients<Scalar>& g) {
-  auto view = [](const char* name, auto& parameter, const auto& gradient) {
-    return GradientView<Scalar>{name, parameter.data(), gradient.data(), Index(parameter.size()),
-                                Index(gradient.size())};
-  };
-  auto& w = c.weights;
-  return {view("query_kernel", w.query_kernel, g.query_kernel),
-          view("query_bias", w.query_bias, g.query_bias),
-          view("key_kernel", w.key_kernel, g.key_kernel),
-          view("key_bias", w.key_bias, g.key_bias),
-          view("value_kernel", w.value_kernel, g.value_kernel),
-          view("value_bias", w.value_bias, g.value_bias),
-          view("output_kernel", w.output_kernel, g.output_kernel),
-          view("output_bias", w.output_bias, g.output_bias),
-          view("query_values", c.values, g.query_values),
-          view("key", c.key, g.key),
-          view("value", c.value, g.value)};
-}
-
-template <typename Scalar>
-Tensor3<Scalar> random_d_output(const Case<Scalar>& c, std::uint64_t seed) {
-  std::mt19937_64 generator(seed);
-  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
-  Tensor3<Scalar> d_output(c.problem.batch, c.problem.steps, c.problem.output_dim);
-  for (Index i = 0; i < d_output.size(); ++i) d_output.data()[i] = Scalar(uniform(generator));
-  return d_output;
-}
+using gradient_check::random_d_output;
+using gradient_check::views;
+using GradientCheckSummary = gradient_check::Summary;
 
 template <typename Scalar>
 sdmha::MhaGradients<Scalar> backward(const Case<Scalar>& c, const Tensor3<Scalar>& d_output,
@@ -63,70 +30,19 @@ sdmha::MhaGradients<Scalar> backward(const Case<Scalar>& c, const Tensor3<Scalar
   return layer.backward(c.query(), c.key, c.value, d_output, options);
 }
 
-// Σ dY ⊙ Y, accumulated in long double so that its rounding stays far below what the finite
-// differences resolve.
-template <typename Scalar>
-double loss(const Case<Scalar>& c, const Tensor3<Scalar>& d_output,
-            const sdmha::AttentionOptions<Scalar>& options) {
-  const Layer<Scalar> layer(c.config, c.weights);
-  const auto output = layer.forward(c.query(), c.key, c.value, options).output;
-  long double total = 0;
-  for (Index i = 0; i < output.size(); ++i)
-    total += (long double)d_output.data()[i] * output.data()[i];
-  return double(total);
-}
-
 // ---- gradient check against central differences, in double ----
 
-constexpr double kStep = 1e-6;
-constexpr double kAbsoluteTolerance = 1e-7;
-constexpr double kRelativeTolerance = 1e-5;
 constexpr Index kMaxCheckedPerGradient = 1000;
 
-struct GradientCheckSummary {
-  long checked = 0;
-  long failed = 0;
-  double worst = 0;  // the largest |numeric − analytic| / (absolute + relative·|analytic|)
-};
-
 // Checks every entry of every gradient (a random sample of `max_checked` for larger
-// ones) against (L(θ + h) − L(θ − h)) / 2h.
+// ones) against (L(θ + h) − L(θ − h)) / 2h (gradient_check.hpp).
 void check_against_finite_differences(Case<double> c,
                                       const sdmha::AttentionOptions<double>& options,
                                       const std::string& label, std::uint64_t seed,
                                       GradientCheckSummary& summary,
                                       Index max_checked = kMaxCheckedPerGradient) {
   SCOPED_TRACE(label);
-  const auto d_output = random_d_output(c, seed);
-  const auto gradients = backward(c, d_output, options);
-  std::mt19937_64 generator(seed + 1);
-  for (const auto& view : views(c, gradients)) {
-    ASSERT_EQ(view.gradient_size, view.parameter_size) << view.name;
-    std::vector<Index> entries(static_cast<std::size_t>(view.parameter_size));
-    std::iota(entries.begin(), entries.end(), 0);
-    if (Index(entries.size()) > max_checked) {
-      std::shuffle(entries.begin(), entries.end(), generator);
-      entries.resize(static_cast<std::size_t>(max_checked));
-    }
-    for (Index entry : entries) {
-      double& parameter = view.parameter[entry];
-      const double saved = parameter;
-      parameter = saved + kStep;
-      const double above = loss(c, d_output, options);
-      parameter = saved - kStep;
-      const double below = loss(c, d_output, options);
-      parameter = saved;
-      const double numeric = (above - below) / (2 * kStep);
-      const double analytic = view.gradient[entry];
-      const double error = std::abs(numeric - analytic);
-      const double tolerance = kAbsoluteTolerance + kRelativeTolerance * std::abs(analytic);
-      ++summary.checked;
-      summary.worst = std::max(summary.worst, error / tolerance);
-      if (!(error <= tolerance) && ++summary.failed <= 10)
-        ADD_FAILURE() << view.name << "[" << entry << "]: analytic " << analytic
-                      << ", central difference " << numeric;
-    }
-  }
+  summary += gradient_check::summarize<Layer<double>>(std::move(c), options, seed, max_checked);
 }
 
 TEST(BackwardGradientCheck, MatchesCentralDifferencesOnRandomConfigurations) {

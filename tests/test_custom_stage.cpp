@@ -8,6 +8,8 @@
 // and the layer's shared weights (updated in place, reshaped, null).
 #include "test_support.hpp"
 
+#include "gradient_check.hpp"
+
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -373,96 +375,20 @@ TEST(CustomScoreStage, StageParametersAreReadOnEveryCall) {
 
 // ---- 2./3. gradients by central differences ----------------------------------------------
 
-constexpr double kStep = 1e-6;
-constexpr double kAbsoluteTolerance = 1e-7;
-constexpr double kRelativeTolerance = 1e-5;
-
-Tensor3<double> random_d_output(const Case<double>& c, std::uint64_t seed) {
-  std::mt19937_64 generator(seed);
-  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
-  Tensor3<double> d_output(c.problem.batch, c.problem.steps, c.problem.output_dim);
-  for (Index i = 0; i < d_output.size(); ++i) d_output.data()[i] = uniform(generator);
-  return d_output;
-}
-
-struct GradientCheck {
-  long checked = 0, failed = 0;
-  double worst = 0;  // largest |numeric − analytic| / tolerance
-};
+using gradient_check::random_d_output;
+using GradientCheck = gradient_check::Summary;
 
 // Central differences of Σ d_output ⊙ forward(...) against layer.backward for `per_group` random
-// entries of every weight, of key, value and the query's values. The layer shares its weights
-// with the check, which perturbs them in place through the shared_ptr. `report` false: count
-// the failures without adding test failures (for the negative control).
+// entries of every weight, of key, value and the query's values (gradient_check.hpp). The layer
+// shares its weights with the check, which perturbs them in place through the shared_ptr.
+// `report` false: count the failures without adding test failures (for the negative control).
 template <typename Layer>
 GradientCheck check_gradients(Case<double> c, const sdmha::AttentionOptions<double>& options,
                               std::uint64_t seed, int per_group, bool report = true) {
   auto weights = std::make_shared<sdmha::MhaWeights<double>>(c.weights);
   Layer layer(c.config, weights);
   configure(layer);
-  const auto d_output = random_d_output(c, seed);
-  auto query_of = [&] {
-    return sdmha::SparseQuery<double>::from_coo(c.shape.batch, c.shape.steps, c.shape.query_dim,
-                                                c.indices, c.values);
-  };
-  const auto gradients = layer.backward(query_of(), c.key, c.value, d_output, options);
-  auto loss = [&] {
-    const auto output = layer.forward(query_of(), c.key, c.value, options).output;
-    long double total = 0;
-    for (Index i = 0; i < output.size(); ++i)
-      total += (long double)d_output.data()[i] * output.data()[i];
-    return double(total);
-  };
-  struct Group {
-    const char* name;
-    double* parameter;
-    const double* gradient;
-    Index size, gradient_size;
-  };
-  auto& w = *weights;
-  auto group = [](const char* name, auto& parameter, const auto& gradient) {
-    return Group{name, parameter.data(), gradient.data(), Index(parameter.size()),
-                 Index(gradient.size())};
-  };
-  const Group groups[] = {group("query_kernel", w.query_kernel, gradients.query_kernel),
-                          group("query_bias", w.query_bias, gradients.query_bias),
-                          group("key_kernel", w.key_kernel, gradients.key_kernel),
-                          group("key_bias", w.key_bias, gradients.key_bias),
-                          group("value_kernel", w.value_kernel, gradients.value_kernel),
-                          group("value_bias", w.value_bias, gradients.value_bias),
-                          group("output_kernel", w.output_kernel, gradients.output_kernel),
-                          group("output_bias", w.output_bias, gradients.output_bias),
-                          group("key", c.key, gradients.key),
-                          group("value", c.value, gradients.value),
-                          group("query_values", c.values, gradients.query_values)};
-  std::mt19937_64 generator(seed + 1);
-  GradientCheck summary;
-  for (const Group& g : groups) {
-    if (report) {
-      EXPECT_EQ(g.gradient_size, g.size) << g.name;
-    }
-    if (g.gradient_size != g.size || g.size == 0) continue;
-    std::uniform_int_distribution<Index> pick(0, g.size - 1);
-    for (int k = 0; k < per_group; ++k) {
-      const Index entry = pick(generator);
-      double& parameter = g.parameter[entry];
-      const double saved = parameter;
-      parameter = saved + kStep;
-      const double above = loss();
-      parameter = saved - kStep;
-      const double below = loss();
-      parameter = saved;
-      const double numeric = (above - below) / (2 * kStep), analytic = g.gradient[entry];
-      const double tolerance = kAbsoluteTolerance + kRelativeTolerance * std::abs(analytic);
-      const double error = std::abs(numeric - analytic);
-      ++summary.checked;
-      summary.worst = std::max(summary.worst, error / tolerance);
-      if (!(error <= tolerance) && ++summary.failed <= 10 && report)
-        ADD_FAILURE() << g.name << "[" << entry << "]: analytic " << analytic
-                      << ", central difference " << numeric;
-    }
-  }
-  return summary;
+  return gradient_check::check_layer(layer, *weights, c, options, seed, per_group, report);
 }
 
 // The configurations of the gradient checks: T = 130 rows over three forward tiles (one or
@@ -479,13 +405,11 @@ void check_gradients_over_configurations(const char* name, std::uint64_t seed) {
       options.num_threads = 2;
       options.score_strategy = strategy;
       SCOPED_TRACE(describe(s, strategy, 2));
-      const GradientCheck check = check_gradients<Layer>(c, options, seed + 10 * masks, 6);
-      total.checked += check.checked;
-      total.failed += check.failed;
-      total.worst = std::max(total.worst, check.worst);
+      total += check_gradients<Layer>(c, options, seed + 10 * masks, 6);
     }
   EXPECT_EQ(total.failed, 0) << "of " << total.checked;
-  EXPECT_GE(total.checked, 4 * 11 * 6);
+  // 6 distinct entries of each of the 11 gradients, all 5 of the output bias (O = 5).
+  EXPECT_GE(total.checked, 4 * (10 * 6 + 5));
   std::printf("%s: %ld entries checked, worst error / tolerance %.3g\n", name, total.checked,
               total.worst);
 }
@@ -583,9 +507,8 @@ TEST(CustomScoreStage, GradientsThroughOnlineSoftmaxAndAttentionOptions) {
                  describe(s, options.score_strategy, 2));
     const GradientCheck bias = check_gradients<BiasLayer>(c, options, 350 + variant, 4);
     const GradientCheck both = check_gradients<BothLayer>(c, options, 360 + variant, 4);
-    total.checked += bias.checked + both.checked;
-    total.failed += bias.failed + both.failed;
-    total.worst = std::max({total.worst, bias.worst, both.worst});
+    total += bias;
+    total += both;
   }
   EXPECT_EQ(total.failed, 0) << "of " << total.checked;
   std::printf("online softmax and options: %ld entries checked, worst error / tolerance %.3g\n",
