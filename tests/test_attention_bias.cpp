@@ -872,4 +872,69 @@ TEST(ProjectedContextAppend, MismatchedBatchOrWidthIsShapeError) {
   EXPECT_EQ(context.key_steps, 10);
 }
 
+// ---- non-finite biases, raw views, edge cases of append -------------------------------------
+
+// A NaN or +∞ bias makes its row NaN, as the softmax makes it, on the tiled path and on the
+// online-softmax path alike (S > kKeyTile, no returned scores); the other rows stay finite.
+TEST(AttentionBiasNonFinite, NanAndPlusInfinityPropagateOnEveryPath) {
+  for (const long key_steps : {7L, long(sdmha::detail::kKeyTile) + 40}) {
+    for (const double poison : {std::numeric_limits<double>::quiet_NaN(), kInfinity}) {
+      for (const long poisoned_key : {3L, key_steps - 2}) {
+        Shape shape;
+        shape.key_steps = key_steps;
+        auto c = make_case<double>(shape, 11000);
+        Tensor2<double> bias(c.shape.steps, key_steps);
+        bias.setZero();
+        bias(1, poisoned_key) = poison;
+        c.options.attention_bias = bias;
+        c.options.score_strategy = sdmha::ScoreStrategy::project_first;
+        const Layer layer(c.config, c.weights);
+        const auto result = layer.forward(c.query(), c.key, c.value, c.options);
+        SCOPED_TRACE("S = " + std::to_string(key_steps) + ", bias " + std::to_string(poison) +
+                     " at key " + std::to_string(poisoned_key));
+        for (long b = 0; b < c.shape.batch; ++b)
+          for (long t = 0; t < c.shape.steps; ++t)
+            for (long o = 0; o < result.output.dimension(2); ++o)
+              EXPECT_EQ(std::isnan(result.output(b, t, o)), t == 1) << b << ", " << t << ", " << o;
+      }
+    }
+  }
+}
+
+// A raw view's rank must agree with its dimensions: (T, S) with B' = 2 is a ShapeError.
+TEST(AttentionBiasErrors, RawViewRankDisagreeingWithItsDimensions) {
+  auto c = make_case<double>(Shape{}, 11100);  // B = 2, H = 2, T = 5, S = 7
+  const Layer layer(c.config, c.weights);
+  std::vector<double> data(std::size_t(2 * 2 * 5 * 7), 0.5);
+  auto options = c.options;
+  options.attention_bias = sdmha::BroadcastRef<double>(data.data(), 2, 1, 5, 7, /*rank=*/2);
+  SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), c.key, c.value, options), sdmha::ShapeError,
+                          "attention_bias is (5, 7); expected");
+  options.attention_bias = sdmha::BroadcastRef<double>(data.data(), 2, 2, 5, 7, /*rank=*/3);
+  SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), c.key, c.value, options), sdmha::ShapeError,
+                          "attention_bias is (2, 5, 7); expected");
+  options.attention_bias = sdmha::BroadcastRef<double>(data.data(), 2, 2, 5, 7, /*rank=*/4);
+  EXPECT_NO_THROW(layer.forward(c.query(), c.key, c.value, options));
+}
+
+// Appending to an empty context takes the other one; appending no key steps changes nothing;
+// a context whose rows disagree with batch × key_steps is refused.
+TEST(ProjectedContextAppend, EmptyContextsAndInconsistentRows) {
+  auto c = make_case<double>(Shape{}, 11200);  // B = 2, S = 7
+  const Layer layer(c.config, c.weights);
+  const auto whole = layer.project_context(c.key, c.value);
+  sdmha::ProjectedContext<double> grown;
+  grown.append(whole);
+  EXPECT_EQ(grown.key_steps, 7);
+  EXPECT_TRUE(grown.keys == whole.keys && grown.values == whole.values);
+  const Tensor3<double> no_key = key_steps(c.key, 0, 0), no_value = key_steps(c.value, 0, 0);
+  grown.append(layer.project_context(no_key, no_value));
+  EXPECT_EQ(grown.key_steps, 7);
+  EXPECT_TRUE(grown.keys == whole.keys);
+  auto broken = whole;
+  broken.key_steps = 6;
+  SDMHA_EXPECT_THROW_WITH(grown.append(broken), sdmha::ShapeError,
+                          "more has keys and values of 14 and 14 rows; expected batch * key_steps");
+}
+
 }  // namespace

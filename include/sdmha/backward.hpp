@@ -3,19 +3,20 @@
 //
 // With scale = 1/√Dk, P = softmax(S) and P' = P after dropout, the forward is
 //   Q = X·Wq + bq,  K = key·Wk + bk,  V = value·Wv + bv,
-//   S_bh = scale·Q_bh·K_bhᵀ (blocked → −∞),  A_bh = P'_bh·V_bh,  Y = A·Wo + bo,
+//   S_bh = scale·Q_bh·K_bhᵀ + bias_bh (blocked → −∞),  A_bh = P'_bh·V_bh,  Y = A·Wo + bo,
 // and from dY the backward walks the plan:
 //   1. OutputProjection:  dA = dY·Woᵀ                                       (row blocks)
 //   2. per (b, h), tile by tile, recomputing the forward's scores, P and P' (nothing is saved):
 //      AttendValues:      dP' = dA_bh·V_bhᵀ, dV_bh += P'ᵀ·dA_bh
 //      dropout:           dP = dP' ⊙ keep/(1 − rate)
-//      MaskedSoftmax:     dS = P ⊙ (dP − rowsum(P ⊙ dP))
+//      MaskedSoftmax:     dS = P ⊙ (dP − rowsum(P ⊙ dP));  dbias += dS (when asked)
 //      ScoreKernel:       dQ_bh = scale·dS·K_bh, dK_bh += scale·dSᵀ·Q_bh
 //   3. OutputProjection:  dWo = Aᵀ·dY, dbo = 1ᵀ·dY                          (weight tiles)
 //   4. QueryProjection:   dWq = Xᵀ·dQ, dbq = 1ᵀ·dQ, dX = dQ·Wqᵀ at X's stored positions
 //   5. ContextProjection: dWk = keyᵀ·dK, dbk, dkey = dK·Wkᵀ; likewise V.
 // One (b, h) item owns its blocks of A, dQ, dK and dV and sums dK_bh, dV_bh over its tiles in
-// order, and weight gradients go in fixed tiles: no sum depends on the thread count.
+// order (a task runs one item, or a fixed group of them for a broadcast bias's gradient), and
+// weight gradients go in fixed tiles: no sum depends on the thread count.
 #pragma once
 
 #include <algorithm>
@@ -156,24 +157,20 @@ struct Backward {
       scratch.d_queries.setZero();
       return;
     }
-    // One task per (b, h) item, or per fixed run of items when a broadcast bias's gradient is
-    // summed (see add_bias_gradient).
-    const Index items = B * H, runs = bias_gradient_runs(plan, options);
-    const Index run_items = runs > 0 ? bias_run_items(plan) : 1;
-    const Index tasks = runs > 0 ? runs : items;
-    buffers.prepare_workers(plan.workers(tasks), plan.worker_scratch_bytes, plan.tile_entries, 3,
-                            plan.query_tile);
+    // One task per (b, h) item, or per group of items sharing a broadcast bias's gradient.
+    const BiasGradientTasks tasks = bias_gradient_tasks(plan, options);
+    buffers.prepare_workers(plan.workers(tasks.count), plan.worker_scratch_bytes, plan.tile_entries,
+                            3, plan.query_tile);
     parallel_for(
-        tasks, plan.threads,
+        tasks.count, plan.threads,
         [&](Index task, int worker) {
           BiasGradientTarget target;
-          if (runs > 0)
+          if (tasks.partial_sums)
             target = BiasGradientTarget{scratch.bias_partials.row(task).data(), true};
           else if (bias_gradient_wanted(options))
-            target = BiasGradientTarget{gradients.attention_bias.data(), false};
-          const RowBlock run = AttentionPlan::block(task, items, run_items);
-          for (Index item = run.begin; item < run.begin + run.rows; ++item) {
-            const Index b = item / H, h = item % H;
+            target = BiasGradientTarget{gradients.attention_bias.data(), tasks.items > 1};
+          for (Index k = 0; k < tasks.items_of(task); ++k) {
+            const Index item = tasks.item(task, k), b = item / H, h = item % H;
             const HeadFlags flags = head_flags(plan, context, scratch.d_heads, b, h);
             for (Index tile = 0; tile < plan.query_tiles; ++tile)
               attention_tile(layer, plan, plan.tile_of(b, h, tile), query, context, options, flags,
@@ -295,28 +292,72 @@ struct Backward {
 
   // ---- the attention bias's gradient -------------------------------------------------------
   //
-  // ∂loss/∂bias[b', h', t, s] = Σ dS_bh[t, s] over the (b, h) that slice (b', h') serves. A bias
-  // of the scores' own shape takes each tile's dS as it is. A broadcast one is summed in
-  // kBiasGradientChunks fixed runs of (b, h) items, each run by one worker in item order into a
-  // partial sum of its own, then the partial sums in run order: the same sums for any thread
-  // count, at the cost of a bias-sized buffer per run.
+  // ∂loss/∂bias[b', h', t, s] = Σ dS_bh[t, s] over the (b, h) that slice (b', h') serves, each
+  // sum in a fixed order: a bias of the scores' own shape takes each tile's dS as it is; one
+  // broadcast over the heads, (B, 1, T, S), is summed by one task per batch entry over its heads
+  // in order, and (1, H, T, S) by one task per head over the batch in order; a (T, S) bias is
+  // summed in kBiasGradientRuns fixed runs of items, each into a partial sum of its own, then
+  // the partial sums in run order. None of it depends on the thread count.
 
-  static constexpr Index kBiasGradientChunks = 8;
+  static constexpr Index kBiasGradientRuns = 16;
+
+  // Which (b, h) items task `task` runs, in order: item(task, k) for k < items_of(task).
+  struct BiasGradientTasks {
+    enum class Grouping { per_item, per_batch, per_head, runs };
+    Grouping grouping = Grouping::per_item;
+    Index count = 0;  // tasks
+    Index items = 1;  // items per task (the last run may have fewer)
+    Index heads = 1;  // H
+    Index total = 0;  // B·H
+    bool partial_sums = false;
+
+    Index items_of(Index task) const {
+      return grouping == Grouping::runs ? std::min(items, total - task * items) : items;
+    }
+    Index item(Index task, Index k) const {
+      switch (grouping) {
+        case Grouping::per_batch:
+          return task * heads + k;
+        case Grouping::per_head:
+          return k * heads + task;
+        case Grouping::runs:
+          return task * items + k;
+        default:
+          return task;
+      }
+    }
+  };
 
   static bool bias_gradient_wanted(const AttentionOptions<Scalar>& options) {
     return options.compute_bias_gradient && !options.attention_bias.empty();
   }
-  // (b, h) items per run, and runs (0 when the gradient needs no partial sums).
-  static Index bias_run_items(const AttentionPlan& plan) {
-    return AttentionPlan::block_count(plan.batch * plan.heads(), kBiasGradientChunks);
-  }
-  static Index bias_gradient_runs(const AttentionPlan& plan,
-                                  const AttentionOptions<Scalar>& options) {
-    if (!bias_gradient_wanted(options) ||
-        !options.attention_bias.broadcasts(plan.batch, plan.heads()) ||
-        plan.batch * plan.heads() == 0)
-      return 0;
-    return AttentionPlan::block_count(plan.batch * plan.heads(), bias_run_items(plan));
+
+  static BiasGradientTasks bias_gradient_tasks(const AttentionPlan& plan,
+                                               const AttentionOptions<Scalar>& options) {
+    using Grouping = typename BiasGradientTasks::Grouping;
+    const Index B = plan.batch, H = plan.heads();
+    BiasGradientTasks tasks;
+    tasks.heads = H;
+    tasks.total = B * H;
+    tasks.count = B * H;
+    const BroadcastRef<Scalar>& bias = options.attention_bias;
+    if (!bias_gradient_wanted(options) || !bias.broadcasts(B, H) || B * H == 0) return tasks;
+    if (bias.batch() == B && bias.batch() > 1) {
+      tasks.grouping = Grouping::per_batch;
+      tasks.count = B;
+      tasks.items = H;
+    } else if (bias.heads() == H && bias.heads() > 1) {
+      tasks.grouping = Grouping::per_head;
+      tasks.count = H;
+      tasks.items = B;
+    } else {
+      tasks.grouping = Grouping::runs;
+      tasks.items = AttentionPlan::block_count(B * H, kBiasGradientRuns);
+      tasks.count = AttentionPlan::block_count(B * H, tasks.items);
+      tasks.partial_sums = tasks.count > 1;
+      if (!tasks.partial_sums) tasks.items = B * H;
+    }
+    return tasks;
   }
 
   template <typename Tile>
@@ -347,19 +388,19 @@ struct Backward {
     }
     gradients.attention_bias.resize(bias.batch(), bias.heads(), bias.steps(), bias.key_steps());
     gradients.attention_bias.setZero();
-    const Index runs = bias_gradient_runs(plan, options);
-    buffers.backward.bias_partials.setZero(runs, bias.size());
+    const BiasGradientTasks tasks = bias_gradient_tasks(plan, options);
+    buffers.backward.bias_partials.setZero(tasks.partial_sums ? tasks.count : 0, bias.size());
   }
 
   // Σ over runs, in run order, of the partial sums.
   static void finish_bias_gradient(const AttentionPlan& plan,
                                    const AttentionOptions<Scalar>& options, Buffers& buffers,
                                    MhaGradients<Scalar>& gradients) {
-    const Index runs = bias_gradient_runs(plan, options);
-    if (runs == 0) return;
+    const BiasGradientTasks tasks = bias_gradient_tasks(plan, options);
+    if (!tasks.partial_sums) return;
     const RowMatrix<Scalar>& partials = buffers.backward.bias_partials;
     Eigen::Map<Vector<Scalar>> gradient(gradients.attention_bias.data(), partials.cols());
-    for (Index run = 0; run < runs; ++run) gradient += partials.row(run).transpose();
+    for (Index run = 0; run < tasks.count; ++run) gradient += partials.row(run).transpose();
   }
 
   // ---- dense projections -------------------------------------------------------------------

@@ -32,6 +32,8 @@ class BroadcastRef {
   // A temporary would be gone before the call reads it.
   template <int Rank>
   BroadcastRef(Eigen::Tensor<T, Rank, Eigen::RowMajor>&&) = delete;
+  template <int Rank>
+  BroadcastRef(const Eigen::Tensor<T, Rank, Eigen::RowMajor>&&) = delete;
 
   template <typename PlainTensor, int MapOptions, template <class> class MakePointer>
   BroadcastRef(const Eigen::TensorMap<PlainTensor, MapOptions, MakePointer>& map)  // NOLINT

@@ -42,7 +42,8 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
   QueryProjection& query_projection() { return query_projection_; }
   const QueryProjection& query_projection() const { return query_projection_; }
 
-  // query (B, T, Eq) dense; key (B, S, Ek); value (B, S, Ev) → output (B, T, O). Thread-safe.
+  // query (B, T, Eq) dense; key (B, S, Ek); value (B, S, Ev) → output (B, T, O). Thread-safe
+  // (a DropoutGenerator in the options is not: it belongs to one caller).
   // options.score_strategy is ignored: a dense query has only the project-first form.
   AttentionResult<Scalar> forward(const TensorRef3<Scalar>& query, const TensorRef3<Scalar>& key,
                                   const TensorRef3<Scalar>& value,
@@ -67,6 +68,9 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
       detail::fail<ShapeError>(where, "query has no data; expected ", B, " x ", T, " x ",
                                dims.query_dim, " values");
     Core::check_context(where, dims, B, key, value);
+    // The lease first: planning draws the call's dropout seed, which a refused call must not use.
+    const typename Workspace<Scalar>::Lease lease(workspace, where);
+    auto& buffers = lease.buffers();
     auto plan =
         Core::check_options(where, dims, B, T, value.dimension(1), options, detail::Pass::forward);
     TileSizes block;
@@ -74,8 +78,6 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
     block.input_width = dims.query_dim;
     block.output_width = dims.projected_key_width();
     this->finish_plan(plan, detail::stage_workspace_size<QueryProjection>(block));
-    const typename Workspace<Scalar>::Lease lease(workspace, where);
-    auto& buffers = lease.buffers();
     buffers.prepare_workers(plan.workers(B * T), plan.worker_scratch_bytes, plan.tile_entries, 2);
     this->project_context_into(plan, key, value, buffers, buffers.context);
     RowMatrix<Scalar>& projected_query = buffers.projected_query;

@@ -1,5 +1,5 @@
-// sdmha/mask.hpp — BatchMask: the ANDed attention mask of one batch entry, and the convention
-// that carries it through the pipeline: a blocked score is −∞.
+// sdmha/mask.hpp — BatchMask: the ANDed masks of one tile of one (batch entry, head), and the
+// convention that carries it through the pipeline: a blocked score is −∞.
 //
 // The score kernel writes −∞ at every blocked (t, s), overwriting whatever it computed there (so
 // a NaN or Inf from a blocked key row is gone), and the softmax gives −∞ a probability of exactly

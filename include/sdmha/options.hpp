@@ -1,5 +1,6 @@
-// sdmha/options.hpp — AttentionOptions (masks, threads, score strategy), AttentionResult and
-// TensorRef3, the read-only view through which dense (B, S, E) inputs come in.
+// sdmha/options.hpp — AttentionOptions (masks, bias, scale, threads, score strategy, dropout),
+// DropoutGenerator, AttentionResult, ProjectedContext and TensorRef3, the read-only view through
+// which dense (B, S, E) inputs come in.
 #pragma once
 
 #include <cstdint>
@@ -60,7 +61,10 @@ inline const char* to_string(FullyMaskedRows policy) {
 // PyTorch's generator. A training loop keeps one and points AttentionOptions::dropout_generator
 // at it; every training forward then draws the next seed, and the backward of that step reuses
 // it (the same mask). draw k (k = 1, 2, …) is mix(seed, k): the same starting seed gives the
-// same sequence of masks. One generator belongs to one training loop (forward mutates it).
+// same sequence of masks. A generator serves one layer whose forward is followed by its own
+// backward: give each layer its own, and where that order does not hold (gradient
+// accumulation, recomputed forwards) pass the forward's result.dropout_seed as dropout_seed to
+// the backward, without a generator. forward mutates it: not for concurrent calls.
 class DropoutGenerator {
  public:
   explicit DropoutGenerator(std::uint64_t seed = 0) : seed_(seed) {}
@@ -93,7 +97,8 @@ template <typename Scalar>
 struct AttentionOptions {
   // true = query step t may attend to key step s (Keras' polarity), as a view of (T, S),
   // (B, T, S), (B, 1, T, S), (B, H, T, S) or (1, H, T, S) booleans (sdmha/broadcast_ref.hpp),
-  // never copied; none by default. The caller's tensor must outlive the call.
+  // never copied; none by default. The caller's tensor must outlive the call. A rank-3 tensor
+  // is always (B, T, S): a per-head (H, T, S) one goes in as rank 4, (1, H, T, S).
   BroadcastRef<bool> attention_mask;
   // Added to the scaled scores before the softmax, S = scale·Q·Kᵀ + bias: relative positions,
   // ALiBi, time decay, PyTorch's float attn_mask. Same shapes as attention_mask, a view. −∞
@@ -147,27 +152,35 @@ struct ProjectedContext {
   // the float AVX-512 engine; up to rounding otherwise). Cost O(B·(S + S')·(H·Dk + H·Dv)) copies.
   void append(const ProjectedContext& more) {
     constexpr const char* where = "ProjectedContext::append";
-    if (keys.size() == 0 && values.size() == 0 && key_steps == 0 && batch == 0) {
-      *this = more;
+    check_rows(where, "more", more);
+    if (more.key_steps == 0 && more.batch == batch) return;
+    if (key_steps == 0 && keys.size() == 0 && values.size() == 0) {
+      *this = more;  // nothing held yet (a default context, or one of no key steps)
       return;
     }
+    check_rows(where, "this context", *this);
     if (more.batch != batch)
       detail::fail<ShapeError>(where, "more has batch ", more.batch, "; expected ", batch);
     if (more.keys.cols() != keys.cols() || more.values.cols() != values.cols())
       detail::fail<ShapeError>(where, "more has key and value widths ", more.keys.cols(), " and ",
                                more.values.cols(), "; expected this context's ", keys.cols(),
                                " and ", values.cols(), " (the same layer)");
-    if (more.keys.rows() != more.batch * more.key_steps || more.values.rows() != more.keys.rows() ||
-        keys.rows() != batch * key_steps || values.rows() != keys.rows())
-      detail::fail<ShapeError>(where, "keys and values must have batch * key_steps rows (",
-                               more.keys.rows(), " and ", more.values.rows(), " for ", more.batch,
-                               " x ", more.key_steps, ")");
     keys = interleave(keys, key_steps, more.keys, more.key_steps);
     values = interleave(values, key_steps, more.values, more.key_steps);
     key_steps += more.key_steps;
   }
 
  private:
+  static void check_rows(const char* where, const char* name, const ProjectedContext& context) {
+    if (context.batch < 0 || context.key_steps < 0 ||
+        context.keys.rows() != context.batch * context.key_steps ||
+        context.values.rows() != context.keys.rows())
+      detail::fail<ShapeError>(where, name, " has keys and values of ", context.keys.rows(),
+                               " and ", context.values.rows(),
+                               " rows; expected batch * key_steps = ", context.batch, " x ",
+                               context.key_steps);
+  }
+
   RowMatrix<Scalar> interleave(const RowMatrix<Scalar>& first, Index first_steps,
                                const RowMatrix<Scalar>& second, Index second_steps) const {
     RowMatrix<Scalar> joined(batch * (first_steps + second_steps), first.cols());

@@ -5,10 +5,11 @@
 #include "sdmha/errors.hpp"  // Error and its kinds: ShapeError, IndexError, ConfigError, FormatError, IoError
 #include "sdmha/sparse_query.hpp"  // SparseQuery: the query as CSR rows (from COO, Eigen, raw CSR)
 #include "sdmha/weights.hpp"       // MhaConfig, MhaWeights (Keras layout), glorot_uniform
-#include "sdmha/options.hpp"       // AttentionOptions, AttentionResult, ScoreStrategy, TensorRef3
-#include "sdmha/workspace.hpp"     // Workspace: per-worker memory and threads kept across calls
-#include "sdmha/mask.hpp"          // BatchMask and the −∞ convention for blocked scores
-#include "sdmha/stage.hpp"  // TilePosition, TileSizes, StageScratch: what every stage is given
+#include "sdmha/broadcast_ref.hpp"  // BroadcastRef: a mask or bias of (T, S) … (B, H, T, S), a view
+#include "sdmha/options.hpp"    // AttentionOptions, DropoutGenerator, AttentionResult, TensorRef3
+#include "sdmha/workspace.hpp"  // Workspace: per-worker memory and threads kept across calls
+#include "sdmha/mask.hpp"       // BatchMask and the −∞ convention for blocked scores
+#include "sdmha/stage.hpp"      // TilePosition, TileSizes, StageScratch: what every stage is given
 #include "sdmha/stages/query_projection.hpp"  // 1. SparseQueryProjection: Q = X·Wq + bq from CSR, and back
 #include "sdmha/stages/dense_projection.hpp"  // 1'. DenseProjection: K, V (and the baseline's Q), and back
 #include "sdmha/stages/score_kernel.hpp"  // 2. ScoreKernel: masked scores, project-first or regrouped

@@ -73,7 +73,8 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
   QueryProjection& query_projection() { return query_projection_; }
   const QueryProjection& query_projection() const { return query_projection_; }
 
-  // query (B, T, Eq) sparse; key (B, S, Ek); value (B, S, Ev) → output (B, T, O). Thread-safe.
+  // query (B, T, Eq) sparse; key (B, S, Ek); value (B, S, Ev) → output (B, T, O). Thread-safe
+  // (a DropoutGenerator in the options is not: it belongs to one caller).
   AttentionResult<Scalar> forward(const Query& query, const TensorRef3<Scalar>& key,
                                   const TensorRef3<Scalar>& value,
                                   const AttentionOptions<Scalar>& options = {}) const {

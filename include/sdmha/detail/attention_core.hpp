@@ -86,9 +86,12 @@ template <typename T>
 void check_broadcast(const char* where, const char* name, const BroadcastRef<T>& ref, Index batch,
                      Index heads, Index steps, Index key_steps) {
   if (ref.empty()) return;
+  // A raw view's rank must agree with its dimensions: (T, S) has B' = H' = 1, (B, T, S) H' = 1.
+  const bool rank_agrees = (ref.rank() == 4) || (ref.rank() == 3 && ref.heads() == 1) ||
+                           (ref.rank() == 2 && ref.batch() == 1 && ref.heads() == 1);
   const bool fits = (ref.batch() == batch || ref.batch() == 1) &&
                     (ref.heads() == heads || ref.heads() == 1) && ref.steps() == steps &&
-                    ref.key_steps() == key_steps && ref.rank() >= 2 && ref.rank() <= 4;
+                    ref.key_steps() == key_steps && rank_agrees;
   if (!fits)
     fail<ShapeError>(where, name, " is ", shape_text(ref), "; expected (B, T, S) = (", batch, ", ",
                      steps, ", ", key_steps, "), (T, S) = (", steps, ", ", key_steps,
@@ -226,10 +229,6 @@ class AttentionCore {
   static AttentionPlan check_options(const char* where, const LayerDims& dims, Index batch,
                                      Index steps, Index key_steps,
                                      const AttentionOptions<Scalar>& options, Pass pass) {
-    check_broadcast(where, "attention_mask", options.attention_mask, batch, dims.num_heads, steps,
-                    key_steps);
-    check_broadcast(where, "attention_bias", options.attention_bias, batch, dims.num_heads, steps,
-                    key_steps);
     const auto& padding = options.key_padding_mask;
     if (padding.dimension(0) != 0 || padding.dimension(1) != 0) {
       if (padding.dimension(0) != batch || padding.dimension(1) != key_steps)
@@ -250,6 +249,11 @@ class AttentionCore {
     if (scores > double(Index(1) << 59))
       fail<ShapeError>(where, "B x H x T x S = ", batch, " x ", dims.num_heads, " x ", steps, " x ",
                        key_steps, " scores; expected at most 2^59");
+    // After the bound above, so that a view's B'·H'·T·S cannot overflow.
+    check_broadcast(where, "attention_mask", options.attention_mask, batch, dims.num_heads, steps,
+                    key_steps);
+    check_broadcast(where, "attention_bias", options.attention_bias, batch, dims.num_heads, steps,
+                    key_steps);
     if (options.scale.has_value() && !std::isfinite(*options.scale))
       fail<ConfigError>(where, "scale = ", *options.scale,
                         "; expected a finite number (or none: 1/sqrt(key_dim))");
@@ -470,7 +474,8 @@ class AttentionCore {
   //   m' = max(m_t, max_s S_j[t, s]),  P_j[t, s] = exp(S_j[t, s] − m'),
   //   l_t ← l_t·exp(m_t − m') + Σ_s P_j[t, s],  A[t] ← A[t]·exp(m_t − m') + dropout(P_j)[t]·V_j,
   // and at the end A[t] /= l_t: the softmax's probabilities, normalised after the product
-  // instead of before it. A row without a key it may see keeps l_t = 0 and gets A[t] = 0.
+  // instead of before it. A row without a key it may see keeps l_t = 0 and gets A[t] = 0; a NaN
+  // or +∞ score makes l_t NaN and the row NaN, as MaskedSoftmax does.
   template <typename ComputeScores>
   void attend_item_online(const AttentionPlan& plan, const AttentionItem& item,
                           const ProjectedContext<Scalar>& context,
@@ -510,8 +515,10 @@ class AttentionCore {
       const Scalar sum = statistics(1, t);
       if (sum > Scalar(0))
         heads.row(t) *= Scalar(1) / sum;
-      else
+      else if (sum == Scalar(0))
         heads.row(t).setZero();
+      else  // NaN: a NaN or +∞ score, whose row MaskedSoftmax makes NaN too
+        heads.row(t).setConstant(std::numeric_limits<Scalar>::quiet_NaN());
     }
   }
 
@@ -527,7 +534,8 @@ class AttentionCore {
       auto row = scores.row(t).array();
       const Scalar previous = statistics(0, t);
       const Scalar maximum = std::max(previous, row.maxCoeff());
-      if (maximum == minus_infinity) {  // nothing seen yet in this row
+      if (maximum == minus_infinity) {  // nothing seen yet in this row (or a NaN max ignores)
+        if (row.isNaN().any()) statistics(1, t) = std::numeric_limits<Scalar>::quiet_NaN();
         row.setZero();
         continue;
       }

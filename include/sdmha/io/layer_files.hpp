@@ -435,11 +435,12 @@ struct BroadcastTensor {
   Index size() const { return tensor.size(); }
   Index dimension(int axis) const { return tensor.dimension(axis); }
   const T* data() const { return tensor.data(); }
-  BroadcastRef<T> view() const {
+  BroadcastRef<T> view() const& {
     if (empty()) return {};
     return BroadcastRef<T>(tensor.data(), tensor.dimension(0), tensor.dimension(1),
                            tensor.dimension(2), tensor.dimension(3), rank);
   }
+  BroadcastRef<T> view() const&& = delete;              // the tensor would be gone
   operator BroadcastRef<T>() const& { return view(); }  // NOLINT: implicit by design
   // A temporary would be gone before the call reads the view.
   operator BroadcastRef<T>() const&& = delete;
