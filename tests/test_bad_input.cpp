@@ -294,6 +294,21 @@ TEST(BadInputRegression, HugeBatchWithZeroStepsAndScores) {
   }
 }
 
+// More than 2^59 scores (B·H·T·S, zero sizes counted as 1) is a ShapeError before any count is
+// formed; a zero width lets such a shape come without data, from a file too.
+TEST(BadInput, MoreThanTwoToTheFiftyNineScoresIsAShapeError) {
+  const auto c = make_case<double>(Shape{}, 65);  // H = 2
+  // The dense baseline: a sparse query of 2^59 rows does not fit the default int StorageIndex.
+  const sdmha::DenseMHA<double> layer(c.config, c.weights);
+  const Index huge = Index(1) << 59;
+  std::vector<double> nothing;
+  const sdmha::TensorRef3<double> query(nothing.data(), huge, 0, c.shape.query_dim);
+  const sdmha::TensorRef3<double> empty(nothing.data(), huge, 0, 12);
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, empty, empty, c.options), sdmha::ShapeError,
+                          "B x H x T x S = 576460752303423488 x 2 x 0 x 0 scores; expected at "
+                          "most 2^59");
+}
+
 // REGRESSION (UBSan: "applying non-zero offset to null pointer" in Eigen's Block, from
 // AttentionCore::attend's `keys.block(b * S, h * Dk, key_end, Dk)` when S = 0: the projected keys
 // are an empty matrix with a null data pointer, and head h ≥ 1 offsets it).
