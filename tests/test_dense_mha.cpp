@@ -44,21 +44,8 @@ TYPED_TEST(DenseMhaTest, MatchesReferenceOverVariants) {
 
 TYPED_TEST(DenseMhaTest, MatchesReferenceOnRandomShapes) {
   std::mt19937_64 generator(1110);
-  auto pick = [&](long low, long high) {
-    return std::uniform_int_distribution<long>(low, high)(generator);
-  };
   for (int round = 0; round < 10; ++round) {
-    Shape s;
-    s.batch = pick(1, 3);
-    s.steps = pick(1, 9);
-    s.key_steps = pick(1, 9);
-    s.query_dim = pick(1, 40);
-    s.key_in_dim = pick(1, 10);
-    s.value_in_dim = pick(1, 10);
-    s.heads = pick(1, 3);
-    s.key_dim = pick(1, 6);
-    s.value_dim = pick(0, 5);
-    s.output_dim = pick(0, 7);
+    Shape s = random_small_shape(generator);
     s.density = 0.15;
     s.random_mask = round % 2 == 0;
     s.causal = round % 3 == 0;

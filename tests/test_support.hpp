@@ -114,6 +114,27 @@ struct Filler {
   }
 };
 
+// The sizes of the layers' random-shape sweeps, drawn in a fixed order: B and H in [1, 3], T and
+// S in [1, 9], Eq in [1, 40], Ek and Ev in [1, 10], Dk in [1, 6], Dv in [0, 5] and O in [0, 7]
+// (0: the layer's default). Everything else is Shape's default, for the caller to set.
+inline Shape random_small_shape(std::mt19937_64& generator) {
+  auto pick = [&](long low, long high) {
+    return std::uniform_int_distribution<long>(low, high)(generator);
+  };
+  Shape s;
+  s.batch = pick(1, 3);
+  s.steps = pick(1, 9);
+  s.key_steps = pick(1, 9);
+  s.query_dim = pick(1, 40);
+  s.key_in_dim = pick(1, 10);
+  s.value_in_dim = pick(1, 10);
+  s.heads = pick(1, 3);
+  s.key_dim = pick(1, 6);
+  s.value_dim = pick(0, 5);
+  s.output_dim = pick(0, 7);
+  return s;
+}
+
 template <typename Scalar>
 Case<Scalar> make_case(const Shape& shape, std::uint64_t seed) {
   std::mt19937_64 generator(seed);

@@ -85,24 +85,12 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
     const auto& weights = this->weights();
     Core::project_rows(plan, query_projection_, detail::kQueryProjectionRowBlock, query.as_matrix(),
                        weights.query_kernel, weights.query_bias, projected_query, buffers);
-    const Scalar scale = Scalar(plan.scale);
-    const Index Dk = dims.key_dim;
     this->attend(
         plan, buffers.context, options,
         [&](const detail::AttentionItem& item, const BatchMask& mask,
             const ConstMatrixRef<Scalar>& key_tile, StageScratch scratch,
             MatrixRef<Scalar> scores) {
-          typename ScoreKernelT::Arguments args{
-              item.position(),
-              projected_query.block(item.batch * T + item.query_begin, item.head * Dk,
-                                    item.query_rows, Dk),
-              key_tile,
-              scale,
-              mask,
-              scores,
-              scratch};
-          ScoreKernelT::can_implement(args);
-          this->score_kernel_(args);
+          this->project_first_scores(plan, item, projected_query, mask, key_tile, scratch, scores);
         },
         buffers, result);
   }

@@ -11,6 +11,7 @@
 
 #include "sdmha/broadcast_ref.hpp"
 #include "sdmha/config.hpp"
+#include "sdmha/detail/dropout.hpp"
 #include "sdmha/errors.hpp"
 
 namespace sdmha {
@@ -82,11 +83,8 @@ class DropoutGenerator {
   std::uint64_t draws() const { return draws_; }
 
  private:
-  std::uint64_t draw(std::uint64_t k) const {
-    std::uint64_t x = seed_ + k * 0x9e3779b97f4a7c15ULL;  // SplitMix64
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-    return x ^ (x >> 31);
+  std::uint64_t draw(std::uint64_t k) const {  // SplitMix64: a Weyl step, then its finaliser
+    return detail::mix64(seed_ + k * 0x9e3779b97f4a7c15ULL);
   }
   std::uint64_t seed_;
   std::uint64_t draws_ = 0;

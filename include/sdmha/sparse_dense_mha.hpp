@@ -261,17 +261,7 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
       this->score_kernel_(args);
       return;
     }
-    typename ScoreKernelT::Arguments args{
-        item.position(),
-        projected_query.block(item.batch * T + item.query_begin, item.head * Dk, item.query_rows,
-                              Dk),
-        key,
-        scale,
-        mask,
-        scores,
-        scratch};
-    ScoreKernelT::can_implement(args);
-    this->score_kernel_(args);
+    this->project_first_scores(plan, item, projected_query, mask, key, scratch, scores);
   }
 
   QueryProjection query_projection_;

@@ -586,6 +586,27 @@ class AttentionCore {
         map.data(), map.rows(), map.cols(), Eigen::OuterStride<>(map.cols()));
   }
 
+  // The masked scores of one tile from its block of the projected query Q (B·T × H·Dk), by the
+  // score stage's project-first Arguments: the sparse layer's project_first strategy and the
+  // dense baseline.
+  void project_first_scores(const AttentionPlan& plan, const AttentionItem& item,
+                            const RowMatrix<Scalar>& projected_query, const BatchMask& mask,
+                            const ConstMatrixRef<Scalar>& key, StageScratch scratch,
+                            MatrixRef<Scalar> scores) const {
+    const Index Dk = plan.dims.key_dim;
+    typename ScoreKernel::Arguments args{
+        item.position(),
+        projected_query.block(item.batch * plan.steps + item.query_begin, item.head * Dk,
+                              item.query_rows, Dk),
+        key,
+        Scalar(plan.scale),
+        mask,
+        scores,
+        scratch};
+    ScoreKernel::can_implement(args);
+    score_kernel_(args);
+  }
+
   // A projection's bias, or an empty view when the layer has none.
   static ConstVectorRef<Scalar> bias_view(const Vector<Scalar>& bias) {
     static const Vector<Scalar> none;
