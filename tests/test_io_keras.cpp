@@ -26,14 +26,24 @@
 #error "SDMHA_TEST_DATA_DIR must be defined as the absolute path of tests/data"
 #endif
 
-// HDF5 1.10.8 keeps a few hundred bytes when it fails to load a corrupt object header: its own
-// error path, reproduced with the C API alone, while every identifier sdmha opens is closed (the
-// file's open-object count is 0 after each load). LeakSanitizer would report it after
-// CorruptBytesNeverCrash; only leaks allocated inside libhdf5 are exempt, and only this binary.
+// HDF5 1.10.8 loses memory on some corrupt object headers, in its own error paths: when a header's
+// declared length runs past the file's end of allocation ("actual len exceeds EOA"), the H5O_t that
+// H5O__prefix_deserialize took from HDF5's free lists is never given back (HDFGroup/hdf5 issue
+// 3790, fixed upstream by pull request 4445); a bare H5Fopen, H5Oopen, H5Fclose on such a file
+// does it too. CorruptBytesNeverCrash makes such files, while every identifier sdmha opens is
+// closed (expect_no_open_hdf5_ids checks it after each load). For this binary that means:
+//  - LeakSanitizer reports the lost blocks (4, about 1.3 KB, allocated in libhdf5). It cannot be
+//    avoided from outside HDF5, so leaks allocated inside libhdf5 are exempt, and only here;
+//  - HDF5's shutdown at exit never empties its free lists and prints "HDF5: infinite loop closing
+//    library" after 100 tries. HDF5 is told not to shut down at exit (the process's memory goes
+//    back to the system all the same). H5dont_atexit works only before HDF5's first call, hence a
+//    static initializer; no other file of the test binary calls HDF5.
 extern "C" const char* __lsan_default_suppressions() { return "leak:libhdf5\n"; }
 
 namespace sdmha_test {
 namespace {
+
+[[maybe_unused]] const herr_t kHdf5KeptOpenAtExit = H5dont_atexit();
 
 namespace fs = std::filesystem;
 using sdmha::FormatError;
@@ -66,11 +76,57 @@ std::string scratch(const std::string& name) {
   return dir.string();
 }
 
-// Runs `body`, which must throw ErrorType with a message that contains every needle.
+// HDF5 identifiers of the kinds that outlive their file: open files (with what is open in them),
+// and the dataspaces, datatypes and property lists sdmha opens (groups, datasets and attributes
+// close with their file, which sdmha opens with H5F_CLOSE_STRONG). HDF5 numbers each kind's
+// identifiers consecutively, so a fresh identifier of a kind taken at construction and another
+// taken later bound every one made in between.
+class OpenHdf5Ids {
+ public:
+  OpenHdf5Ids() : first_(probes()), files_(H5Fget_obj_count(H5F_OBJ_ALL, H5F_OBJ_ALL)) {}
+  // Identifiers made since construction and still open.
+  std::vector<hid_t> left_open() const {
+    const std::vector<hid_t> last = probes();
+    std::vector<hid_t> open;
+    for (std::size_t kind = 0; kind < last.size(); ++kind)
+      for (hid_t id = first_[kind] + 1; id < last[kind]; ++id)
+        if (H5Iis_valid(id) > 0) open.push_back(id);
+    EXPECT_EQ(H5Fget_obj_count(H5F_OBJ_ALL, H5F_OBJ_ALL), files_)
+        << "HDF5 files, or objects in them, left open";
+    return open;
+  }
+
+ private:
+  // A fresh identifier of each kind, closed at once.
+  static std::vector<hid_t> probes() {
+    const hid_t space = H5Screate(H5S_SCALAR), type = H5Tcopy(H5T_NATIVE_INT);
+    const hid_t list = H5Pcreate(H5P_FILE_ACCESS);
+    EXPECT_TRUE(space >= 0 && type >= 0 && list >= 0);
+    H5Sclose(space);
+    H5Tclose(type);
+    H5Pclose(list);
+    return {space, type, list};
+  }
+  std::vector<hid_t> first_;
+  ssize_t files_;
+};
+
+// Fails the test when `body` leaves an HDF5 identifier open, whether it returns or throws.
+template <typename Body>
+void expect_no_open_hdf5_ids(Body&& body) {
+  struct Check {
+    OpenHdf5Ids ids;
+    ~Check() { EXPECT_EQ(ids.left_open().size(), 0u) << "HDF5 identifiers left open"; }
+  } check;
+  body();
+}
+
+// Runs `body`, which must throw ErrorType with a message that contains every needle, and leave
+// no HDF5 identifier open.
 template <typename ErrorType, typename Body>
 void expect_error(Body&& body, std::initializer_list<std::string> needles) {
   try {
-    body();
+    expect_no_open_hdf5_ids(body);
   } catch (const ErrorType& error) {
     const std::string message = error.what();
     for (const std::string& needle : needles)
@@ -329,10 +385,11 @@ TEST(KerasFile, UnzippedKerasDirectoryLoads) {
   expect_forward(keras, "nested_attention.expected.npz", 1e-12);
 }
 
-// Loads `path`; anything but success or a FormatError / IoError fails the test (a crash ends it).
+// Loads `path`; anything but success or a FormatError / IoError fails the test (a crash ends it),
+// and so does an HDF5 identifier left open.
 void load_or_typed_error(const std::string& path) {
   try {
-    load_keras_layer<double>(path, "attention");
+    expect_no_open_hdf5_ids([&] { load_keras_layer<double>(path, "attention"); });
   } catch (const FormatError&) {
   } catch (const IoError&) {
   }
@@ -347,7 +404,8 @@ TEST(KerasFile, TruncatedFilesAreFormatErrors) {
       SCOPED_TRACE(std::string(name) + " cut to " + std::to_string(size));
       const std::string path = dir + "/" + name;
       write_bytes(path, std::vector<std::uint8_t>(bytes.begin(), bytes.begin() + long(size)));
-      EXPECT_THROW(load_keras_layer<double>(path, "attention"), FormatError);
+      EXPECT_THROW(expect_no_open_hdf5_ids([&] { load_keras_layer<double>(path, "attention"); }),
+                   FormatError);
     }
   }
 }
