@@ -152,6 +152,53 @@ struct Series {
   std::vector<double> of_peak, of_eigen;  // per-round ratios (thread CPU time)
 };
 
+// Warm-up, which also checks that the engine and Eigen agree; false (after saying where) if not.
+bool engines_agree(std::vector<Problem>& problems) {
+  for (Problem& p : problems) {
+    sdmha::RowMatrix<float> eigen_c(p.shape.m, p.shape.n);
+    const sdmha::StageScratch scratch = p.scratch.view();
+    eigen_product(p, eigen_c);
+    sdmha::detail::gemm_avx512(p.a_op(), p.b_op(), sdmha::MatrixRef<float>(p.c), 1.0f, false,
+                               scratch);
+    float difference = 0;  // a plain loop: Eigen's vectorised maxCoeff trips GCC 12 bug 105593
+    for (Index i = 0; i < eigen_c.size(); ++i)
+      difference = std::max(difference, std::abs(eigen_c.data()[i] - p.c.data()[i]));
+    if (!(difference <= 1e-4f * float(p.shape.k))) {
+      std::printf("engines disagree on %s: max |difference| %g\n", p.shape.role,
+                  double(difference));
+      return false;
+    }
+  }
+  return true;
+}
+
+void print_table(int rounds, double sample_seconds, const std::vector<Problem>& problems,
+                 const Series& peak, const std::vector<Series>& ours,
+                 const std::vector<Series>& eigen) {
+  std::printf(
+      "one core, %d rounds, ~%.1f ms samples; FMA peak (12 zmm chains): median %.1f GFLOP/s by "
+      "thread "
+      "CPU time (quartiles %.1f-%.1f), %.1f by wall time\n\n",
+      rounds, sample_seconds * 1e3, median(peak.cpu), quantile(peak.cpu, 0.25),
+      quantile(peak.cpu, 0.75), median(peak.wall));
+  std::printf("%-19s %-15s %-6s|%29s|%22s|%16s\n", "", "", "", "thread CPU time, medians  ",
+              "per-round ratios  ", "wall, medians ");
+  std::printf("%-19s %-15s %-6s|%8s %6s %7s %6s|%8s %6s %6s|%8s %7s\n", "role", "m x n x k", "op",
+              "ours", "best", "Eigen", "", "ours/pk", "Eig/pk", "x Eig", "ours", "Eigen");
+  for (std::size_t s = 0; s < problems.size(); ++s) {
+    const Shape& sh = problems[s].shape;
+    const std::string dims =
+        std::to_string(sh.m) + "x" + std::to_string(sh.n) + "x" + std::to_string(sh.k);
+    const std::string op =
+        std::string(sh.transpose_a ? "At" : "A") + (sh.transpose_b ? ".Bt" : ".B");
+    std::printf("%-19s %-15s %-6s|%8.1f %6.1f %7.1f %6s|%7.1f%% %5.1f%% %5.2fx|%8.1f %7.1f\n",
+                sh.role, dims.c_str(), op.c_str(), median(ours[s].cpu), best(ours[s].cpu),
+                median(eigen[s].cpu), "", 100.0 * median(ours[s].of_peak),
+                100.0 * median(eigen[s].of_peak), median(ours[s].of_eigen), median(ours[s].wall),
+                median(eigen[s].wall));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -173,23 +220,7 @@ int main(int argc, char** argv) {
   std::mt19937 rng(42);
   std::vector<Problem> problems;
   for (const Shape& s : shapes) problems.push_back(make_problem(s, rng));
-
-  // Warm-up, which also checks that the engine and Eigen agree.
-  for (Problem& p : problems) {
-    sdmha::RowMatrix<float> eigen_c(p.shape.m, p.shape.n);
-    const sdmha::StageScratch scratch = p.scratch.view();
-    eigen_product(p, eigen_c);
-    sdmha::detail::gemm_avx512(p.a_op(), p.b_op(), sdmha::MatrixRef<float>(p.c), 1.0f, false,
-                               scratch);
-    float difference = 0;  // a plain loop: Eigen's vectorised maxCoeff trips GCC 12 bug 105593
-    for (Index i = 0; i < eigen_c.size(); ++i)
-      difference = std::max(difference, std::abs(eigen_c.data()[i] - p.c.data()[i]));
-    if (!(difference <= 1e-4f * float(p.shape.k))) {
-      std::printf("engines disagree on %s: max |difference| %g\n", p.shape.role,
-                  double(difference));
-      return 1;
-    }
-  }
+  if (!engines_agree(problems)) return 1;
 
   // Repetitions per sample: about sample_seconds each at the rate of a first timing.
   std::vector<long> repetitions;
@@ -257,29 +288,7 @@ int main(int argc, char** argv) {
       eigen[s].of_peak.push_back(e_cpu / peak_cpu);
     }
   }
-
-  std::printf(
-      "one core, %d rounds, ~%.1f ms samples; FMA peak (12 zmm chains): median %.1f GFLOP/s by "
-      "thread "
-      "CPU time (quartiles %.1f-%.1f), %.1f by wall time\n\n",
-      rounds, sample_seconds * 1e3, median(peak.cpu), quantile(peak.cpu, 0.25),
-      quantile(peak.cpu, 0.75), median(peak.wall));
-  std::printf("%-19s %-15s %-6s|%29s|%22s|%16s\n", "", "", "", "thread CPU time, medians  ",
-              "per-round ratios  ", "wall, medians ");
-  std::printf("%-19s %-15s %-6s|%8s %6s %7s %6s|%8s %6s %6s|%8s %7s\n", "role", "m x n x k", "op",
-              "ours", "best", "Eigen", "", "ours/pk", "Eig/pk", "x Eig", "ours", "Eigen");
-  for (std::size_t s = 0; s < problems.size(); ++s) {
-    const Shape& sh = problems[s].shape;
-    const std::string dims =
-        std::to_string(sh.m) + "x" + std::to_string(sh.n) + "x" + std::to_string(sh.k);
-    const std::string op =
-        std::string(sh.transpose_a ? "At" : "A") + (sh.transpose_b ? ".Bt" : ".B");
-    std::printf("%-19s %-15s %-6s|%8.1f %6.1f %7.1f %6s|%7.1f%% %5.1f%% %5.2fx|%8.1f %7.1f\n",
-                sh.role, dims.c_str(), op.c_str(), median(ours[s].cpu), best(ours[s].cpu),
-                median(eigen[s].cpu), "", 100.0 * median(ours[s].of_peak),
-                100.0 * median(eigen[s].of_peak), median(ours[s].of_eigen), median(ours[s].wall),
-                median(eigen[s].wall));
-  }
+  print_table(rounds, sample_seconds, problems, peak, ours, eigen);
   return 0;
 }
 
