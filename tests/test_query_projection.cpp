@@ -641,3 +641,117 @@ TYPED_TEST(QueryProjectionCsrKernelsTest, StageWithStreamingStoresMatchesTheDoub
 
 }  // namespace
 }  // namespace sdmha_test
+
+// ---- the query kernel in bfloat16
+// ---------------------------------------------------------------- (QueryProjection in the suite
+// name so that --gtest_filter='*QueryProjection*' selects them.)
+
+namespace sdmha_test {
+namespace {
+
+using BFloat16Matrix = sdmha::RowMatrix<Eigen::bfloat16>;
+using FloatProjection = sdmha::SparseQueryProjection<float>;
+
+// Wq rounded to bfloat16, and that rounding widened back to float (exact).
+struct RoundedKernel {
+  BFloat16Matrix rounded;
+  sdmha::RowMatrix<float> widened;
+  explicit RoundedKernel(const sdmha::RowMatrix<float>& kernel)
+      : rounded(kernel.cast<Eigen::bfloat16>()), widened(rounded.cast<float>()) {}
+};
+
+sdmha::RowMatrix<float> random_kernel(Index rows, Index columns, std::uint64_t seed) {
+  sdmha::RowMatrix<float> kernel(rows, columns);
+  const auto values = random_values<float>(kernel.size(), seed);
+  std::copy(values.begin(), values.end(), kernel.data());
+  return kernel;
+}
+
+// The bfloat16 kernel is the float by-row kernel on the widened rounding, bit for bit: on every
+// panel tail, with and without bias, with empty and full rows, and for a kernel beyond the cache
+// (the prefetching path) whose rows are long enough to prefetch ahead.
+TEST(QueryProjectionBFloat16Test, IsTheFloatKernelOnTheRoundedWeightsBitForBit) {
+  struct Size {
+    Index rows, features, width;
+    std::vector<Index> row_sizes;
+  };
+  const std::vector<Size> sizes = {{9, 40, 1, {5, 0, 1, 40}},     {9, 40, 17, {5, 0, 1, 40}},
+                                   {7, 64, 255, {3, 64, 0}},      {7, 64, 256, {3, 64, 0}},
+                                   {5, 33, 300, {33, 2}},         {4, 4096, 300, {90, 0, 17, 400}},
+                                   {3, 2100, 520, {200, 1, 2100}}};
+  for (const Size& size : sizes) {
+    const HandCsr<float> x(size.rows, size.features, size.row_sizes,
+                           70 + std::uint64_t(size.width));
+    const RoundedKernel kernel(random_kernel(size.features, size.width, 71));
+    const sdmha::Vector<float> bias = sdmha::Vector<float>::LinSpaced(size.width, -1.0f, 1.0f);
+    for (const float* bias_data : {static_cast<const float*>(nullptr), bias.data()}) {
+      sdmha::RowMatrix<float> from_bfloat16(size.rows, size.width), widened(size.rows, size.width);
+      sdmha::detail::csr_bfloat16_product(x.view(), kernel.rounded.data(), size.width, bias_data,
+                                          from_bfloat16.data(), size.width, size.width);
+      sdmha::detail::csr_dense_product(x.view(), kernel.widened.data(), size.width, bias_data,
+                                       widened.data(), size.width, size.width);
+      EXPECT_EQ(0, std::memcmp(from_bfloat16.data(), widened.data(),
+                               sizeof(float) * std::size_t(widened.size())))
+          << size.rows << " x " << size.features << " x " << size.width;
+    }
+  }
+}
+
+// Against the float64 product with the exact weights: rounding each weight to nearest bfloat16
+// moves it by at most 2⁻⁹ of itself, so |Q̃ − Q| ≤ 2⁻⁹·Σ|x·w| plus float32's own summation error
+// (at most (n + 1)·2⁻²⁴·Σ|x·w| for n stored values). Also at least one entry must differ from the
+// float kernel's, or the test would not see the rounding at all.
+TEST(QueryProjectionBFloat16Test, StageStaysWithinTheRoundingBoundOfTheExactProduct) {
+  const Index rows = 6, features = 3000, width = 260;
+  const HandCsr<float> x(rows, features, {300, 0, 7, 1500}, 81);
+  const sdmha::RowMatrix<float> exact = random_kernel(features, width, 82);
+  const RoundedKernel kernel(exact);
+  const sdmha::Vector<float> bias = sdmha::Vector<float>::Constant(width, 0.5f);
+  sdmha::RowMatrix<float> output(rows, width), in_float(rows, width);
+  const FloatProjection stage;
+  FloatProjection::Arguments args{x.view(), exact, bias, output};
+  args.kernel_bfloat16 = &kernel.rounded;
+  FloatProjection::can_implement(args);
+  stage(args);
+  stage({x.view(), exact, bias, in_float});
+  const auto expected = x.reference(exact.data(), width, bias.data(), width);
+  bool differs = false;
+  for (Index r = 0; r < rows; ++r) {
+    const Index stored = x.offsets[std::size_t(r) + 1] - x.offsets[std::size_t(r)];
+    for (Index j = 0; j < width; ++j) {
+      double magnitude = 0.5;
+      for (int k = x.offsets[std::size_t(r)]; k < x.offsets[std::size_t(r) + 1]; ++k)
+        magnitude += std::abs(double(x.values[std::size_t(k)]) *
+                              double(exact(x.columns[std::size_t(k)], j)));
+      const double bound = (std::ldexp(1.0, -9) + double(stored + 1) * std::ldexp(1.0, -24)) *
+                           magnitude * (1 + 1e-6);
+      ASSERT_LE(std::abs(double(output(r, j)) - expected[std::size_t(r * width + j)]), bound)
+          << r << ", " << j;
+      differs = differs || output(r, j) != in_float(r, j);
+    }
+  }
+  EXPECT_TRUE(differs);
+}
+
+TEST(QueryProjectionBFloat16Test, CanImplementRejectsAMismatchedOrDoubleKernel) {
+  const HandCsr<float> x(3, 20, {4}, 91);
+  const sdmha::RowMatrix<float> kernel = random_kernel(20, 8, 92);
+  const RoundedKernel wrong(random_kernel(20, 9, 93));
+  sdmha::RowMatrix<float> output(3, 8);
+  FloatProjection::Arguments args{x.view(), kernel, sdmha::Vector<float>(), output};
+  args.kernel_bfloat16 = &wrong.rounded;
+  SDMHA_EXPECT_THROW_WITH(FloatProjection::can_implement(args), sdmha::ShapeError,
+                          "kernel_bfloat16 is 20 x 9; expected the kernel's 20 x 8");
+  const HandCsr<double> x64(3, 20, {4}, 94);
+  const sdmha::RowMatrix<double> kernel64 = kernel.cast<double>();
+  const RoundedKernel rounded(kernel);
+  sdmha::RowMatrix<double> output64(3, 8);
+  sdmha::SparseQueryProjection<double>::Arguments args64{x64.view(), kernel64,
+                                                         sdmha::Vector<double>(), output64};
+  args64.kernel_bfloat16 = &rounded.rounded;
+  SDMHA_EXPECT_THROW_WITH(sdmha::SparseQueryProjection<double>::can_implement(args64),
+                          sdmha::ConfigError, "bfloat16 kernels need Scalar = float");
+}
+
+}  // namespace
+}  // namespace sdmha_test

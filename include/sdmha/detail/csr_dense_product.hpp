@@ -18,10 +18,11 @@
 // By features (csr_dense_product_by_feature). When W is far beyond L2 and the rows given share
 // features, X's rows are regrouped by feature (a CSC copy in caller-provided scratch) and, for
 // each used feature, the panels of its W row are loaded into registers one after the other and
-// added into every row that holds the feature: Y(r, panel) += x · W(f, panel), the output block
-// staying in L2. W then streams from memory once per call, row after row, instead of one random
-// row per stored value (panels in the outer loop would read W once per panel, each pass touching
-// every page). Each output entry
+// added into every row that holds the feature: Y(r, panel) += x · W(f, panel). The panels go in
+// the outer loop (kFeaturePanelPackets packets each), so that one panel of the output block stays
+// in L2 while that panel of W streams past, once per call, row after row, instead of one random
+// row of W per stored value; a whole output row per stored value would not stay in a 1 MB L2
+// beside that stream. Each output entry
 // still accumulates its row's values in ascending feature order with one FMA each, so for rows
 // with sorted columns the result is bitwise that of the by-row kernel.
 //
@@ -107,6 +108,9 @@ inline void stream_fence() {
 // the output's lines are written without first being read for ownership.
 constexpr double kStreamOutputBytes = 256.0 * 1024;
 
+// The L2 of one core: a dense operand beyond it is read from memory (or L3) on every pass.
+constexpr double kCoreCacheBytes = 2.0 * 1024 * 1024;
+
 // One row, one panel of `Packets` packets from column `first_column`: the stored values
 // [begin, end) with their feature columns.
 template <int Packets, typename Scalar, typename StorageIndex>
@@ -170,6 +174,112 @@ void csr_dense_product(const CsrView<Scalar, StorageIndex>& x, const Scalar* wei
   if (stream) stream_fence();
 }
 
+// ---- by rows with W in bfloat16 ---------------------------------------------------------------
+//
+// The same by-row kernel with W stored in bfloat16 (Eigen::bfloat16: float's upper 16 bits,
+// rounded to nearest even). Each W entry is widened exactly to float before its FMA, which is
+// the by-row kernel's, so the result is bitwise csr_dense_product on W widened to float: the only
+// rounding is W's own. What it saves is memory traffic: a stored value reads 2·N bytes of W
+// instead of 4·N. Rows go in the outer loop as in the float kernel, and when W is beyond L2 the
+// rows of W of the stored values `kBFloat16PrefetchAhead` places ahead in the row are prefetched
+// whole, since each one is a random row of W that would otherwise be a demand miss to memory.
+constexpr Index kBFloat16PrefetchAhead = 16;
+
+// A packet of floats from `Packet`'s number of bfloat16 values (widened: shifted into the upper
+// half of each float). AVX-512 and AVX2 have one-instruction widenings; other packet types go
+// through a small buffer.
+template <typename Packet>
+EIGEN_ALWAYS_INLINE Packet load_widened(const Eigen::bfloat16* source) {
+  using namespace Eigen::internal;
+  constexpr int size = unpacket_traits<Packet>::size;
+  alignas(64) float buffer[size];
+  for (int i = 0; i < size; ++i) buffer[i] = static_cast<float>(source[i]);
+  return pload<Packet>(buffer);
+}
+#if defined(EIGEN_VECTORIZE_AVX512)
+template <>
+EIGEN_ALWAYS_INLINE __m512 load_widened<__m512>(const Eigen::bfloat16* source) {
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(source));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+#endif
+#if defined(EIGEN_VECTORIZE_AVX2)
+template <>
+EIGEN_ALWAYS_INLINE __m256 load_widened<__m256>(const Eigen::bfloat16* source) {
+  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+#endif
+
+// One row, one panel of `Packets` packets of floats from column `first_column`, W in bfloat16;
+// with `prefetch_rows`, also the whole rows of W (`row_lines` cache lines each) of the stored
+// values kBFloat16PrefetchAhead places ahead.
+template <int Packets, typename StorageIndex>
+EIGEN_ALWAYS_INLINE void csr_bfloat16_row_panel(const StorageIndex* columns, const float* values,
+                                                Index begin, Index end,
+                                                const Eigen::bfloat16* weight, Index weight_stride,
+                                                const float* bias, float* output_row,
+                                                Index first_column, Index prefetch_lines) {
+  using namespace Eigen::internal;
+  using Packet = typename PacketOf<float>::Packet;
+  constexpr int packet_size = PacketOf<float>::size;
+  Packet accumulator[Packets];
+  for (int p = 0; p < Packets; ++p)
+    accumulator[p] = bias != nullptr ? ploadu<Packet>(bias + first_column + p * packet_size)
+                                     : pset1<Packet>(0.0f);
+  for (Index k = begin; k < end; ++k) {
+    if (prefetch_lines > 0 && k + kBFloat16PrefetchAhead < end) {
+      const char* ahead = reinterpret_cast<const char*>(
+          weight + Index(columns[k + kBFloat16PrefetchAhead]) * weight_stride);
+      for (Index line = 0; line < prefetch_lines; ++line)
+        __builtin_prefetch(ahead + 64 * line, 0, 3);
+    }
+    const Eigen::bfloat16* weight_row = weight + Index(columns[k]) * weight_stride + first_column;
+    const Packet value = pset1<Packet>(values[k]);
+    for (int p = 0; p < Packets; ++p)
+      accumulator[p] =
+          pmadd(value, load_widened<Packet>(weight_row + p * packet_size), accumulator[p]);
+  }
+  for (int p = 0; p < Packets; ++p)
+    pstoreu(output_row + first_column + p * packet_size, accumulator[p]);
+}
+
+// Y (x.rows × columns) = X·W + b with W (x.cols × columns, row stride weight_stride) in
+// bfloat16; float X, b and Y. X must be validated.
+template <typename StorageIndex>
+void csr_bfloat16_product(const CsrView<float, StorageIndex>& x, const Eigen::bfloat16* weight,
+                          Index weight_stride, const float* bias, float* output,
+                          Index output_stride, Index columns) {
+  const bool beyond_cache =
+      double(x.cols) * double(columns) * sizeof(Eigen::bfloat16) > kCoreCacheBytes;
+  const Index row_lines = (columns * Index(sizeof(Eigen::bfloat16)) + 63) / 64;
+  for (Index row = 0; row < x.rows; ++row) {
+    const Index begin = x.row_begin(row), end = x.row_end(row);
+    float* output_row = output + row * output_stride;
+    Index column = 0;
+    Index prefetch_lines = beyond_cache ? row_lines : 0;  // the first panel brings whole rows
+    if constexpr (PacketOf<float>::vectorized) {
+      constexpr Index packet_size = PacketOf<float>::size;
+      for (; column + kPanelPackets * packet_size <= columns;
+           column += kPanelPackets * packet_size, prefetch_lines = 0)
+        csr_bfloat16_row_panel<kPanelPackets>(x.column_indices, x.values, begin, end, weight,
+                                              weight_stride, bias, output_row, column,
+                                              prefetch_lines);
+      for (; column + packet_size <= columns; column += packet_size, prefetch_lines = 0)
+        csr_bfloat16_row_panel<1>(x.column_indices, x.values, begin, end, weight, weight_stride,
+                                  bias, output_row, column, prefetch_lines);
+    }
+    if (column == columns) continue;
+    for (Index j = column; j < columns; ++j) output_row[j] = bias != nullptr ? bias[j] : 0.0f;
+    for (Index k = begin; k < end; ++k) {
+      const Eigen::bfloat16* weight_row = weight + Index(x.column_indices[k]) * weight_stride;
+      const float value = x.values[k];
+      for (Index j = column; j < columns; ++j)
+        output_row[j] += value * static_cast<float>(weight_row[j]);
+    }
+  }
+}
+
 // X's stored values regrouped by feature (its CSC), over memory carved from a stage's scratch:
 // what the by-feature kernels read. 32-bit-or-narrower StorageIndex keeps it small (the
 // forward's 512-row blocks stay in L2).
@@ -227,9 +337,6 @@ bool by_feature_fits(const CsrView<Scalar, StorageIndex>& x) {
   return x.rows <= Index(std::numeric_limits<StorageIndex>::max()) &&
          x.cols < Index(std::numeric_limits<StorageIndex>::max());
 }
-
-// The L2 of one core: a dense operand beyond it is read from memory (or L3) on every pass.
-constexpr double kCoreCacheBytes = 2.0 * 1024 * 1024;
 
 // Whether the query's gradients, dWq = Xᵀ·dQ and dX = dQ·Wqᵀ at X's pattern, go by feature
 // (X's CSC) rather than by rows: when Wq and dWq (Eq × N) are beyond L2 and larger than dQ
@@ -329,9 +436,30 @@ EIGEN_ALWAYS_INLINE void scatter_feature_panel(const Entry* entries, Index begin
   }
 }
 
+// Columns of the output per pass of the by-feature kernel: 8 packets (128 floats with AVX-512,
+// 512 bytes of each output row), so that a pass's panel of a 512-row block (256 KB) stays in L2
+// beside the stream of W, where a whole 2 KB output row per stored value would not.
+constexpr int kFeaturePanelPackets = 8;
+
+// One pass of the by-feature kernel: Y(:, panel) += x · W(f, panel) for every used feature, the
+// panel being `Packets` packets from column `first_column`.
+template <int Packets, typename Scalar, typename StorageIndex>
+void scatter_panel_by_feature(const FeatureGroups<Scalar, StorageIndex>& groups,
+                              const Scalar* weight, Index weight_stride, Scalar* output,
+                              Index output_stride, Index first_column) {
+  const StorageIndex* offsets = groups.feature_offsets;
+  for (Index i = 0; i < groups.used_count; ++i) {
+    const Index feature = groups.used_features[i];
+    scatter_feature_panel<Packets>(groups.entries, offsets[feature], offsets[feature + 1],
+                                   weight + feature * weight_stride, output, output_stride,
+                                   first_column);
+  }
+}
+
 // Y = X·W + b by features (see the top of the file), with the caller's scratch. Requires
-// by_feature_fits(x). Features go in the outer loop and a feature's panels follow one another,
-// so that W is read once, row after row, in order.
+// by_feature_fits(x). Column panels go in the outer loop and features in the inner one, so that
+// each pass reads its panel of W once, row after row, in order, while its panel of Y stays in
+// L2; every entry of Y still takes its row's values in ascending feature order.
 template <typename Scalar, typename StorageIndex>
 void csr_dense_product_by_feature(const CsrView<Scalar, StorageIndex>& x, const Scalar* weight,
                                   Index weight_stride, const Scalar* bias, Scalar* output,
@@ -343,29 +471,26 @@ void csr_dense_product_by_feature(const CsrView<Scalar, StorageIndex>& x, const 
     Scalar* output_row = output + row * output_stride;
     for (Index j = 0; j < columns; ++j) output_row[j] = bias != nullptr ? bias[j] : Scalar(0);
   }
+  Index column = 0;
+  if constexpr (PacketOf<Scalar>::vectorized) {
+    constexpr Index packet_size = PacketOf<Scalar>::size;
+    constexpr Index panel = kFeaturePanelPackets * packet_size;
+    for (; column + panel <= columns; column += panel)
+      scatter_panel_by_feature<kFeaturePanelPackets>(scratch, weight, weight_stride, output,
+                                                     output_stride, column);
+    for (; column + packet_size <= columns; column += packet_size)
+      scatter_panel_by_feature<1>(scratch, weight, weight_stride, output, output_stride, column);
+  }
+  if (column == columns) return;
   const StorageIndex* offsets = scratch.feature_offsets;
   const auto* entries = scratch.entries;
   for (Index i = 0; i < scratch.used_count; ++i) {
     const Index feature = scratch.used_features[i];
-    const Index begin = offsets[feature], end = offsets[feature + 1];
     const Scalar* weight_row = weight + feature * weight_stride;
-    Index column = 0;
-    if constexpr (PacketOf<Scalar>::vectorized) {
-      constexpr Index packet_size = PacketOf<Scalar>::size;
-      for (; column + kPanelPackets * packet_size <= columns; column += kPanelPackets * packet_size)
-        scatter_feature_panel<kPanelPackets>(entries, begin, end, weight_row, output, output_stride,
-                                             column);
-      for (; column + 4 * packet_size <= columns; column += 4 * packet_size)
-        scatter_feature_panel<4>(entries, begin, end, weight_row, output, output_stride, column);
-      for (; column + packet_size <= columns; column += packet_size)
-        scatter_feature_panel<1>(entries, begin, end, weight_row, output, output_stride, column);
-    }
-    if (column < columns) {
-      for (Index k = begin; k < end; ++k) {
-        Scalar* out = output + Index(entries[k].row) * output_stride;
-        const Scalar value = entries[k].value;
-        for (Index j = column; j < columns; ++j) out[j] += value * weight_row[j];
-      }
+    for (Index k = offsets[feature]; k < offsets[feature + 1]; ++k) {
+      Scalar* out = output + Index(entries[k].row) * output_stride;
+      const Scalar value = entries[k].value;
+      for (Index j = column; j < columns; ++j) out[j] += value * weight_row[j];
     }
   }
 }

@@ -5,6 +5,10 @@
 //   pre:   X validated (columns in [0, Eq)); Wq has Eq rows; Q is rows × N
 //   cost:  2·nnz(X)·N flops, reading one row of Wq per stored value; X is never densified
 //
+// With `kernel_bfloat16` given (float only), the products read that copy of Wq instead: each
+// entry rounded to bfloat16 and widened exactly, products and sums in float32, so Q is bitwise
+// the float kernel's result on the rounded Wq, for half of Wq's memory traffic.
+//
 // Backward, given dQ:
 //   dWq = Xᵀ·dQ                               (KernelGradientArguments; 2·nnz·N flops)
 //   dX[r, c] = dQ[r, :]·Wq[c, :] at X's stored (r, c) only, in CSR order (ValuesGradientArguments)
@@ -16,6 +20,8 @@
 // split N into column panels (by rows) or the features into blocks (by feature) for any thread
 // count and get the same bits.
 #pragma once
+
+#include <type_traits>
 
 #include "sdmha/config.hpp"
 #include "sdmha/detail/csr_dense_product.hpp"
@@ -31,6 +37,7 @@ struct SparseQueryProjection {
   using StorageIndexType = StorageIndex;
   using differentiates = SparseQueryProjection;
   using FeatureGroups = detail::FeatureGroups<Scalar, StorageIndex>;
+  using BFloat16Kernel = RowMatrix<Eigen::bfloat16>;
 
   struct Arguments {
     CsrView<Scalar, StorageIndex> query;  // rows × Eq
@@ -38,6 +45,8 @@ struct SparseQueryProjection {
     ConstVectorRef<Scalar> bias;    // N, or empty for no bias
     mutable MatrixRef<Scalar> output;  // rows × N
     StageScratch workspace = {};       // workspace_size() bytes for this call's sizes
+    // Wq rounded to bfloat16 (Eq × N), or null: the float kernel is read.
+    const BFloat16Kernel* kernel_bfloat16 = nullptr;
   };
 
   // Two register-blocked kernels (detail/csr_dense_product.hpp gives the reasons). By rows: a
@@ -72,6 +81,16 @@ struct SparseQueryProjection {
     if (args.output.rows() != args.query.rows || args.output.cols() != args.kernel.cols())
       detail::fail<ShapeError>(where, "output is ", args.output.rows(), " x ", args.output.cols(),
                                "; expected ", args.query.rows, " x ", args.kernel.cols());
+    if (args.kernel_bfloat16 == nullptr) return;
+    if (!std::is_same<Scalar, float>::value)
+      detail::fail<ConfigError>(where,
+                                "kernel_bfloat16 is given for a double layer; expected it "
+                                "empty (bfloat16 kernels need Scalar = float)");
+    if (args.kernel_bfloat16->rows() != args.kernel.rows() ||
+        args.kernel_bfloat16->cols() != args.kernel.cols())
+      detail::fail<ShapeError>(where, "kernel_bfloat16 is ", args.kernel_bfloat16->rows(), " x ",
+                               args.kernel_bfloat16->cols(), "; expected the kernel's ",
+                               args.kernel.rows(), " x ", args.kernel.cols());
   }
 
   // The by-row kernel writes Q with streaming stores when Wq fits in L2 (so that reading Wq does
@@ -85,6 +104,16 @@ struct SparseQueryProjection {
 
   void operator()(const Arguments& args) const {
     const Scalar* bias = args.bias.size() != 0 ? args.bias.data() : nullptr;
+    if constexpr (std::is_same<Scalar, float>::value) {
+      // By rows, prefetching the rows of Wq ahead: a bfloat16 row is half the bytes, and the
+      // by-feature kernel's cost (adding into the output rows in L2) would not shrink with it.
+      if (args.kernel_bfloat16 != nullptr) {
+        detail::csr_bfloat16_product(args.query, args.kernel_bfloat16->data(),
+                                     args.kernel_bfloat16->cols(), bias, args.output.data(),
+                                     args.output.outerStride(), args.kernel.cols());
+        return;
+      }
+    }
     if (by_feature(args)) {
       detail::ScratchCarver carver(args.workspace);
       FeatureGroups groups =
