@@ -78,21 +78,25 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
     block.input_width = dims.query_dim;
     block.output_width = dims.projected_key_width();
     this->finish_plan(plan, detail::stage_workspace_size<QueryProjection>(block));
+    this->plan_context_streaming(plan);
     buffers.prepare_workers(plan.workers(B * T), plan.worker_scratch_bytes, plan.tile_entries, 2);
-    this->project_context_into(plan, key, value, buffers, buffers.context);
+    // Streamed (plan.context_chunk > 0), K and V are projected chunk by chunk inside the attention.
+    if (plan.context_chunk == 0)
+      this->project_context_into(plan, key, value, buffers, buffers.context);
     RowMatrix<Scalar>& projected_query = buffers.projected_query;
     projected_query.resize(B * T, dims.projected_key_width());
     const auto& weights = this->weights();
     Core::project_rows(plan, query_projection_, detail::kQueryProjectionRowBlock, query.as_matrix(),
                        weights.query_kernel, weights.query_bias, projected_query, buffers);
-    this->attend(
-        plan, buffers.context, options,
-        [&](const detail::AttentionItem& item, const BatchMask& mask,
-            const ConstMatrixRef<Scalar>& key_tile, StageScratch scratch,
-            MatrixRef<Scalar> scores) {
-          this->project_first_scores(plan, item, projected_query, mask, key_tile, scratch, scores);
-        },
-        buffers, result);
+    auto scores = [&](const detail::AttentionItem& item, const BatchMask& mask,
+                      const ConstMatrixRef<Scalar>& key_tile, StageScratch scratch,
+                      MatrixRef<Scalar> tile) {
+      this->project_first_scores(plan, item, projected_query, mask, key_tile, scratch, tile);
+    };
+    if (plan.context_chunk > 0)
+      this->attend_streamed(plan, key, value, options, scores, buffers, result);
+    else
+      this->attend(plan, buffers.context, options, scores, buffers, result);
   }
 
   AttentionResult<Scalar> forward(const TensorRef3<Scalar>& query, const TensorRef3<Scalar>& value,

@@ -32,6 +32,14 @@ namespace sdmha {
 namespace detail {
 template <typename Layer>
 struct Backward;
+
+// Whether a query projection stage's Arguments take a bfloat16 kernel (`kernel_bfloat16`).
+template <typename Stage, typename = void>
+struct reads_bfloat16_kernel : std::false_type {};
+template <typename Stage>
+struct reads_bfloat16_kernel<
+    Stage, std::void_t<decltype(std::declval<typename Stage::Arguments&>().kernel_bfloat16)>>
+    : std::true_type {};
 template <typename Layer>
 struct LayerInternals;
 }  // namespace detail
@@ -73,6 +81,48 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
   QueryProjection& query_projection() { return query_projection_; }
   const QueryProjection& query_projection() const { return query_projection_; }
 
+  // The precision the forward reads the query kernel Wq in. Precision::bfloat16 (Scalar =
+  // float): Wq is rounded to the nearest bfloat16 now, and every forward is the layer whose Wq
+  // is that rounding (products and sums in float32), for half of Wq's memory traffic. The copy
+  // is a snapshot: after a write access through weights(), or with a Wq of another size or
+  // place, a forward is a ConfigError until this is called again (weights shared with the
+  // caller and changed through the caller's handle are the caller's to re-round). The backward
+  // differentiates the float32 layer, so it is a ConfigError under bfloat16; so is the
+  // sparse_regrouped score strategy, which reads the float32 Wq (automatic projects first).
+  void set_query_kernel_precision(Precision precision) {
+    constexpr const char* where = "SparseDenseMHA::set_query_kernel_precision";
+    if (precision == Precision::float32) {
+      query_kernel_bfloat16_.reset();
+      return;
+    }
+    if constexpr (!std::is_same<Scalar, float>::value) {
+      detail::fail<ConfigError>(where,
+                                "precision is bfloat16 for a double layer; expected "
+                                "float32 (bfloat16 kernels need Scalar = float)");
+    } else if constexpr (!detail::reads_bfloat16_kernel<QueryProjection>::value) {
+      detail::fail<ConfigError>(where,
+                                "precision is bfloat16 but the query projection stage "
+                                "takes no kernel_bfloat16; expected float32");
+    } else {
+      const auto& kernel = Core::weights().query_kernel;
+      auto snapshot = std::make_shared<QueryKernelSnapshot>();
+      snapshot->rounded = kernel.template cast<Eigen::bfloat16>();
+      snapshot->source = kernel.data();
+      query_kernel_bfloat16_ = std::move(snapshot);
+      query_kernel_written_ = false;
+    }
+  }
+  Precision query_kernel_precision() const {
+    return query_kernel_bfloat16_ != nullptr ? Precision::bfloat16 : Precision::float32;
+  }
+
+  // The weights, as the base's; a write access makes a bfloat16 query kernel stale.
+  using Core::weights;
+  MhaWeights<Scalar>& weights() {
+    query_kernel_written_ = true;
+    return Core::weights();
+  }
+
   // query (B, T, Eq) sparse; key (B, S, Ek); value (B, S, Ev) → output (B, T, O). Thread-safe
   // (a DropoutGenerator in the options is not: it belongs to one caller).
   AttentionResult<Scalar> forward(const Query& query, const TensorRef3<Scalar>& key,
@@ -94,10 +144,15 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
     Core::check_context(where, dims, query.batch(), key, value);
     const typename Workspace<Scalar>::Lease lease(workspace, where);
     auto& buffers = lease.buffers();
-    const auto plan =
+    auto plan =
         plan_call(where, dims, query, value.dimension(1), options, detail::Pass::forward, buffers);
+    this->plan_context_streaming(plan);
+    if (plan.context_chunk > 0) {  // K and V projected chunk by chunk as the attention needs them
+      run(plan, query, options, buffers, result, key, value);
+      return;
+    }
     this->project_context_into(plan, key, value, buffers, buffers.context);
-    run(plan, query, buffers.context, options, buffers, result);
+    run(plan, query, options, buffers, result, buffers.context);
   }
 
   // The same against keys and values projected once by project_context(key, value).
@@ -119,7 +174,7 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
     auto& buffers = lease.buffers();
     const auto plan =
         plan_call(where, dims, query, context.key_steps, options, detail::Pass::forward, buffers);
-    run(plan, query, context, options, buffers, result);
+    run(plan, query, options, buffers, result, context);
   }
 
   // Self-attention form of Keras' call(query, value): the key is the value.
@@ -157,6 +212,7 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
   ScoreStrategy resolve_strategy(ScoreStrategy requested, const Query& query, Index key_steps,
                                  bool causal) const {
     if (requested != ScoreStrategy::automatic) return requested;
+    if (query_kernel_bfloat16_ != nullptr) return ScoreStrategy::project_first;
     std::vector<Index> marks;
     detail::AttentionPlan plan;
     plan.dims = this->dims();
@@ -184,10 +240,13 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
                                   detail::Pass pass, detail::CallBuffers<Scalar>& buffers) const {
     auto plan =
         Core::check_options(where, dims, query.batch(), query.steps(), key_steps, options, pass);
-    const bool count_features = options.score_strategy != ScoreStrategy::project_first;
+    check_query_kernel_precision(where, options, pass);
+    const ScoreStrategy requested =
+        query_kernel_bfloat16_ != nullptr ? ScoreStrategy::project_first : options.score_strategy;
+    const bool count_features = requested != ScoreStrategy::project_first;
     plan.query = detail::query_statistics(query.csr(), query.batch(), query.steps(), count_features,
                                           buffers.feature_marks);
-    plan.strategy = detail::choose_strategy(options.score_strategy, plan, query.nonzeros());
+    plan.strategy = detail::choose_strategy(requested, plan, query.nonzeros());
     TileSizes block;
     block.rows = detail::kQueryProjectionRowBlock;
     block.features = dims.query_dim;
@@ -195,6 +254,29 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
     block.nonzeros = plan.query.block_nonzeros_largest;
     this->finish_plan(plan, detail::stage_workspace_size<QueryProjection>(block));
     return plan;
+  }
+
+  // A bfloat16 query kernel must be the rounding of the current Wq, in a forward that projects
+  // first (see set_query_kernel_precision).
+  void check_query_kernel_precision(const char* where, const AttentionOptions<Scalar>& options,
+                                    detail::Pass pass) const {
+    if (query_kernel_bfloat16_ == nullptr) return;
+    if (pass == detail::Pass::backward)
+      detail::fail<ConfigError>(where,
+                                "the query kernel precision is bfloat16; expected float32 "
+                                "for the backward, which differentiates the float32 layer");
+    const auto& kernel = Core::weights().query_kernel;
+    const auto& rounded = query_kernel_bfloat16_->rounded;
+    if (query_kernel_written_ || kernel.data() != query_kernel_bfloat16_->source ||
+        kernel.rows() != rounded.rows() || kernel.cols() != rounded.cols())
+      detail::fail<ConfigError>(where,
+                                "the bfloat16 query kernel was rounded before the weights' "
+                                "last write access; expected "
+                                "set_query_kernel_precision(Precision::bfloat16) again");
+    if (options.score_strategy == ScoreStrategy::sparse_regrouped)
+      detail::fail<ConfigError>(where,
+                                "score_strategy is sparse_regrouped with a bfloat16 query "
+                                "kernel; expected project_first or automatic");
   }
 
   // Q = X·Wq + bq in the plan's blocks of query rows, into `projected_query` (resized).
@@ -217,6 +299,9 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
               Core::bias_view(weights.query_bias),
               projected_query.middleRows(block.begin, block.rows),
               buffers.workers[std::size_t(worker)].stage.view()};
+          if constexpr (detail::reads_bfloat16_kernel<QueryProjection>::value)
+            if (query_kernel_bfloat16_ != nullptr)
+              args.kernel_bfloat16 = &query_kernel_bfloat16_->rounded;
           QueryProjection::can_implement(args);
           query_projection_(args);
         },
@@ -224,17 +309,22 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
   }
 
   // The forward over the plan: the scores of an item come from X's rows (regrouped) or from Q.
+  // K and V come from `context`: a ProjectedContext, or key and value, streamed in the plan's
+  // chunks (Core::attend_streamed).
+  template <typename... Context>
   void run(const detail::AttentionPlan& plan, const Query& query,
-           const ProjectedContext<Scalar>& context, const AttentionOptions<Scalar>& options,
-           detail::CallBuffers<Scalar>& buffers, AttentionResult<Scalar>& result) const {
+           const AttentionOptions<Scalar>& options, detail::CallBuffers<Scalar>& buffers,
+           AttentionResult<Scalar>& result, const Context&... context) const {
     if (!plan.regrouped()) project_query(plan, query, buffers, buffers.projected_query);
-    this->attend(
-        plan, context, options,
-        [&](const detail::AttentionItem& item, const BatchMask& mask,
-            const ConstMatrixRef<Scalar>& key, StageScratch scratch, MatrixRef<Scalar> scores) {
-          tile_scores(plan, item, query, buffers.projected_query, mask, key, scratch, scores);
-        },
-        buffers, result);
+    auto scores = [&](const detail::AttentionItem& item, const BatchMask& mask,
+                      const ConstMatrixRef<Scalar>& key, StageScratch scratch,
+                      MatrixRef<Scalar> tile) {
+      tile_scores(plan, item, query, buffers.projected_query, mask, key, scratch, tile);
+    };
+    if constexpr (sizeof...(Context) == 1)
+      this->attend(plan, context..., options, scores, buffers, result);
+    else
+      this->attend_streamed(plan, context..., options, scores, buffers, result);
   }
 
   // The masked scores of one tile by the plan's strategy, before the attention bias: from X's
@@ -264,7 +354,15 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
     this->project_first_scores(plan, item, projected_query, mask, key, scratch, scores);
   }
 
+  // Wq rounded to bfloat16, and the float Wq it was rounded from (to see it replaced).
+  struct QueryKernelSnapshot {
+    RowMatrix<Eigen::bfloat16> rounded;
+    const Scalar* source = nullptr;
+  };
+
   QueryProjection query_projection_;
+  std::shared_ptr<const QueryKernelSnapshot> query_kernel_bfloat16_;
+  bool query_kernel_written_ = false;
 };
 
 namespace detail {

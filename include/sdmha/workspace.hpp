@@ -75,11 +75,13 @@ struct BackwardBuffers {
 // when the number of entries changes.
 template <typename Scalar>
 struct CallBuffers {
-  ProjectedContext<Scalar> context;   // K and V, unless the caller passes a context
-  RowMatrix<Scalar> projected_query;  // Q (project-first, the dense baseline, backward)
-  RowMatrix<Scalar> heads;            // [A_0 … A_{H−1}], B·T × H·Dv
-  std::vector<char> value_is_finite;  // per (b, h)
-  std::vector<Index> feature_marks;   // the query statistics' scratch (Eq entries)
+  ProjectedContext<Scalar> context;        // K and V, unless the caller passes a context
+  ProjectedContext<Scalar> context_chunk;  // K and V of one chunk of key steps, when streamed
+  RowMatrix<Scalar> projected_query;       // Q (project-first, the dense baseline, backward)
+  RowMatrix<Scalar> heads;                 // [A_0 … A_{H−1}], B·T × H·Dv
+  RowMatrix<Scalar> online_statistics;     // the online softmax's (m_t, l_t), B·T × 2·H
+  std::vector<char> value_is_finite;       // per (b, h, key tile)
+  std::vector<Index> feature_marks;        // the query statistics' scratch (Eq entries)
   std::vector<WorkerBuffers<Scalar>> workers;
   BackwardBuffers<Scalar> backward;
   ThreadPool pool;
@@ -104,8 +106,10 @@ struct CallBuffers {
       return std::size_t(m.size()) * sizeof(Scalar);
     };
     std::size_t total = matrix_bytes(context.keys) + matrix_bytes(context.values) +
+                        matrix_bytes(context_chunk.keys) + matrix_bytes(context_chunk.values) +
                         matrix_bytes(projected_query) + matrix_bytes(heads) +
-                        value_is_finite.capacity() + feature_marks.capacity() * sizeof(Index);
+                        matrix_bytes(online_statistics) + value_is_finite.capacity() +
+                        feature_marks.capacity() * sizeof(Index);
     for (const auto& worker : workers) total += worker.bytes();
     return total + backward.bytes();
   }

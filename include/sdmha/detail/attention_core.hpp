@@ -326,6 +326,12 @@ class AttentionCore {
          stage_workspace_size<Softmax>(tile), stage_workspace_size<AttendValues>(tile)});
   }
 
+  // Whether a forward given key and value streams K and V: plan.context_chunk, for a finished
+  // plan (the online softmax decided), by the layer's streaming sizes.
+  void plan_context_streaming(AttentionPlan& plan) const {
+    plan.context_chunk = plan_context_chunk(plan, sizeof(Scalar), context_streaming_);
+  }
+
   // ---- forward passes ----------------------------------------------------------------------
 
   // input (rows × E) · kernel + bias → output, in the plan's fixed row blocks.
@@ -367,39 +373,124 @@ class AttentionCore {
                  weights.value_kernel, weights.value_bias, context.values, buffers);
   }
 
+  // Where K and V of key step s of batch entry b are: row b·S + s − first_row of `keys` and
+  // `values` (first_row 0 for a whole projected context).
+  struct ContextRows {
+    ConstMatrixRef<Scalar> keys, values;
+    Index first_row;
+  };
+  // The keys [key_begin, key_end) of one pass over an item; the first pass starts each row's
+  // online-softmax state, the last normalises the row.
+  struct KeyChunk {
+    Index key_begin, key_end;
+    bool first, last;
+  };
+
   // The shared body of forward: for every attention item of the plan, the scores (from
   // `compute_scores(item, mask, key_tile, scratch, scores)`), the softmax, dropout and P·V into
-  // the heads, then the output projection. Scratch comes from `buffers`, the output goes to
-  // `result` (both resized only when shapes change).
+  // the heads, then the output projection. K and V are `context`'s. Scratch comes from
+  // `buffers`, the output goes to `result` (both resized only when shapes change).
   template <typename ComputeScores>
   void attend(const AttentionPlan& plan, const ProjectedContext<Scalar>& context,
               const AttentionOptions<Scalar>& options, ComputeScores&& compute_scores,
               CallBuffers<Scalar>& buffers, AttentionResult<Scalar>& result) const {
+    begin_attention(plan, options, buffers, result);
+    const ContextRows whole{context.keys, context.values, 0};
+    for (Index b = 0; b < plan.batch; ++b)
+      mark_finite_values(plan, whole, b, 0, plan.key_steps, buffers);
+    buffers.prepare_workers(plan.workers(plan.attention_items()), plan.worker_scratch_bytes,
+                            plan.tile_entries, 2);
+    const KeyChunk all_keys{0, plan.key_steps, true, true};
+    parallel_for(
+        plan.attention_items(), plan.threads,
+        [&](Index index, int worker) {
+          auto& worker_buffers = buffers.workers[std::size_t(worker)];
+          if (plan.online_softmax)
+            attend_item_online(plan, plan.attention_item(index), whole, all_keys, options,
+                               compute_scores, worker_buffers, buffers);
+          else
+            attend_item(plan, plan.attention_item(index), context, options, compute_scores,
+                        worker_buffers, buffers, result);
+        },
+        &buffers.pool);
+    project_output(plan, buffers, result);
+  }
+
+  // The same with K and V streamed (plan.context_chunk > 0, so the online softmax runs): per
+  // batch entry b and chunk of key steps, that chunk's K and V are projected, then every item of
+  // b runs over its key tiles in the chunk, the rows' online-softmax state kept between chunks.
+  // Each row meets the same key tiles in the same order as in `attend`, so the bits are the same.
+  template <typename ComputeScores>
+  void attend_streamed(const AttentionPlan& plan, const TensorRef3<Scalar>& key,
+                       const TensorRef3<Scalar>& value, const AttentionOptions<Scalar>& options,
+                       ComputeScores&& compute_scores, CallBuffers<Scalar>& buffers,
+                       AttentionResult<Scalar>& result) const {
+    SDMHA_ASSERT(plan.online_softmax && plan.context_chunk % plan.key_tile == 0);
+    begin_attention(plan, options, buffers, result);
+    const Index S = plan.key_steps, items = plan.heads() * plan.query_tiles;
+    // The chunk's rows widened to whole projection row blocks: at most 2 blocks more.
+    const Index chunk_rows = std::min(plan.context_chunk + 2 * kProjectionRowBlock, plan.batch * S);
+    buffers.context_chunk.keys.resize(chunk_rows, plan.dims.projected_key_width());
+    buffers.context_chunk.values.resize(chunk_rows, plan.dims.projected_value_width());
+    for (Index b = 0; b < plan.batch; ++b)
+      for (Index key_begin = 0; key_begin < S; key_begin += plan.context_chunk) {
+        const KeyChunk chunk{key_begin, std::min(S, key_begin + plan.context_chunk), key_begin == 0,
+                             key_begin + plan.context_chunk >= S};
+        const ContextRows rows = project_context_chunk(plan, key, value, b, chunk, buffers);
+        mark_finite_values(plan, rows, b, chunk.key_begin, chunk.key_end, buffers);
+        buffers.prepare_workers(plan.workers(items), plan.worker_scratch_bytes, plan.tile_entries,
+                                2);
+        parallel_for(
+            items, plan.threads,
+            [&](Index index, int worker) {
+              attend_item_online(plan, plan.attention_item(b * items + index), rows, chunk, options,
+                                 compute_scores, buffers.workers[std::size_t(worker)], buffers);
+            },
+            &buffers.pool);
+      }
+    project_output(plan, buffers, result);
+  }
+
+  // K and V of batch entry b's key steps in `chunk`, into buffers.context_chunk. The rows
+  // projected are the whole row blocks of kProjectionRowBlock (counted from row 0 of all B·S)
+  // that hold the chunk: the blocks, and so the bits, of project_context_into.
+  ContextRows project_context_chunk(const AttentionPlan& plan, const TensorRef3<Scalar>& key,
+                                    const TensorRef3<Scalar>& value, Index b, const KeyChunk& chunk,
+                                    CallBuffers<Scalar>& buffers) const {
+    const Index S = plan.key_steps, block = kProjectionRowBlock;
+    const Index first = (b * S + chunk.key_begin) / block * block;
+    const Index end = std::min(plan.batch * S, (b * S + chunk.key_end + block - 1) / block * block);
+    auto keys = buffers.context_chunk.keys.topRows(end - first);
+    auto values = buffers.context_chunk.values.topRows(end - first);
+    const MhaWeights<Scalar>& weights = *weights_;
+    project_rows(plan, context_projection_, block, key.as_matrix().middleRows(first, end - first),
+                 weights.key_kernel, weights.key_bias, keys, buffers);
+    project_rows(plan, context_projection_, block, value.as_matrix().middleRows(first, end - first),
+                 weights.value_kernel, weights.value_bias, values, buffers);
+    return ContextRows{keys, values, first};
+  }
+
+  // What both forms of attend do first: the result's seed and returned scores sized, the heads
+  // and the online-softmax state sized.
+  static void begin_attention(const AttentionPlan& plan, const AttentionOptions<Scalar>& options,
+                              CallBuffers<Scalar>& buffers, AttentionResult<Scalar>& result) {
     const Index B = plan.batch, T = plan.steps, S = plan.key_steps, H = plan.heads();
-    const bool return_scores = options.return_attention_scores;
     result.dropout_seed = plan.dropout_rate > 0.0 ? plan.dropout_seed : 0;
-    if (return_scores)
+    if (options.return_attention_scores)
       result.attention_scores.resize(B, H, T, S);
     else if (result.attention_scores.size() != 0)
       result.attention_scores = Eigen::Tensor<Scalar, 4, Eigen::RowMajor>();
     buffers.heads.resize(B * T, plan.dims.projected_value_width());
     // Rows no item writes (no key steps: every row fully blocked) are 0, as are their heads.
     if (plan.attention_items() == 0) buffers.heads.setZero();
-    mark_finite_values(plan, context.values, buffers);
-    buffers.prepare_workers(plan.workers(plan.attention_items()), plan.worker_scratch_bytes,
-                            plan.tile_entries, 2);
-    parallel_for(
-        plan.attention_items(), plan.threads,
-        [&](Index index, int worker) {
-          auto& worker_buffers = buffers.workers[std::size_t(worker)];
-          if (plan.online_softmax)
-            attend_item_online(plan, plan.attention_item(index), context, options, compute_scores,
-                               worker_buffers, buffers);
-          else
-            attend_item(plan, plan.attention_item(index), context, options, compute_scores,
-                        worker_buffers, buffers, result);
-        },
-        &buffers.pool);
+    if (plan.online_softmax) buffers.online_statistics.resize(B * T, 2 * H);
+    buffers.value_is_finite.assign(std::size_t(B * H * plan.key_tiles_per_head()), 0);
+  }
+
+  // Y = A·Wo + bo from the heads, into result.output.
+  void project_output(const AttentionPlan& plan, CallBuffers<Scalar>& buffers,
+                      AttentionResult<Scalar>& result) const {
+    const Index B = plan.batch, T = plan.steps;
     result.output.resize(B, T, plan.dims.output_dim);
     project_rows(plan, output_projection_, kProjectionRowBlock, buffers.heads,
                  weights_->output_kernel, weights_->output_bias,
@@ -407,19 +498,31 @@ class AttentionCore {
                  buffers);
   }
 
-  // Whether V_bh is finite, found once per (b, h) for all of its query tiles.
-  static void mark_finite_values(const AttentionPlan& plan, const RowMatrix<Scalar>& values,
-                                 CallBuffers<Scalar>& buffers) {
+  // Whether V is finite on each key tile of the plan's grid (plan.key_tile wide, one tile of all
+  // S keys without the online softmax) that starts in [key_begin, key_end), per head, for batch
+  // entry b: flag (b·H + h)·key_tiles_per_head + j. It depends on V and the grid only, not on
+  // how K and V are streamed.
+  static void mark_finite_values(const AttentionPlan& plan, const ContextRows& context, Index b,
+                                 Index key_begin, Index key_end, CallBuffers<Scalar>& buffers) {
     const Index H = plan.heads(), S = plan.key_steps, Dv = plan.dims.value_dim;
-    buffers.value_is_finite.assign(static_cast<std::size_t>(plan.batch * H), 0);
-    if (S == 0) return;
+    const Index width = plan.key_tile, per_head = plan.key_tiles_per_head();
+    const Index first = key_begin / std::max<Index>(width, 1);
+    const Index tiles = width > 0 ? (key_end - key_begin + width - 1) / width : 0;
     parallel_for(
-        plan.batch * H, plan.threads,
+        H * tiles, plan.threads,
         [&](Index item, int) {
-          buffers.value_is_finite[std::size_t(item)] =
-              all_finite<Scalar>(values.block((item / H) * S, (item % H) * Dv, S, Dv));
+          const Index h = item / tiles, tile = first + item % tiles;
+          const Index keys = std::min(width, S - tile * width);
+          buffers.value_is_finite[std::size_t((b * H + h) * per_head + tile)] = all_finite<Scalar>(
+              context.values.block(b * S + tile * width - context.first_row, h * Dv, keys, Dv));
         },
         &buffers.pool);
+  }
+  static bool value_is_finite(const AttentionPlan& plan, const CallBuffers<Scalar>& buffers,
+                              const AttentionItem& tile) {
+    const Index index = (tile.batch * plan.heads() + tile.head) * plan.key_tiles_per_head() +
+                        tile.key_begin / plan.key_tile;
+    return buffers.value_is_finite[std::size_t(index)] != 0;
   }
 
   template <typename ComputeScores>
@@ -427,7 +530,7 @@ class AttentionCore {
                    const ProjectedContext<Scalar>& context, const AttentionOptions<Scalar>& options,
                    ComputeScores& compute_scores, WorkerBuffers<Scalar>& worker,
                    CallBuffers<Scalar>& buffers, AttentionResult<Scalar>& result) const {
-    const Index T = plan.steps, S = plan.key_steps, H = plan.heads();
+    const Index T = plan.steps, S = plan.key_steps;
     const Index Dk = plan.dims.key_dim, Dv = plan.dims.value_dim;
     const Index b = item.batch, h = item.head, rows = item.query_rows, keys = item.key_steps;
     auto heads = buffers.heads.block(b * T + item.query_begin, h * Dv, rows, Dv);
@@ -462,57 +565,45 @@ class AttentionCore {
         probabilities,
         context.values.block(b * S + item.key_begin, h * Dv, keys, Dv),
         heads,
-        buffers.value_is_finite[std::size_t(b * H + h)] != 0,
+        value_is_finite(plan, buffers, item),
         scratch};
     AttendValues::can_implement(values_args);
     attend_values_(values_args);
   }
 
-  // The item with an online softmax over its key tiles (the plan chose it only for the default
-  // softmax and attend-values stages). Per row t, with m_t the largest score so far and l_t the
-  // sum of exp(score − m_t) so far, each key tile j does
+  // The item with an online softmax over its key tiles that start in `chunk` (the plan chose it
+  // only for the default softmax and attend-values stages). Per row t, with m_t the largest score
+  // so far and l_t the sum of exp(score − m_t) so far, each key tile j does
   //   m' = max(m_t, max_s S_j[t, s]),  P_j[t, s] = exp(S_j[t, s] − m'),
   //   l_t ← l_t·exp(m_t − m') + Σ_s P_j[t, s],  A[t] ← A[t]·exp(m_t − m') + dropout(P_j)[t]·V_j,
-  // and at the end A[t] /= l_t: the softmax's probabilities, normalised after the product
-  // instead of before it. A row without a key it may see keeps l_t = 0 and gets A[t] = 0; a NaN
-  // or +∞ score makes l_t NaN and the row NaN, as MaskedSoftmax does.
+  // and after the last chunk A[t] /= l_t: the softmax's probabilities, normalised after the
+  // product instead of before it. (m_t, l_t) live in buffers.online_statistics between chunks. A
+  // row without a key it may see keeps l_t = 0 and gets A[t] = 0; a NaN or +∞ score makes l_t
+  // NaN and the row NaN, as MaskedSoftmax does.
   template <typename ComputeScores>
   void attend_item_online(const AttentionPlan& plan, const AttentionItem& item,
-                          const ProjectedContext<Scalar>& context,
+                          const ContextRows& context, const KeyChunk& chunk,
                           const AttentionOptions<Scalar>& options, ComputeScores& compute_scores,
                           WorkerBuffers<Scalar>& worker, CallBuffers<Scalar>& buffers) const {
-    const Index T = plan.steps, S = plan.key_steps, H = plan.heads();
-    const Index Dk = plan.dims.key_dim, Dv = plan.dims.value_dim;
-    const Index b = item.batch, h = item.head, rows = item.query_rows;
-    auto heads = buffers.heads.block(b * T + item.query_begin, h * Dv, rows, Dv);
-    heads.setZero();
-    auto statistics = worker.tile(1, 2, rows, plan.tile_entries);  // row 0: m_t, row 1: l_t
-    statistics.row(0).setConstant(-std::numeric_limits<Scalar>::infinity());
-    statistics.row(1).setZero();
-    const DropoutMask dropout = plan.dropout();
-    const bool value_is_finite = buffers.value_is_finite[std::size_t(b * H + h)] != 0;
-    const StageScratch scratch = worker.stage.view();
+    const Index row = item.batch * plan.steps + item.query_begin, rows = item.query_rows;
+    const Index Dv = plan.dims.value_dim;
+    auto heads = buffers.heads.block(row, item.head * Dv, rows, Dv);
+    auto statistics = buffers.online_statistics.block(row, 2 * item.head, rows, 2);
+    if (chunk.first) {
+      heads.setZero();
+      statistics.col(0).setConstant(-std::numeric_limits<Scalar>::infinity());
+      statistics.col(1).setZero();
+    }
     for (Index index = 0; index < plan.key_tiles(item); ++index) {
       const AttentionItem tile = plan.key_tile_of(item, index);
-      auto scores = worker.tile(0, rows, tile.key_steps, plan.tile_entries);
-      compute_scores(tile, item_mask(tile, options, T, S),
-                     ConstMatrixRef<Scalar>(
-                         context.keys.block(b * S + tile.key_begin, h * Dk, tile.key_steps, Dk)),
-                     scratch, MatrixRef<Scalar>(scores));
-      add_attention_bias(tile, options, scores);
-      online_softmax_update(scores, statistics, heads);
-      dropout.apply(scores, b, h, tile.query_begin, tile.key_begin);
-      typename sdmha::AttendValues<Scalar>::Arguments values_args{
-          tile.position(),
-          scores,
-          context.values.block(b * S + tile.key_begin, h * Dv, tile.key_steps, Dv),
-          heads,
-          value_is_finite,
-          scratch};
-      accumulate_values(values_args);
+      if (tile.key_begin < chunk.key_begin) continue;
+      if (tile.key_begin >= chunk.key_end) break;
+      attend_key_tile(plan, tile, context, options, compute_scores, worker, buffers, statistics,
+                      heads);
     }
+    if (!chunk.last) return;
     for (Index t = 0; t < rows; ++t) {
-      const Scalar sum = statistics(1, t);
+      const Scalar sum = statistics(t, 1);
       if (sum > Scalar(0))
         heads.row(t) *= Scalar(1) / sum;
       else if (sum == Scalar(0))
@@ -520,6 +611,35 @@ class AttentionCore {
       else  // NaN: a NaN or +∞ score, whose row MaskedSoftmax makes NaN too
         heads.row(t).setConstant(std::numeric_limits<Scalar>::quiet_NaN());
     }
+  }
+
+  // One key tile of an item under the online softmax: its scores (masked, biased), the update of
+  // the rows' (m_t, l_t) and partial heads, dropout, and heads += P_j·V_j.
+  template <typename ComputeScores, typename Statistics, typename Heads>
+  void attend_key_tile(const AttentionPlan& plan, const AttentionItem& tile,
+                       const ContextRows& context, const AttentionOptions<Scalar>& options,
+                       ComputeScores& compute_scores, WorkerBuffers<Scalar>& worker,
+                       const CallBuffers<Scalar>& buffers, Statistics& statistics,
+                       Heads& heads) const {
+    const Index T = plan.steps, S = plan.key_steps;
+    const Index Dk = plan.dims.key_dim, Dv = plan.dims.value_dim, h = tile.head;
+    const Index key_row = tile.batch * S + tile.key_begin - context.first_row;
+    auto scores = worker.tile(0, tile.query_rows, tile.key_steps, plan.tile_entries);
+    const StageScratch scratch = worker.stage.view();
+    compute_scores(tile, item_mask(tile, options, T, S),
+                   ConstMatrixRef<Scalar>(context.keys.block(key_row, h * Dk, tile.key_steps, Dk)),
+                   scratch, MatrixRef<Scalar>(scores));
+    add_attention_bias(tile, options, scores);
+    online_softmax_update(scores, statistics, heads);
+    plan.dropout().apply(scores, tile.batch, h, tile.query_begin, tile.key_begin);
+    typename sdmha::AttendValues<Scalar>::Arguments values_args{
+        tile.position(),
+        scores,
+        context.values.block(key_row, h * Dv, tile.key_steps, Dv),
+        heads,
+        value_is_finite(plan, buffers, tile),
+        scratch};
+    accumulate_values(values_args);
   }
 
   // One key tile of the online softmax: scores → unnormalised probabilities exp(S − m'), with
@@ -532,10 +652,10 @@ class AttentionCore {
     constexpr Scalar smallest_normal = std::numeric_limits<Scalar>::min();
     for (Index t = 0; t < scores.rows(); ++t) {
       auto row = scores.row(t).array();
-      const Scalar previous = statistics(0, t);
+      const Scalar previous = statistics(t, 0);
       const Scalar maximum = std::max(previous, row.maxCoeff());
       if (maximum == minus_infinity) {  // nothing seen yet in this row (or a NaN max ignores)
-        if (row.isNaN().any()) statistics(1, t) = std::numeric_limits<Scalar>::quiet_NaN();
+        if (row.isNaN().any()) statistics(t, 1) = std::numeric_limits<Scalar>::quiet_NaN();
         row.setZero();
         continue;
       }
@@ -545,8 +665,8 @@ class AttentionCore {
         probabilities[s] = probabilities[s] < smallest_normal ? Scalar(0) : probabilities[s];
       const Scalar correction =
           previous == minus_infinity ? Scalar(0) : std::exp(previous - maximum);
-      statistics(1, t) = statistics(1, t) * correction + row.sum();
-      statistics(0, t) = maximum;
+      statistics(t, 1) = statistics(t, 1) * correction + row.sum();
+      statistics(t, 0) = maximum;
       if (correction != Scalar(1)) heads.row(t) *= correction;
     }
   }
@@ -625,6 +745,18 @@ class AttentionCore {
   AttendValues attend_values_;
   OutputProjection output_projection_;
   ContextProjection context_projection_;
+  ContextStreaming context_streaming_;  // see plan_context_chunk
+
+  friend struct ContextStreamingHook;
+};
+
+// A layer's streaming sizes (ContextStreaming's defaults unless set): its forward given key and
+// value streams K and V beyond the budget. For tests, which lower them to stream small problems.
+struct ContextStreamingHook {
+  template <typename... Stages>
+  static void set(AttentionCore<Stages...>& layer, const ContextStreaming& streaming) {
+    layer.context_streaming_ = streaming;
+  }
 };
 
 }  // namespace sdmha::detail

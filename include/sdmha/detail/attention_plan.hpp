@@ -12,6 +12,12 @@
 // keys, the default softmax and attend-values stages and no scores to return, the forward runs an
 // online softmax instead (attention_core.hpp): the item's keys go in tiles of kKeyTile, the
 // probabilities are never stored, and a worker's memory no longer grows with S.
+//
+// Context streaming: a forward given key and value that runs the online softmax and whose K and
+// V would exceed kContextBudgetBytes projects them per batch entry in chunks of key steps instead
+// of whole (attention_core.hpp, attend_streamed), so the call's memory does not grow with S
+// either. A chunk is a whole number of key tiles: the key tiles, and so every sum, are those of
+// the unstreamed path.
 #pragma once
 
 #include <algorithm>
@@ -39,6 +45,19 @@ constexpr Index kQueryProjectionRowBlock = 512;
 constexpr Index kQueryTile = 64;
 // Keys per key tile of the online-softmax forward.
 constexpr Index kKeyTile = 512;
+// A forward given key and value projects K and V whole up to kContextBudgetBytes (B·S·(H·Dk +
+// H·Dv) scalars); beyond it, under the online softmax, in chunks of about kContextChunkBytes:
+// K + V of at most 16 MB live at once, 4 MB per chunk (a few MB, so that a chunk's K and V stay
+// in the last-level cache while every item of its batch entry reads them).
+constexpr std::size_t kContextBudgetBytes = std::size_t(16) << 20;
+constexpr std::size_t kContextChunkBytes = std::size_t(4) << 20;
+
+// A layer's streaming sizes: the defaults above, lowered by tests (detail::ContextStreamingHook)
+// to stream small problems in several chunks.
+struct ContextStreaming {
+  std::size_t budget_bytes = kContextBudgetBytes;
+  std::size_t chunk_bytes = kContextChunkBytes;
+};
 // Backward tiles: three tile × S matrices (P, P' and dS) of at most this many entries each stay
 // in L2 together; larger tiles waste less on packing their six small GEMMs.
 constexpr Index kBackwardTileEntries = Index(1) << 15;
@@ -93,8 +112,10 @@ struct AttentionPlan {
   Index query_tile = 0, query_tiles = 0;  // rows per attention tile, tiles per (b, h)
   bool online_softmax = false;            // key tiles of key_tile, probabilities never stored
   Index key_tile = 0;                     // keys per key tile
-  std::size_t worker_scratch_bytes = 0;   // each worker's stage scratch
-  Index tile_entries = 0;                 // each worker's tile buffers: entries of one score tile
+  // Key steps per streamed chunk of K and V, a multiple of key_tile (0: K and V projected whole).
+  Index context_chunk = 0;
+  std::size_t worker_scratch_bytes = 0;  // each worker's stage scratch
+  Index tile_entries = 0;                // each worker's tile buffers: entries of one score tile
 
   bool regrouped() const { return strategy == ScoreStrategy::sparse_regrouped; }
   DropoutMask dropout() const { return DropoutMask(dropout_rate, dropout_seed); }
@@ -125,6 +146,12 @@ struct AttentionPlan {
     return tile;
   }
 
+  // Key tiles of width key_tile over all S keys, per (b, h): the grid that every item's key
+  // tiles lie on (item key ranges start at key 0), and that value_is_finite is kept on.
+  Index key_tiles_per_head() const {
+    return key_tile > 0 ? (key_steps + key_tile - 1) / key_tile : 0;
+  }
+
   // Row blocks of a projection over `rows` rows.
   static Index block_count(Index rows, Index block_rows) {
     return (rows + block_rows - 1) / block_rows;
@@ -144,6 +171,23 @@ inline Index plan_query_tile(Pass pass, bool regrouped, bool causal, Index steps
   if (regrouped) return std::max<Index>(steps, 1);
   if (pass == Pass::forward || causal || key_steps == 0) return kQueryTile;
   return std::max(kQueryTile, std::min(steps, kBackwardTileEntries / key_steps));
+}
+
+// Key steps per chunk of K and V for a forward given key and value: 0 (projected whole) unless
+// the online softmax runs and K and V, scalar_bytes an entry, exceed streaming.budget_bytes;
+// otherwise the most whole key tiles whose K and V fit in streaming.chunk_bytes (at least one
+// tile, at most the tiles of S).
+inline Index plan_context_chunk(const AttentionPlan& plan, std::size_t scalar_bytes,
+                                const ContextStreaming& streaming) {
+  const double step_bytes = double(scalar_bytes) * double(plan.dims.projected_key_width() +
+                                                          plan.dims.projected_value_width());
+  if (!plan.online_softmax || plan.key_tile <= 0 ||
+      step_bytes * double(plan.batch) * double(plan.key_steps) <= double(streaming.budget_bytes))
+    return 0;
+  const Index tiles =
+      std::clamp<Index>(Index(double(streaming.chunk_bytes) / (step_bytes * double(plan.key_tile))),
+                        1, plan.key_tiles_per_head());
+  return tiles * plan.key_tile;
 }
 
 // The score strategy for `requested`. The cost model counts, per call, project-first's
