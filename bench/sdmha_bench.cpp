@@ -6,7 +6,8 @@
 //   sdmha_bench --summary [--quick] [--json FILE] [--repetitions N] [--workload NAME]...
 //                                                       the comparison table (medians of N
 //                                                       interleaved runs), optionally all numbers
-//                                                       as JSON for bench/plot.py
+//                                                       as JSON for bench/plot.py; a memory-only
+//                                                       workload (long16k) runs when named
 //
 // Every case builds its inputs once outside timing, runs once untimed to measure the peak heap
 // bytes of one call and to check its result against the dense path's (relative tolerance), and
@@ -1245,7 +1246,88 @@ void write_json(const std::string& path, const std::vector<ConfigResult>& result
   if (!out) throw std::runtime_error("failed writing " + path);
 }
 
-int run_summary(const std::vector<WorkloadShape>& shapes, int repetitions, bool quick,
+// ---- Memory-only workloads (memory_workloads()) ----
+
+struct MemoryResult {
+  WorkloadShape shape;
+  double density = 0;
+  int threads = 1;
+  std::int64_t sparse_peak = -1, dense_peak = -1;  // bytes; -1 when the heap is not counted
+  double sparse_ms = 0, dense_ms = 0;              // that one call each, fresh workspace
+  std::string error;
+  // K and V of B·S key steps projected whole, the bytes that streaming them avoids holding.
+  double whole_context_bytes() const {
+    return double(shape.batch) * double(shape.key_steps) * 2.0 * double(shape.heads) *
+           double(shape.head_dim) * double(sizeof(float));
+  }
+};
+
+// One forward of each layer from a fresh workspace and result (the dense one densifying its
+// query, as forward/dense does): their peak heap bytes and times, and the sparse output checked
+// against the dense one.
+MemoryResult measure_memory(const WorkloadShape& shape, double density, int threads) {
+  MemoryResult result;
+  result.shape = shape;
+  result.density = density;
+  result.threads = threads;
+  try {
+    const sdmha::SparseQuery<float> query = make_sparse_query(shape, density, kQuerySeed);
+    const Tensor3 key = make_dense_input(shape.batch, shape.key_steps, shape.context_dim, kKeySeed);
+    const Tensor3 value =
+        make_dense_input(shape.batch, shape.key_steps, shape.context_dim, kValueSeed);
+    const Layer sparse_layer(shape.config(), sdmha::MhaWeights<float>::glorot_uniform(
+                                                 shape.config(), shape.query_dim, shape.context_dim,
+                                                 shape.context_dim, kWeightSeed));
+    const sdmha::DenseMHA<float> dense_layer(shape.config(), sparse_layer.weights());
+    sdmha::AttentionOptions<float> options;
+    options.num_threads = threads;
+    options.score_strategy = sdmha::ScoreStrategy::project_first;
+    sdmha::AttentionResult<float> sparse, dense;
+    auto sparse_call = [&] {
+      sdmha::Workspace<float> workspace;
+      sparse_layer.forward(query, key, value, options, workspace, sparse);
+    };
+    auto dense_call = [&] {
+      sdmha::Workspace<float> workspace;
+      const Matrix densified = query.to_dense();
+      dense_layer.forward(
+          sdmha::TensorRef3<float>(densified.data(), shape.batch, shape.steps, shape.query_dim),
+          key, value, options, workspace, dense);
+    };
+    result.sparse_ms = milliseconds_of([&] { result.sparse_peak = peak_heap_bytes(sparse_call); });
+    result.dense_ms = milliseconds_of([&] { result.dense_peak = peak_heap_bytes(dense_call); });
+    if (!AllocationCounter::counts_malloc()) result.sparse_peak = result.dense_peak = -1;
+    result.error = compare("forward output", as_matrix(sparse.output), as_matrix(dense.output));
+  } catch (const std::exception& error) {
+    result.error = std::string("threw: ") + error.what();
+  }
+  return result;
+}
+
+void print_memory(std::ostream& out, const std::vector<MemoryResult>& results) {
+  if (results.empty()) return;
+  out << "\nmemory-only workloads: one forward from a fresh Workspace and result (sparse = "
+         "SparseDenseMHA project_first; dense = densify + DenseMHA), checked against each other; "
+         "K+V whole = what K and V projected whole would take:\n";
+  char header[256];
+  std::snprintf(header, sizeof header, "%-9s %7s %3s %-18s | %14s %7s | %13s %7s | %12s\n", "work",
+                "density", "thr", "(B, T, S)", "sparse peak MB", "ms", "dense peak MB", "ms",
+                "K+V whole MB");
+  out << header;
+  for (const MemoryResult& r : results) {
+    char sizes[64], line[256];
+    std::snprintf(sizes, sizeof sizes, "(%ld, %ld, %ld)", long(r.shape.batch), long(r.shape.steps),
+                  long(r.shape.key_steps));
+    std::snprintf(line, sizeof line, "%-9s %7.2f %3d %-18s | %14s %7.0f | %13s %7.0f | %12.1f",
+                  r.shape.name.c_str(), r.density, r.threads, sizes,
+                  megabytes(r.sparse_peak).c_str(), r.sparse_ms, megabytes(r.dense_peak).c_str(),
+                  r.dense_ms, r.whole_context_bytes() / 1e6);
+    out << line << (r.error.empty() ? "" : "  FAILED: " + r.error) << "\n";
+  }
+}
+
+int run_summary(const std::vector<WorkloadShape>& shapes,
+                const std::vector<WorkloadShape>& memory_shapes, int repetitions, bool quick,
                 const std::string& json_path) {
   const Machine machine = describe_machine();
   const AllocationCheck allocation = allocation_counting_check();
@@ -1279,14 +1361,55 @@ int run_summary(const std::vector<WorkloadShape>& shapes, int repetitions, bool 
       }
     }
   }
+  std::vector<MemoryResult> memory;
+  for (const WorkloadShape& shape : memory_shapes)
+    for (double density : shape.densities)
+      for (int threads : {1, 2}) {
+        std::cerr << shape.name << " density " << density << " threads " << threads
+                  << ": memory only\n";
+        memory.push_back(measure_memory(shape, density, threads));
+        if (memory.back().error.empty()) continue;
+        std::cerr << "FAILED " << shape.name << "/d:" << density << "/t:" << threads
+                  << "/memory: " << memory.back().error << "\n";
+        failed = true;
+      }
   const std::string load_after = load_average();
   print_summary(std::cout, results, machine, allocation, repetitions, quick, load_before,
                 load_after);
+  print_memory(std::cout, memory);
   if (!allocation.counted) std::cerr << "warning: " << allocation.problem << "\n";
   if (!json_path.empty())
     write_json(json_path, results, machine, repetitions, quick, load_before, load_after);
   if (failed) std::cout << "\nFAILED: see the errors above (stderr)\n";
   return failed ? 1 : 0;
+}
+
+// Keeps the workloads named by --workload (all of `shapes` when none is named; of
+// `memory_shapes` only those named). False, with a message, when a name is neither.
+bool select_workloads(const std::vector<std::string>& names, std::vector<WorkloadShape>& shapes,
+                      std::vector<WorkloadShape>& memory_shapes) {
+  auto named = [&](const WorkloadShape& w) {
+    return std::find(names.begin(), names.end(), w.name) != names.end();
+  };
+  for (const std::string& name : names) {
+    auto has_name = [&](const WorkloadShape& w) { return w.name == name; };
+    if (std::none_of(shapes.begin(), shapes.end(), has_name) &&
+        std::none_of(memory_shapes.begin(), memory_shapes.end(), has_name)) {
+      std::cerr << "sdmha_bench: unknown workload " << name << " (expected one of";
+      for (const WorkloadShape& w : shapes) std::cerr << " " << w.name;
+      for (const WorkloadShape& w : memory_shapes) std::cerr << " " << w.name;
+      std::cerr << ")\n";
+      return false;
+    }
+  }
+  if (!names.empty())
+    shapes.erase(std::remove_if(shapes.begin(), shapes.end(),
+                                [&](const WorkloadShape& w) { return !named(w); }),
+                 shapes.end());
+  memory_shapes.erase(std::remove_if(memory_shapes.begin(), memory_shapes.end(),
+                                     [&](const WorkloadShape& w) { return !named(w); }),
+                      memory_shapes.end());
+  return true;
 }
 
 }  // namespace sdmha_bench
@@ -1321,22 +1444,9 @@ int main(int argc, char** argv) {
     }
   }
   std::vector<WorkloadShape> shapes = quick ? quick_workloads() : canonical_workloads();
-  if (!workload_names.empty()) {
-    for (const std::string& name : workload_names)
-      if (std::none_of(shapes.begin(), shapes.end(),
-                       [&](const WorkloadShape& w) { return w.name == name; })) {
-        std::cerr << "sdmha_bench: unknown workload " << name << " (expected one of";
-        for (const WorkloadShape& w : shapes) std::cerr << " " << w.name;
-        std::cerr << ")\n";
-        return 2;
-      }
-    shapes.erase(std::remove_if(shapes.begin(), shapes.end(),
-                                [&](const WorkloadShape& w) {
-                                  return std::find(workload_names.begin(), workload_names.end(),
-                                                   w.name) == workload_names.end();
-                                }),
-                 shapes.end());
-  }
+  // Memory-only workloads run when named (--summary only), never by default.
+  std::vector<WorkloadShape> memory_shapes = memory_workloads();
+  if (!select_workloads(workload_names, shapes, memory_shapes)) return 2;
 
   if (summary) {
     if (passed_on.size() > 1) {
@@ -1346,7 +1456,7 @@ int main(int argc, char** argv) {
     }
     if (repetitions <= 0) repetitions = quick ? 3 : 5;
     try {
-      return run_summary(shapes, repetitions, quick, json_path);
+      return run_summary(shapes, memory_shapes, repetitions, quick, json_path);
     } catch (const std::exception& error) {
       std::cerr << "sdmha_bench: " << error.what() << "\n";
       return 1;

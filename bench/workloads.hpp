@@ -65,6 +65,14 @@ inline std::vector<WorkloadShape> canonical_workloads() {
   };
 }
 
+// Workloads measured for memory only (`--summary --workload NAME`): one forward from a fresh
+// workspace, its peak heap, checked against the dense layer. Not in the canonical list: their
+// dense references (B·H·T × S scores) would take gigabytes. long16k is long with S = 16384, where
+// K and V projected whole would take 128 MB.
+inline std::vector<WorkloadShape> memory_workloads() {
+  return {{"long16k", 2, 2048, 512, 16384, 512, 8, 64, 512, {0.05}}};
+}
+
 // The same workloads with batch and sequence lengths cut down (widths and densities unchanged),
 // for smoke runs: `--quick`.
 inline std::vector<WorkloadShape> quick_workloads() {
