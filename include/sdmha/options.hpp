@@ -36,6 +36,17 @@ inline const char* to_string(ScoreStrategy strategy) {
   }
 }
 
+// The precision a layer's kernel is read in (SparseDenseMHA::set_query_kernel_precision):
+//  float32   the weights as they are
+//  bfloat16  each entry rounded to the nearest bfloat16 (ties to even; Eigen::bfloat16) once,
+//            then widened exactly for float32 products and sums: the layer whose kernel is that
+//            rounding, for half of the kernel's memory traffic (float layers only)
+enum class Precision { float32, bfloat16 };
+
+inline const char* to_string(Precision precision) {
+  return precision == Precision::bfloat16 ? "bfloat16" : "float32";
+}
+
 // Which key steps a causal mask lets query step t see, for T query and S key steps:
 //  top_left      s <= t          (Keras' use_causal_mask, PyTorch's is_causal / causal_upper_left)
 //  bottom_right  s <= t + S − T  (PyTorch's causal_lower_right: the last query step sees every key,
