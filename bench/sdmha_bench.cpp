@@ -47,6 +47,9 @@ using ConstMatrixMap = Eigen::Map<const Matrix>;
 // max |reference|: float32 sums of a few hundred to a few thousand terms, taken in different
 // orders by the sparse and dense kernels, differ by ~1e-6 of that scale.
 constexpr double kRelativeTolerance = 1e-3;
+// With Wq rounded to bfloat16 (8 significant bits) each entry of Q moves by up to 2⁻⁹ of
+// Σ|x·w|; through the attention the output moves by about 1e-3 of its scale on these workloads.
+constexpr double kBFloat16RelativeTolerance = 1e-2;
 
 ConstMatrixMap as_matrix(const Tensor3& tensor) {
   return ConstMatrixMap(tensor.data(), tensor.dimension(0) * tensor.dimension(1),
@@ -55,7 +58,8 @@ ConstMatrixMap as_matrix(const Tensor3& tensor) {
 
 // Empty when `actual` agrees with `expected`, else what differs and by how much.
 std::string compare(const char* what, const sdmha::ConstMatrixRef<float>& actual,
-                    const sdmha::ConstMatrixRef<float>& expected) {
+                    const sdmha::ConstMatrixRef<float>& expected,
+                    double tolerance = kRelativeTolerance) {
   std::ostringstream message;
   if (actual.rows() != expected.rows() || actual.cols() != expected.cols()) {
     message << what << " is " << actual.rows() << " x " << actual.cols() << "; expected "
@@ -65,9 +69,9 @@ std::string compare(const char* what, const sdmha::ConstMatrixRef<float>& actual
   const double scale = expected.size() == 0 ? 0.0 : double(expected.cwiseAbs().maxCoeff());
   const double difference =
       expected.size() == 0 ? 0.0 : double((actual - expected).cwiseAbs().maxCoeff());
-  if (difference <= kRelativeTolerance * scale) return {};  // false for NaN, which then fails
+  if (difference <= tolerance * scale) return {};  // false for NaN, which then fails
   message << what << " disagrees with the dense path: max |difference| = " << difference << " > "
-          << kRelativeTolerance << " * max |reference| = " << kRelativeTolerance * scale;
+          << tolerance << " * max |reference| = " << tolerance * scale;
   return message.str();
 }
 
@@ -221,9 +225,11 @@ class Problem {
                                                               workload.context_dim,
                                                               workload.context_dim, kWeightSeed)),
         dense_layer(workload.config(), sparse_layer.weights()),
+        bfloat16_layer(workload.config(), sparse_layer.shared_weights()),
         flops(flop_counts(workload, query.nonzeros())),
         d_output(make_dense_input(workload.batch, workload.steps, workload.output_dim,
                                   kOutputGradientSeed)) {
+    bfloat16_layer.set_query_kernel_precision(sdmha::Precision::bfloat16);
     build_references();
   }
 
@@ -254,13 +260,15 @@ class Problem {
   const Tensor3 key, value;
   const Layer sparse_layer;
   const sdmha::DenseMHA<float> dense_layer;
+  Layer bfloat16_layer;  // the same weights, the query kernel read in bfloat16
   const FlopCounts flops;
   // ∂loss/∂output for the backward case.
   const Tensor3 d_output;
 
   // Each forward path keeps its workspace and result between calls, as a serving loop would (a
   // case's checked call starts from fresh ones, so that its peak heap includes them).
-  sdmha::Workspace<float> sparse_workspace, regrouped_workspace, dense_workspace;
+  sdmha::Workspace<float> sparse_workspace, regrouped_workspace, dense_workspace,
+      bfloat16_workspace;
   sdmha::AttentionResult<float> forward_result;
   // The backward cases keep theirs the same way, as a training loop would.
   sdmha::Workspace<float> backward_workspace;
@@ -568,6 +576,16 @@ std::vector<Case> make_cases(Problem& p, int threads) {
                                               p.forward_result);
                      },
                      check_forward});
+  cases.push_back({"forward", "sparse_bf16", f.sparse_total(), csr, 0, 0,
+                   fresh(p.bfloat16_workspace),
+                   [&p, o = options(sdmha::ScoreStrategy::project_first)] {
+                     p.bfloat16_layer.forward(p.query, p.key, p.value, o, p.bfloat16_workspace,
+                                              p.forward_result);
+                   },
+                   [&p] {
+                     return compare("bfloat16 forward output", as_matrix(p.forward_result.output),
+                                    p.output, kBFloat16RelativeTolerance);
+                   }});
   cases.push_back({"forward", "dense", f.dense_total(), dense, 0, 0, fresh(p.dense_workspace),
                    [&p, o = options(sdmha::ScoreStrategy::project_first)] {
                      const Matrix densified = p.query.to_dense();
@@ -688,9 +706,9 @@ std::vector<std::string> case_names(const WorkloadShape& shape, double density) 
   std::vector<std::string> names = {"forward/sparse"};
   if (regrouped) names.push_back("forward/sparse_regrouped");
   for (const char* name :
-       {"forward/dense", "backward/sparse", "backward/sparse_saved_context", "densify/dense",
-        "query_projection/sparse", "query_projection/dense", "query_projection/eigen_csr",
-        "key_value_projection/shared", "scores/shared"})
+       {"forward/sparse_bf16", "forward/dense", "backward/sparse", "backward/sparse_saved_context",
+        "densify/dense", "query_projection/sparse", "query_projection/dense",
+        "query_projection/eigen_csr", "key_value_projection/shared", "scores/shared"})
     names.push_back(name);
   if (regrouped) names.push_back("scores/sparse_regrouped");
   for (const char* name : {"softmax/shared", "attend_values/shared", "output_projection/shared"})
@@ -1026,14 +1044,14 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
 
   char line[512];
   const char* header =
-      "%-5s %7s %3s %7s | %9s %9s | %8s %9s | %7s %6s | %8s %8s %6s | %8s %8s | %7s | %9s %7s %9s "
-      "%7s\n";
+      "%-5s %7s %3s %7s | %9s %9s %9s | %8s %9s | %7s %6s | %8s %8s %6s | %8s %8s | %7s | %9s %7s "
+      "%9s %7s\n";
   std::snprintf(line, sizeof line, header, "work", "density", "thr", "nnz/row", "sparse", "regroup",
-                "densify", "dense", "speedup", "ideal", "peak MB", "peak MB", "mem", "query MB",
-                "query MB", "allocs", "backward", "bwd/", "bwd ctx", "ctx/");
+                "bf16 Wq", "densify", "dense", "speedup", "ideal", "peak MB", "peak MB", "mem",
+                "query MB", "query MB", "allocs", "backward", "bwd/", "bwd ctx", "ctx/");
   out << line;
-  std::snprintf(line, sizeof line, header, "", "", "", "", "ms", "ms", "ms", "ms", "", "", "sparse",
-                "dense", "ratio", "CSR", "dense", "fwd/bwd", "ms", "fwd", "ms", "fwd");
+  std::snprintf(line, sizeof line, header, "", "", "", "", "ms", "ms", "ms", "ms", "ms", "", "",
+                "sparse", "dense", "ratio", "CSR", "dense", "fwd/bwd", "ms", "fwd", "ms", "fwd");
   out << line;
   for (const ConfigResult& r : results) {
     const std::int64_t sparse_peak = r.peak_bytes("forward/sparse");
@@ -1051,12 +1069,13 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
     const double backward_ms = r.ms("backward/sparse");
     const double context_backward_ms = r.ms("backward/sparse_saved_context");
     std::snprintf(line, sizeof line,
-                  "%-5s %7g %3d %7ld | %9s %9s | %8s %9s | %6.2fx %6.2f | %8s %8s %6s | %8.2f "
+                  "%-5s %7g %3d %7ld | %9s %9s %9s | %8s %9s | %6.2fx %6.2f | %8s %8s %6s | %8.2f "
                   "%8.2f | %7s | %9s %6.2fx %9s "
                   "%6.2fx\n",
                   r.shape.name.c_str(), r.density, r.threads, long(r.nonzeros_per_row),
                   milliseconds_text(r.ms("forward/sparse")).c_str(),
                   milliseconds_text(r.ms("forward/sparse_regrouped")).c_str(),
+                  milliseconds_text(r.ms("forward/sparse_bf16")).c_str(),
                   milliseconds_text(r.ms("densify/dense")).c_str(),
                   milliseconds_text(r.ms("forward/dense")).c_str(), r.speedup(),
                   r.flops.ideal_speedup(), megabytes(sparse_peak).c_str(),
@@ -1070,7 +1089,8 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
   out << "\nsparse = SparseDenseMHA::forward (project_first) with a Workspace and result kept "
          "between\n"
          "calls; regroup = the same with sparse_regrouped\n"
-         "scores (\"-\": not timed where it costs more FLOPs than the dense layer); dense =\n"
+         "scores (\"-\": not timed where it costs more FLOPs than the dense layer); bf16 Wq = the\n"
+         "same as sparse with set_query_kernel_precision(bfloat16); dense =\n"
          "SparseQuery::to_dense + DenseMHA::forward, densify included (and shown alone); speedup "
          "=\n"
          "dense / sparse; ideal = dense FLOP / sparse FLOP (WORKLOADS.md), the speedup at equal\n"
@@ -1191,6 +1211,7 @@ void write_json(const std::string& path, const std::vector<ConfigResult>& result
         << ", \"ideal_speedup\": " << json_number(r.flops.ideal_speedup()) << ",\n";
     out << "     \"forward_ms\": {\"sparse\": " << ms("forward/sparse")
         << ", \"sparse_regrouped\": " << ms("forward/sparse_regrouped")
+        << ", \"sparse_bfloat16_query_kernel\": " << ms("forward/sparse_bf16")
         << ", \"dense\": " << ms("forward/dense") << ", \"densify\": " << ms("densify/dense")
         << "},\n";
     out << "     \"backward_ms\": " << ms("backward/sparse")

@@ -667,9 +667,10 @@ sdmha::RowMatrix<float> random_kernel(Index rows, Index columns, std::uint64_t s
   return kernel;
 }
 
-// The bfloat16 kernel is the float by-row kernel on the widened rounding, bit for bit: on every
-// panel tail, with and without bias, with empty and full rows, and for a kernel beyond the cache
-// (the prefetching path) whose rows are long enough to prefetch ahead.
+// Both kernels with W in bfloat16 are the float by-row kernel on the widened rounding, bit for
+// bit: on every panel tail, with and without bias, with empty and full rows, and for a kernel
+// beyond the cache (the by-row kernel's prefetching path) whose rows are long enough to prefetch
+// ahead.
 TEST(QueryProjectionBFloat16Test, IsTheFloatKernelOnTheRoundedWeightsBitForBit) {
   struct Size {
     Index rows, features, width;
@@ -693,6 +694,14 @@ TEST(QueryProjectionBFloat16Test, IsTheFloatKernelOnTheRoundedWeightsBitForBit) 
       EXPECT_EQ(0, std::memcmp(from_bfloat16.data(), widened.data(),
                                sizeof(float) * std::size_t(widened.size())))
           << size.rows << " x " << size.features << " x " << size.width;
+      // By features: the same bits again (the rows are sorted).
+      CarvedFeatureGroups<float> scratch(size.features, x.view().nonzeros());
+      sdmha::detail::csr_dense_product_by_feature(x.view(), kernel.rounded.data(), size.width,
+                                                  bias_data, from_bfloat16.data(), size.width,
+                                                  size.width, scratch.groups);
+      EXPECT_EQ(0, std::memcmp(from_bfloat16.data(), widened.data(),
+                               sizeof(float) * std::size_t(widened.size())))
+          << "by feature, " << size.rows << " x " << size.features << " x " << size.width;
     }
   }
 }

@@ -418,16 +418,26 @@ void build_feature_groups(const CsrView<Scalar, StorageIndex>& x,
 
 // One feature's entries [begin, end), one panel of `Packets` packets from column `first_column`:
 // the panel of the feature's W row is loaded into registers once for all of its entries.
-template <int Packets, typename Entry, typename Scalar>
+// W's entries as a packet of Scalar: loaded as they are, or widened from bfloat16.
+template <typename Packet, typename Scalar>
+EIGEN_ALWAYS_INLINE Packet load_weight_packet(const Scalar* source) {
+  return Eigen::internal::ploadu<Packet>(source);
+}
+template <typename Packet>
+EIGEN_ALWAYS_INLINE Packet load_weight_packet(const Eigen::bfloat16* source) {
+  return load_widened<Packet>(source);
+}
+
+template <int Packets, typename Entry, typename Scalar, typename Weight>
 EIGEN_ALWAYS_INLINE void scatter_feature_panel(const Entry* entries, Index begin, Index end,
-                                               const Scalar* weight_row, Scalar* output,
+                                               const Weight* weight_row, Scalar* output,
                                                Index output_stride, Index first_column) {
   using namespace Eigen::internal;
   using Packet = typename PacketOf<Scalar>::Packet;
   constexpr int packet_size = PacketOf<Scalar>::size;
   Packet panel[Packets];
   for (int p = 0; p < Packets; ++p)
-    panel[p] = ploadu<Packet>(weight_row + first_column + p * packet_size);
+    panel[p] = load_weight_packet<Packet>(weight_row + first_column + p * packet_size);
   for (Index k = begin; k < end; ++k) {
     Scalar* out = output + Index(entries[k].row) * output_stride + first_column;
     const Packet value = pset1<Packet>(entries[k].value);
@@ -443,9 +453,9 @@ constexpr int kFeaturePanelPackets = 8;
 
 // One pass of the by-feature kernel: Y(:, panel) += x · W(f, panel) for every used feature, the
 // panel being `Packets` packets from column `first_column`.
-template <int Packets, typename Scalar, typename StorageIndex>
+template <int Packets, typename Scalar, typename StorageIndex, typename Weight>
 void scatter_panel_by_feature(const FeatureGroups<Scalar, StorageIndex>& groups,
-                              const Scalar* weight, Index weight_stride, Scalar* output,
+                              const Weight* weight, Index weight_stride, Scalar* output,
                               Index output_stride, Index first_column) {
   const StorageIndex* offsets = groups.feature_offsets;
   for (Index i = 0; i < groups.used_count; ++i) {
@@ -457,11 +467,13 @@ void scatter_panel_by_feature(const FeatureGroups<Scalar, StorageIndex>& groups,
 }
 
 // Y = X·W + b by features (see the top of the file), with the caller's scratch. Requires
-// by_feature_fits(x). Column panels go in the outer loop and features in the inner one, so that
-// each pass reads its panel of W once, row after row, in order, while its panel of Y stays in
-// L2; every entry of Y still takes its row's values in ascending feature order.
-template <typename Scalar, typename StorageIndex>
-void csr_dense_product_by_feature(const CsrView<Scalar, StorageIndex>& x, const Scalar* weight,
+// by_feature_fits(x). W (Weight) is Scalar, or bfloat16 widened exactly (Scalar = float): then
+// the result is bitwise that of W widened to float, for half of W's stream. Column panels go in the
+// outer loop and features in the inner one, so that each pass reads its panel of W once, row after
+// row, in order, while its panel of Y stays in L2; every entry of Y still takes its row's values in
+// ascending feature order.
+template <typename Scalar, typename StorageIndex, typename Weight>
+void csr_dense_product_by_feature(const CsrView<Scalar, StorageIndex>& x, const Weight* weight,
                                   Index weight_stride, const Scalar* bias, Scalar* output,
                                   Index output_stride, Index columns,
                                   FeatureGroups<Scalar, StorageIndex>& scratch) {
@@ -486,11 +498,11 @@ void csr_dense_product_by_feature(const CsrView<Scalar, StorageIndex>& x, const 
   const auto* entries = scratch.entries;
   for (Index i = 0; i < scratch.used_count; ++i) {
     const Index feature = scratch.used_features[i];
-    const Scalar* weight_row = weight + feature * weight_stride;
+    const Weight* weight_row = weight + feature * weight_stride;
     for (Index k = offsets[feature]; k < offsets[feature + 1]; ++k) {
       Scalar* out = output + Index(entries[k].row) * output_stride;
       const Scalar value = entries[k].value;
-      for (Index j = column; j < columns; ++j) out[j] += value * weight_row[j];
+      for (Index j = column; j < columns; ++j) out[j] += value * static_cast<Scalar>(weight_row[j]);
     }
   }
 }

@@ -103,33 +103,13 @@ struct SparseQueryProjection {
   }
 
   void operator()(const Arguments& args) const {
-    const Scalar* bias = args.bias.size() != 0 ? args.bias.data() : nullptr;
     if constexpr (std::is_same<Scalar, float>::value) {
-      // By rows, prefetching the rows of Wq ahead: a bfloat16 row is half the bytes, and the
-      // by-feature kernel's cost (adding into the output rows in L2) would not shrink with it.
       if (args.kernel_bfloat16 != nullptr) {
-        detail::csr_bfloat16_product(args.query, args.kernel_bfloat16->data(),
-                                     args.kernel_bfloat16->cols(), bias, args.output.data(),
-                                     args.output.outerStride(), args.kernel.cols());
+        project(args, args.kernel_bfloat16->data(), args.kernel_bfloat16->cols());
         return;
       }
     }
-    if (by_feature(args)) {
-      detail::ScratchCarver carver(args.workspace);
-      FeatureGroups groups =
-          FeatureGroups::carve(carver, args.query.cols, args.query.nonzeros(), false);
-      if (groups.fits(args.query.cols, args.query.nonzeros(), false)) {
-        detail::csr_dense_product_by_feature(args.query, args.kernel.data(),
-                                             args.kernel.outerStride(), bias, args.output.data(),
-                                             args.output.outerStride(), args.kernel.cols(), groups);
-        return;
-      }
-      // Without the planned workspace (a call on its own), by rows: the same sums, in the same
-      // order.
-    }
-    detail::csr_dense_product(args.query, args.kernel.data(), args.kernel.outerStride(), bias,
-                              args.output.data(), args.output.outerStride(), args.kernel.cols(),
-                              stream_output(args));
+    project(args, args.kernel.data(), args.kernel.outerStride());
   }
 
   // ---- backward -------------------------------------------------------------------------------
@@ -220,6 +200,31 @@ struct SparseQueryProjection {
   }
 
  private:
+  // Q = X·W + b with W = the float kernel or its bfloat16 rounding (`Weight`), by features when
+  // by_feature(args) and the workspace holds the CSC, by rows otherwise: the same sums in the
+  // same order either way.
+  template <typename Weight>
+  static void project(const Arguments& args, const Weight* kernel, Index kernel_stride) {
+    const Scalar* bias = args.bias.size() != 0 ? args.bias.data() : nullptr;
+    if (by_feature(args)) {
+      detail::ScratchCarver carver(args.workspace);
+      FeatureGroups groups =
+          FeatureGroups::carve(carver, args.query.cols, args.query.nonzeros(), false);
+      if (groups.fits(args.query.cols, args.query.nonzeros(), false)) {
+        detail::csr_dense_product_by_feature(args.query, kernel, kernel_stride, bias,
+                                             args.output.data(), args.output.outerStride(),
+                                             args.kernel.cols(), groups);
+        return;
+      }
+    }
+    if constexpr (std::is_same<Weight, Scalar>::value)
+      detail::csr_dense_product(args.query, kernel, kernel_stride, bias, args.output.data(),
+                                args.output.outerStride(), args.kernel.cols(), stream_output(args));
+    else
+      detail::csr_bfloat16_product(args.query, kernel, kernel_stride, bias, args.output.data(),
+                                   args.output.outerStride(), args.kernel.cols());
+  }
+
   static void check_feature_range(const char* where, Index features, Index first, Index count) {
     if (first < 0 || count < 0 || first + count > features)
       detail::fail<ShapeError>(where, "features [", first, ", ", first + count,
