@@ -297,3 +297,36 @@ def test_torch_module_bad_input():
         SparseQueryMultiheadAttention(2, 3, 7, 6, 5, dtype=torch.float16)
     with pytest.raises(sdmha.ConfigError, match="score_strategy"):
         SparseQueryMultiheadAttention(2, 3, 7, 6, 5, score_strategy="fast")
+
+
+def test_bfloat16_query_kernel_is_the_float32_layer_on_the_rounded_kernel():
+    """set_query_kernel_precision('bfloat16'): the forward equals the float32 layer whose query
+    kernel is rounded to bfloat16 by torch (bit for bit), set_weight rounds the new kernel, and
+    backward refuses."""
+    case = Case()
+    layer = layer_of(case, "float32")
+    indptr, indices, values = csr_arrays(case)
+    query = sdmha.csr_query(case.batch, case.steps, case.features, indptr, indices, values.astype("float32"))
+    key, value = numpy_of(case.key).astype("float32"), numpy_of(case.value).astype("float32")
+    assert layer.query_kernel_precision == "float32"
+    layer.set_query_kernel_precision("bfloat16")
+    assert layer.query_kernel_precision == "bfloat16"
+    output, _ = layer.forward(query, key, value)
+
+    twin = layer_of(case, "float32")
+    kernel = case.weights["query_kernel"].to(torch.float32)
+    twin.set_weight("query_kernel", kernel.to(torch.bfloat16).to(torch.float32).numpy())
+    expected, _ = twin.forward(query, key, value)
+    assert np.array_equal(output, expected)
+
+    doubled = (2 * kernel).numpy()
+    layer.set_weight("query_kernel", doubled)
+    twin.set_weight("query_kernel", torch.from_numpy(doubled).to(torch.bfloat16).to(torch.float32).numpy())
+    assert np.array_equal(layer.forward(query, key, value)[0], twin.forward(query, key, value)[0])
+
+    with pytest.raises(sdmha.ConfigError, match="expected float32 for the backward"):
+        layer.backward(query, key, value, numpy_of(case.d_output).astype("float32"))
+    with pytest.raises(sdmha.ConfigError, match="expected 'float32' or 'bfloat16'"):
+        layer.set_query_kernel_precision("half")
+    with pytest.raises(sdmha.ConfigError, match="need Scalar = float"):
+        layer_of(case, "float64").set_query_kernel_precision("bfloat16")
