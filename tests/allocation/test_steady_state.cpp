@@ -112,6 +112,28 @@ TEST(SteadyState, SparseForwardAllocatesNothingOnceWarm) {
   }
 }
 
+// K and V streamed in chunks (the budget lowered to 0, chunks of one key tile, S of two and a
+// bit key tiles) and the query kernel read in bfloat16: still nothing once warm.
+TEST(SteadyState, StreamedContextAndBFloat16QueryKernelAllocateNothingOnceWarm) {
+  Shape s = steady_shape(true);
+  s.key_steps = 2 * sdmha::detail::kKeyTile + 37;
+  const auto c = make_case<float>(s, 13);
+  sdmha::SparseDenseMHA<float> layer(c.config, c.weights);
+  sdmha::detail::ContextStreaming streaming;
+  streaming.budget_bytes = 0;
+  streaming.chunk_bytes = std::size_t(s.heads * (s.key_dim + s.value_dim)) * sizeof(float) *
+                          std::size_t(sdmha::detail::kKeyTile);
+  sdmha::detail::ContextStreamingHook::set(layer, streaming);
+  layer.set_query_kernel_precision(sdmha::Precision::bfloat16);
+  const auto query = c.query();
+  for (int threads : {1, 2}) {
+    SCOPED_TRACE(testing::Message() << "threads=" << threads);
+    auto options = c.options;
+    options.num_threads = threads;
+    expect_no_allocation_after_warm_up(layer, query, c, options);
+  }
+}
+
 TEST(SteadyState, SparseForwardOnAProjectedContextAllocatesNothingOnceWarm) {
   const auto c = make_case<double>(steady_shape(true), 12);
   const sdmha::SparseDenseMHA<double> layer(c.config, c.weights);
