@@ -52,8 +52,8 @@ TEST(BFloat16QueryKernelTest, IsTheFloatLayerOnTheRoundedQueryKernel) {
   }
 }
 
-// A query kernel beyond the cache with rows that reuse features (where the float32 layer goes by
-// feature and the bfloat16 one by rows, prefetching): still the same bits as the float layer on
+// A query kernel beyond the cache with rows that reuse features (where both layers go by
+// feature, the bfloat16 one reading the rounded Wq): still the same bits as the float layer on
 // the rounded Wq, for 1 and 2 threads; the automatic strategy projects first.
 TEST(BFloat16QueryKernelTest, WideQueryKernelIsBitwiseAndThreadInvariant) {
   Shape s;
@@ -137,6 +137,13 @@ TEST(BFloat16QueryKernelTest, RefusesBackwardRegroupedScoresAndDoubleLayers) {
   options.score_strategy = sdmha::ScoreStrategy::sparse_regrouped;
   SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ConfigError,
                           "score_strategy is sparse_regrouped with a bfloat16 query kernel");
+  // A refused training call draws no dropout seed.
+  sdmha::DropoutGenerator generator(9);
+  options.training = true;
+  options.dropout_rate = 0.2;
+  options.dropout_generator = &generator;
+  EXPECT_THROW(layer.forward(query, c.key, c.value, options), sdmha::ConfigError);
+  EXPECT_EQ(generator.draws(), 0u);
   const auto c64 = make_case<double>(Shape{}, 72);
   sdmha::SparseDenseMHA<double> layer64(c64.config, c64.weights);
   SDMHA_EXPECT_THROW_WITH(layer64.set_query_kernel_precision(sdmha::Precision::bfloat16),

@@ -707,7 +707,8 @@ TEST(QueryProjectionBFloat16Test, IsTheFloatKernelOnTheRoundedWeightsBitForBit) 
 }
 
 // Against the float64 product with the exact weights: rounding each weight to nearest bfloat16
-// moves it by at most 2⁻⁹ of itself, so |Q̃ − Q| ≤ 2⁻⁹·Σ|x·w| plus float32's own summation error
+// (8 significant bits) moves it by at most 2⁻⁸ of itself, so |Q̃ − Q| ≤ 2⁻⁸·Σ|x·w| plus float32's
+// own summation error
 // (at most (n + 1)·2⁻²⁴·Σ|x·w| for n stored values). Also at least one entry must differ from the
 // float kernel's, or the test would not see the rounding at all.
 TEST(QueryProjectionBFloat16Test, StageStaysWithinTheRoundingBoundOfTheExactProduct) {
@@ -732,7 +733,7 @@ TEST(QueryProjectionBFloat16Test, StageStaysWithinTheRoundingBoundOfTheExactProd
       for (int k = x.offsets[std::size_t(r)]; k < x.offsets[std::size_t(r) + 1]; ++k)
         magnitude += std::abs(double(x.values[std::size_t(k)]) *
                               double(exact(x.columns[std::size_t(k)], j)));
-      const double bound = (std::ldexp(1.0, -9) + double(stored + 1) * std::ldexp(1.0, -24)) *
+      const double bound = (std::ldexp(1.0, -8) + double(stored + 1) * std::ldexp(1.0, -24)) *
                            magnitude * (1 + 1e-6);
       ASSERT_LE(std::abs(double(output(r, j)) - expected[std::size_t(r * width + j)]), bound)
           << r << ", " << j;

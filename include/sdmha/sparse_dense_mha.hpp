@@ -238,9 +238,10 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
   detail::AttentionPlan plan_call(const char* where, const LayerDims& dims, const Query& query,
                                   Index key_steps, const AttentionOptions<Scalar>& options,
                                   detail::Pass pass, detail::CallBuffers<Scalar>& buffers) const {
+    // Before check_options, which draws the dropout generator's seed: a refused call draws none.
+    check_query_kernel_precision(where, options, pass);
     auto plan =
         Core::check_options(where, dims, query.batch(), query.steps(), key_steps, options, pass);
-    check_query_kernel_precision(where, options, pass);
     const ScoreStrategy requested =
         query_kernel_bfloat16_ != nullptr ? ScoreStrategy::project_first : options.score_strategy;
     const bool count_features = requested != ScoreStrategy::project_first;

@@ -212,8 +212,8 @@ EIGEN_ALWAYS_INLINE __m256 load_widened<__m256>(const Eigen::bfloat16* source) {
 #endif
 
 // One row, one panel of `Packets` packets of floats from column `first_column`, W in bfloat16;
-// with `prefetch_rows`, also the whole rows of W (`row_lines` cache lines each) of the stored
-// values kBFloat16PrefetchAhead places ahead.
+// with `prefetch_lines` > 0, also that many cache lines of each row of W that the stored value
+// kBFloat16PrefetchAhead places ahead in the row reads.
 template <int Packets, typename StorageIndex>
 EIGEN_ALWAYS_INLINE void csr_bfloat16_row_panel(const StorageIndex* columns, const float* values,
                                                 Index begin, Index end,
