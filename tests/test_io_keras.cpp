@@ -187,7 +187,7 @@ double tolerance() {
 
 template <typename Scalar>
 class KerasFileTyped : public ::testing::Test {};
-TYPED_TEST_SUITE(KerasFileTyped, ScalarTypes);
+TYPED_TEST_SUITE(KerasFileTyped, ScalarTypes, );
 
 TYPED_TEST(KerasFileTyped, WeightsH5FindsTheLayerByItsNameAttribute) {
   const auto keras =
