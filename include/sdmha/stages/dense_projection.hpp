@@ -5,6 +5,10 @@
 //   pre:   X has E columns; Y is rows × N
 //   cost:  2·rows·E·N flops in one GEMM, packing in the worker's scratch
 //
+// With `kernel_bfloat16` (Scalar = float): Y = bf16(X)·bf16(W) + b, W rounded once by the caller
+// and X as it is packed, products exact and sums in float32 (detail/gemm_bfloat16.hpp gives the
+// bound) — vdpbf16ps at twice the float32 rate where the CPU has AVX512_BF16.
+//
 // Backward, given dY:
 //   dW = Xᵀ·dY over all rows, one fixed tile of dW per call (KernelGradientArguments)
 //   dX = dY·Wᵀ, one block of rows per call (InputGradientArguments)
@@ -12,9 +16,11 @@
 #pragma once
 
 #include <algorithm>
+#include <type_traits>
 
 #include "sdmha/config.hpp"
 #include "sdmha/detail/gemm.hpp"
+#include "sdmha/detail/gemm_bfloat16.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/stage.hpp"
 
@@ -31,6 +37,8 @@ struct DenseProjection {
     ConstVectorRef<Scalar> bias;       // N, or empty for no bias
     mutable MatrixRef<Scalar> output;  // rows × N
     StageScratch workspace = {};
+    // W rounded to bfloat16 (Scalar = float only), read instead of `kernel` when set.
+    const detail::BFloat16Kernel* kernel_bfloat16 = nullptr;
   };
 
   // dW's tile = input's columns ᵀ · d_output's columns, summed over every row (a fixed tile, so
@@ -57,7 +65,8 @@ struct DenseProjection {
     return std::max(
         {detail::gemm_workspace_size<Scalar>(sizes.rows, sizes.output_width, sizes.input_width),
          detail::gemm_workspace_size<Scalar>(sizes.rows, sizes.input_width, sizes.output_width),
-         detail::gemm_workspace_size<Scalar>(sizes.input_width, sizes.output_width, sizes.rows)});
+         detail::gemm_workspace_size<Scalar>(sizes.input_width, sizes.output_width, sizes.rows),
+         detail::gemm_bfloat16_workspace_size(sizes.rows, sizes.output_width, sizes.input_width)});
   }
 
   static void can_implement(const Arguments& args) { check("DenseProjection", args); }
@@ -86,6 +95,12 @@ struct DenseProjection {
   void operator()(const Arguments& args) const {
     const bool has_bias = args.bias.size() != 0;
     if (has_bias) args.output.rowwise() = args.bias.transpose();
+    if constexpr (std::is_same<Scalar, float>::value)
+      if (args.kernel_bfloat16 != nullptr) {
+        detail::gemm_bfloat16(args.input, *args.kernel_bfloat16, args.output, has_bias,
+                              args.workspace);
+        return;
+      }
     detail::gemm<Scalar>(detail::as_operand<Scalar>(args.input),
                          detail::as_operand<Scalar>(args.kernel), args.output, Scalar(1), has_bias,
                          args.workspace);
@@ -114,6 +129,15 @@ struct DenseProjection {
     if (args.output.rows() != args.input.rows() || args.output.cols() != args.kernel.cols())
       detail::fail<ShapeError>(where, "output is ", args.output.rows(), " x ", args.output.cols(),
                                "; expected ", args.input.rows(), " x ", args.kernel.cols());
+    if (args.kernel_bfloat16 == nullptr) return;
+    if (!std::is_same<Scalar, float>::value)
+      detail::fail<ConfigError>(where, "kernel_bfloat16 is set for a double stage; expected none "
+                                       "(bfloat16 kernels need Scalar = float)");
+    if (args.kernel_bfloat16->rows() != args.kernel.rows() ||
+        args.kernel_bfloat16->cols() != args.kernel.cols())
+      detail::fail<ShapeError>(where, "kernel_bfloat16 is ", args.kernel_bfloat16->rows(), " x ",
+                               args.kernel_bfloat16->cols(), "; expected the kernel's ",
+                               args.kernel.rows(), " x ", args.kernel.cols());
   }
 };
 

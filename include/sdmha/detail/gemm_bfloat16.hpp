@@ -1,0 +1,314 @@
+// sdmha/detail/gemm_bfloat16.hpp — C (+)= A·W with A rounded to bfloat16 on the fly and W a
+// bfloat16 kernel packed once in pairs of rows: the dense projections of the bfloat16 mode.
+//
+//   math:  C = bf16(A)·bf16(W) (+ C), each product exact, the sums in float32
+//   pre:   A (m × k) float, row-major; W a BFloat16Kernel of a k × n float matrix; C (m × n,
+//          row-major) aliases neither; scratch of gemm_bfloat16_workspace_size(m, n, k) bytes
+//   cost:  m·n·k multiply-adds, 32 per vdpbf16ps (AVX512_BF16: twice float32's FMA rate), one
+//          rounding copy of A per (row block, depth block); a portable loop elsewhere
+//
+// Rounding is to nearest, ties to even. Each term a·w of a float32 result then carries a relative
+// error of at most 2⁻⁸ (2⁻⁹ from each operand, bfloat16 having 8 significant bits) on top of
+// float32's own summation error: |C − A·W| ≤ (2⁻⁸ + (k + 1)·2⁻²⁴)·Σ_p |A(i, p)·W(p, j)| for
+// operands and products in float's normal range (the AVX512_BF16 instructions read and write
+// subnormals as zero). W's 2-byte entries halve its memory traffic; A is float in memory and
+// rounded as it is packed, so callers keep their float inputs.
+//
+// Layout: vdpbf16ps multiplies the bfloat16 pairs (2p, 2p + 1) of two registers lane by lane and
+// adds both products to a float lane. BFloat16Kernel therefore stores W as ⌈k/2⌉ rows of n
+// 32-bit pairs, pair (p, j) = W(2p, j) in the low half, W(2p + 1, j) in the high half (0 past k),
+// and a row of A packs the same way as it is (its entries 2p and 2p + 1 are adjacent): one
+// broadcast 32-bit pair of A times 16 columns' pairs of W is 32 multiply-adds.
+//
+// Blocking as in gemm_avx512.hpp (which gives the reasons): micro-tiles of up to 14 × 32 (28 zmm
+// accumulators), W read in place (its pair rows are contiguous), A packed per (row block of ≤ 256
+// rows, depth block of ≤ 512) in chunks of 16 pairs — one cache line per row and chunk. Every
+// entry of C is one fixed sequence of vdpbf16ps over p, split at depth blocks that depend on k
+// alone: deterministic, and a row block of C is bitwise the same rows of a larger product.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <utility>
+
+#include <Eigen/Core>
+
+#include "sdmha/config.hpp"
+#include "sdmha/detail/scratch.hpp"
+#include "sdmha/stage.hpp"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace sdmha::detail {
+
+// The bit pattern of x rounded to the nearest bfloat16, ties to even (Eigen's conversion).
+inline std::uint32_t bfloat16_bits(float x) {
+  return Eigen::numext::bit_cast<std::uint16_t>(Eigen::bfloat16(x));
+}
+// The float that a bfloat16 bit pattern (in the low 16 bits) stands for, exactly.
+inline float widen_bfloat16(std::uint32_t bits) {
+  return Eigen::numext::bit_cast<float>(std::uint32_t(bits << 16));
+}
+
+// A k × n float kernel rounded to bfloat16 and packed in pairs of rows (see the top of the file).
+class BFloat16Kernel {
+ public:
+  using Pairs = Eigen::Matrix<std::uint32_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+  BFloat16Kernel() = default;
+  explicit BFloat16Kernel(const ConstMatrixRef<float>& kernel)
+      : rows_(kernel.rows()), pairs_((kernel.rows() + 1) / 2, kernel.cols()) {
+    for (Index p = 0; p < pairs_.rows(); ++p)
+      for (Index j = 0; j < pairs_.cols(); ++j) {
+        const std::uint32_t low = bfloat16_bits(kernel(2 * p, j));
+        const std::uint32_t high = 2 * p + 1 < rows_ ? bfloat16_bits(kernel(2 * p + 1, j)) : 0u;
+        pairs_(p, j) = low | (high << 16);
+      }
+  }
+
+  Index rows() const { return rows_; }  // k
+  Index cols() const { return pairs_.cols(); }  // n
+  const Pairs& pairs() const { return pairs_; }
+  // W(i, j) as rounded, widened to float.
+  float operator()(Index i, Index j) const {
+    return widen_bfloat16(pairs_(i / 2, j) >> (i % 2 == 0 ? 0 : 16) & 0xFFFFu);
+  }
+
+ private:
+  Index rows_ = 0;
+  Pairs pairs_;
+};
+
+// The portable product: each product of two bfloat16 values is exact in float, and each pair adds
+// its odd-row term and then its even-row term to the running sum — the order the SDM gives for
+// vdpbf16ps — so that both paths take the same sums (they can still differ where the hardware
+// treats subnormals as zero).
+inline void gemm_bfloat16_portable(const ConstMatrixRef<float>& a, const BFloat16Kernel& w,
+                                   MatrixRef<float> c, bool accumulate) {
+  const Index m = c.rows(), n = c.cols(), pairs = w.pairs().rows();
+  if (!accumulate) c.setZero();
+  for (Index i = 0; i < m; ++i) {
+    float* row = c.data() + i * c.outerStride();
+    for (Index p = 0; p < pairs; ++p) {
+      const float even = widen_bfloat16(bfloat16_bits(a(i, 2 * p)));
+      const float odd = 2 * p + 1 < a.cols() ? widen_bfloat16(bfloat16_bits(a(i, 2 * p + 1))) : 0.f;
+      const std::uint32_t* pair = w.pairs().data() + p * n;
+      for (Index j = 0; j < n; ++j) {
+        row[j] += odd * widen_bfloat16(pair[j] >> 16);
+        row[j] += even * widen_bfloat16(pair[j] & 0xFFFFu);
+      }
+    }
+  }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+
+inline constexpr bool kHaveBFloat16Gemm = true;
+
+namespace bf16_gemm {
+
+inline constexpr int kMr = 14;  // rows of a micro-tile
+inline constexpr int kNv = 2;   // its 16-float vectors across
+inline constexpr Index kNr = 16 * kNv;
+inline constexpr Index kChunk = 32;    // depth of a packed chunk of A: 16 pairs, one cache line
+inline constexpr Index kMaxKc = 512;   // depth of a block (a multiple of kChunk)
+inline constexpr Index kMaxMc = 256;   // rows of a block
+
+inline Index round_up(Index value, Index step) { return (value + step - 1) / step * step; }
+
+// k split into equal depth blocks of at most kMaxKc, each a multiple of kChunk but the last.
+inline Index depth_block(Index k) {
+  const Index blocks = (k + kMaxKc - 1) / kMaxKc;
+  return round_up((k + blocks - 1) / blocks, kChunk);
+}
+inline Index row_block(Index m) {
+  const Index blocks = (m + kMaxMc - 1) / kMaxMc;
+  return blocks > 0 ? (m + blocks - 1) / blocks : 0;
+}
+// 32-bit pairs per packed row of a depth block of `depth`, and of a packed block.
+inline Index packed_row_pairs(Index depth) { return round_up(depth, kChunk) / 2; }
+inline Index block_a_pairs(Index rows, Index depth) { return rows * packed_row_pairs(depth); }
+
+inline __mmask16 lanes(Index count) {
+  return count >= 16 ? __mmask16(0xFFFF)
+                     : count <= 0 ? __mmask16(0) : __mmask16((1u << unsigned(count)) - 1u);
+}
+
+// Rows of micro-tile t when `rows` are split into tiles of at most kMr, of near-equal heights.
+struct RowSplit {
+  Index tiles, base, extra;
+  explicit RowSplit(Index rows)
+      : tiles((rows + kMr - 1) / kMr),
+        base(tiles > 0 ? rows / tiles : 0),
+        extra(tiles > 0 ? rows % tiles : 0) {}
+  Index height(Index t) const { return base + (t < extra ? 1 : 0); }
+};
+
+// Packs rows [i0, i0 + rows) × depth [p0, p0 + depth) of A, rounded, into micro-panels of the
+// RowSplit's heights: out[c·16·h + i·16 + q] = pair q of chunk c of the panel's row i (zero past
+// the depth), one 64-byte line per row and chunk.
+inline void pack_a(const float* a, Index lda, Index i0, Index rows, Index p0, Index depth,
+                   std::uint32_t* out) {
+  const RowSplit split(rows);
+  const Index chunks = (depth + kChunk - 1) / kChunk;
+  for (Index t = 0, ir = 0; t < split.tiles; ++t) {
+    const Index h = split.height(t);
+    for (Index ch = 0; ch < chunks; ++ch) {
+      const Index left = depth - kChunk * ch;
+      const __mmask16 low_mask = lanes(left), high_mask = lanes(left - 16);
+      std::uint32_t* dst = out + ch * 16 * h;
+      for (Index i = 0; i < h; ++i) {
+        const float* src = a + (i0 + ir + i) * lda + p0 + kChunk * ch;
+        const __m512 low = _mm512_maskz_loadu_ps(low_mask, src);
+        const __m512 high = _mm512_maskz_loadu_ps(high_mask, src + 16);
+        _mm512_storeu_si512(dst + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+      }
+    }
+    out += h * 16 * chunks;
+    ir += h;
+  }
+}
+
+// C[0:MR, 0:16·NV] = (C +) Σ over `pairs` pair steps of A's packed panel times the pair rows of W
+// at w + p·ldw; the last vector of each row of W and C goes under `last` (the n edge).
+template <int MR, int NV>
+void micro_kernel(Index pairs, const std::uint32_t* a, const std::uint32_t* w, Index ldw,
+                  float* c, Index ldc, bool add, __mmask16 last) {
+  const float* c_row = c;
+#pragma GCC unroll 1
+  for (int i = 0; i < MR; ++i, c_row += ldc) {
+    __builtin_prefetch(c_row, 1, 3);
+    __builtin_prefetch(c_row + 16 * NV - 1, 1, 3);
+  }
+  __m512 acc[MR][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (Index p0 = 0; p0 < pairs; p0 += 16, a += 16 * MR) {
+    const Index steps = pairs - p0 < 16 ? pairs - p0 : 16;
+    for (Index q = 0; q < steps; ++q, w += ldw) {
+      __m512i wv[NV];
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v)
+        wv[v] = v == NV - 1 ? _mm512_maskz_loadu_epi32(last, w + 16 * v)
+                            : _mm512_loadu_si512(w + 16 * v);
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) {
+        const __m512i ai = _mm512_set1_epi32(int(a[16 * i + q]));
+#pragma GCC unroll 2
+        for (int v = 0; v < NV; ++v)
+          acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)ai, (__m512bh)wv[v]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      float* out = c + i * ldc + 16 * v;
+      const __mmask16 mask = v == NV - 1 ? last : __mmask16(0xFFFF);
+      const __m512 sum = add ? _mm512_add_ps(acc[i][v], _mm512_maskz_loadu_ps(mask, out))
+                             : acc[i][v];
+      _mm512_mask_storeu_ps(out, mask, sum);
+    }
+}
+
+using MicroKernel = void (*)(Index, const std::uint32_t*, const std::uint32_t*, Index, float*,
+                             Index, bool, __mmask16);
+
+template <int NV, int... Rows>
+constexpr std::array<MicroKernel, sizeof...(Rows)> kernel_row(std::integer_sequence<int, Rows...>) {
+  return {&micro_kernel<Rows + 1, NV>...};
+}
+template <int... Vectors>
+constexpr std::array<std::array<MicroKernel, kMr>, sizeof...(Vectors)> kernel_table(
+    std::integer_sequence<int, Vectors...>) {
+  return {kernel_row<Vectors + 1>(std::make_integer_sequence<int, kMr>())...};
+}
+// [NV − 1][MR − 1]: every edge tile has its own fully unrolled kernel.
+inline constexpr auto kKernels = kernel_table(std::make_integer_sequence<int, kNv>());
+
+inline std::size_t workspace_bytes(Index m, Index k) {
+  if (m <= 0 || k <= 0) return 0;
+  return array_bytes<std::uint32_t>(block_a_pairs(std::min(m, kMaxMc), std::min(k, kMaxKc)));
+}
+
+inline void run(const float* a, Index lda, const std::uint32_t* w, Index ldw, float* c, Index ldc,
+                Index m, Index n, Index k, bool accumulate, std::uint32_t* block_a) {
+  const Index kc = depth_block(k), mc = row_block(m);
+  for (Index ic = 0; ic < m; ic += mc) {
+    const Index mb = m - ic < mc ? m - ic : mc;
+    const RowSplit split(mb);
+    for (Index pc = 0; pc < k; pc += kc) {
+      const Index kb = k - pc < kc ? k - pc : kc;
+      const Index row_pairs = packed_row_pairs(kb);
+      const bool add = accumulate || pc > 0;
+      pack_a(a, lda, ic, mb, pc, kb, block_a);
+      const std::uint32_t* w_block = w + (pc / 2) * ldw;
+      for (Index jr = 0; jr < n; jr += kNr) {
+        const Index width = n - jr < kNr ? n - jr : kNr;
+        const Index vectors = (width + 15) / 16;
+        const __mmask16 last = lanes(width - 16 * (vectors - 1));
+        for (Index t = 0, ir = 0; t < split.tiles; ++t) {
+          const Index h = split.height(t);
+          kKernels[vectors - 1][h - 1]((kb + 1) / 2, block_a + ir * row_pairs, w_block + jr, ldw,
+                                       c + (ic + ir) * ldc + jr, ldc, add, last);
+          ir += h;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace bf16_gemm
+
+inline std::size_t gemm_bfloat16_workspace_size(Index m, Index /*n*/, Index k) {
+  return bf16_gemm::workspace_bytes(m, k);
+}
+
+#else
+
+inline constexpr bool kHaveBFloat16Gemm = false;
+
+inline std::size_t gemm_bfloat16_workspace_size(Index, Index, Index) { return 0; }
+
+#endif  // __AVX512BF16__
+
+// C (m × n) = bf16(A)·W, or += when `accumulate`: vdpbf16ps where the build has AVX512_BF16,
+// the portable loop elsewhere. Packs A in `scratch` (at least gemm_bfloat16_workspace_size(m, n,
+// k) bytes; with less, in memory of its own: the same result, with an allocation).
+inline void gemm_bfloat16(const ConstMatrixRef<float>& a, const BFloat16Kernel& w,
+                          MatrixRef<float> c, bool accumulate, StageScratch scratch) {
+  SDMHA_ASSERT(a.rows() == c.rows() && a.cols() == w.rows() && w.cols() == c.cols());
+  const Index m = c.rows(), n = c.cols(), k = a.cols();
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    if (!accumulate) c.setZero();
+    return;
+  }
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  ScratchCarver carver(scratch);
+  const Index pairs = bf16_gemm::block_a_pairs(bf16_gemm::row_block(m), bf16_gemm::depth_block(k));
+  std::uint32_t* block_a = carver.take<std::uint32_t>(pairs);
+  std::unique_ptr<std::uint32_t[]> own;  // only when the caller's scratch is too small
+  if (block_a == nullptr) {
+    own.reset(new std::uint32_t[std::size_t(pairs)]);
+    block_a = own.get();
+  }
+  bf16_gemm::run(a.data(), a.outerStride(), w.pairs().data(), w.pairs().outerStride(), c.data(),
+                 c.outerStride(), m, n, k, accumulate, block_a);
+#else
+  (void)scratch;
+  gemm_bfloat16_portable(a, w, c, accumulate);
+#endif
+}
+
+}  // namespace sdmha::detail
