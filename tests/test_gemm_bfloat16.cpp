@@ -1,0 +1,412 @@
+// Tests of sdmha/detail/gemm_bfloat16.hpp and of the kernel_bfloat16 path of DenseProjection and
+// OutputProjection: BFloat16Kernel holds each weight rounded to the nearest bfloat16 (ties to
+// even, NaN and infinities kept, the padding half of an odd depth zero); gemm_bfloat16 stays
+// within (2⁻⁷ + (k + 1)·2⁻²⁴)·Σ|A·W| of a float64 product of the float inputs and within float32
+// summation error of a float64 product of the rounded ones, and differs from the float32 engine
+// (it really rounds); the vdpbf16ps path takes the sums of each depth block added to C, which are
+// the portable loop's bits without accumulation within one block; a row block of C is bitwise the
+// same rows of a larger product, with or without scratch and on strided operands; the projections
+// add the bias and read the bfloat16 kernel, and can_implement refuses a wrong one.
+#include "test_support.hpp"
+
+#include <cstring>
+
+#include <sdmha/detail/gemm.hpp>
+#include <sdmha/detail/gemm_bfloat16.hpp>
+#include <sdmha/detail/scratch.hpp>
+#include <sdmha/stages/dense_projection.hpp>
+#include <sdmha/stages/output_projection.hpp>
+
+namespace sdmha_test {
+namespace {
+
+using sdmha::RowMatrix;
+using sdmha::detail::BFloat16Kernel;
+using sdmha::detail::gemm_bfloat16;
+using sdmha::detail::gemm_bfloat16_portable;
+using FloatMatrix = RowMatrix<float>;
+using DoubleMatrix = RowMatrix<double>;
+
+// Relative error of one product of two operands each rounded to bfloat16: 8 significant bits
+// give a unit roundoff of 2⁻⁸ per operand (half the spacing 2⁻⁷ of [1, 2)), so under 2⁻⁷ for
+// the product — e.g. 1 + 2⁻⁸ + ε rounds up to 1 + 2⁻⁷, a relative error of almost 2⁻⁸ alone.
+constexpr double kProductRounding = 1.0 / 128.0;
+// float32's unit roundoff; a sum of k terms onto C carries at most (k + 1) of it per term.
+constexpr double kSumRounding = 1.0 / 16777216.0;
+
+FloatMatrix normal_matrix(Index rows, Index cols, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  FloatMatrix matrix(rows, cols);
+  for (Index i = 0; i < matrix.size(); ++i) matrix.data()[i] = normal(rng);
+  return matrix;
+}
+
+FloatMatrix nan_matrix(Index rows, Index cols) {
+  return FloatMatrix::Constant(rows, cols, std::numeric_limits<float>::quiet_NaN());
+}
+
+std::uint32_t bits_of(float x) { return Eigen::numext::bit_cast<std::uint32_t>(x); }
+float from_bits(std::uint32_t bits) { return Eigen::numext::bit_cast<float>(bits); }
+float to_bfloat16(float x) { return float(Eigen::bfloat16(x)); }
+std::uint32_t bfloat16_pattern(float x) {
+  return Eigen::numext::bit_cast<std::uint16_t>(Eigen::bfloat16(x));
+}
+
+// Entries of two equally shaped matrices whose bit patterns differ.
+Index differing_bits(const FloatMatrix& x, const FloatMatrix& y) {
+  Index count = 0;
+  for (Index i = 0; i < x.size(); ++i) count += bits_of(x.data()[i]) != bits_of(y.data()[i]);
+  return count;
+}
+
+// C0 (or 0) + A·W in float64, and the magnitudes Σ_p |A(i, p)·W(p, j)| + |C0(i, j)|; with
+// `round`, of the operands rounded to bfloat16. A product of two floats is exact in double.
+struct Reference {
+  DoubleMatrix value, magnitude;
+};
+
+Reference reference_product(const FloatMatrix& a, const FloatMatrix& w, const FloatMatrix* c0,
+                            bool round) {
+  const Index m = a.rows(), n = w.cols(), k = a.cols();
+  Reference ref{DoubleMatrix::Zero(m, n), DoubleMatrix::Zero(m, n)};
+  if (c0 != nullptr) {
+    ref.value = c0->cast<double>();
+    ref.magnitude = ref.value.cwiseAbs();
+  }
+  for (Index i = 0; i < m; ++i)
+    for (Index p = 0; p < k; ++p) {
+      const double x = round ? to_bfloat16(a(i, p)) : a(i, p);
+      for (Index j = 0; j < n; ++j) {
+        const double term = x * double(round ? to_bfloat16(w(p, j)) : w(p, j));
+        ref.value(i, j) += term;
+        ref.magnitude(i, j) += std::abs(term);
+      }
+    }
+  return ref;
+}
+
+// Entries of C outside |C − value| ≤ relative · magnitude; `worst` gets the largest
+// |C − value| / magnitude seen.
+Index entries_outside(const FloatMatrix& c, const Reference& ref, double relative, double* worst) {
+  Index count = 0;
+  *worst = 0.0;
+  for (Index i = 0; i < c.rows(); ++i)
+    for (Index j = 0; j < c.cols(); ++j) {
+      const double error = std::abs(double(c(i, j)) - ref.value(i, j));
+      if (!(error <= relative * ref.magnitude(i, j))) ++count;
+      if (ref.magnitude(i, j) > 0) *worst = std::max(*worst, error / ref.magnitude(i, j));
+    }
+  return count;
+}
+
+// gemm_bfloat16 onto a copy of `start`, with its planned scratch or none (it then allocates).
+FloatMatrix run_gemm(const sdmha::ConstMatrixRef<float>& a, const BFloat16Kernel& w,
+                     const FloatMatrix& start, bool accumulate, bool with_scratch = true) {
+  FloatMatrix c = start;
+  sdmha::detail::ScratchBuffer buffer;
+  if (with_scratch)
+    buffer.reserve(sdmha::detail::gemm_bfloat16_workspace_size(a.rows(), w.cols(), a.cols()));
+  gemm_bfloat16(a, w, c, accumulate, with_scratch ? buffer.view() : sdmha::StageScratch{});
+  return c;
+}
+
+FloatMatrix run_portable(const FloatMatrix& a, const BFloat16Kernel& w, const FloatMatrix& start,
+                         bool accumulate) {
+  FloatMatrix c = start;
+  gemm_bfloat16_portable(a, w, c, accumulate);
+  return c;
+}
+
+struct GemmCase {
+  Index m, n, k;
+  bool accumulate;
+};
+
+std::string describe(const GemmCase& c) {
+  return std::to_string(c.m) + " x " + std::to_string(c.n) + " x " + std::to_string(c.k) +
+         (c.accumulate ? " accumulate" : "");
+}
+
+// m, n, k = 1; odd k; k past one depth block (512) and an exact block; n off the 16 and 32
+// lanes; m past one row block (256) and off the 14-row micro-tiles.
+const std::vector<GemmCase>& gemm_cases() {
+  static const std::vector<GemmCase> cases = {
+      {1, 1, 1, false},     {1, 1, 1, true},       {1, 45, 77, false},   {14, 32, 1, false},
+      {15, 33, 2, true},    {5, 17, 77, true},     {13, 16, 33, false},  {29, 45, 513, false},
+      {3, 33, 513, true},   {40, 17, 1100, false}, {257, 64, 512, true}, {300, 17, 512, false},
+      {600, 33, 77, false}, {600, 45, 1100, true}};
+  return cases;
+}
+
+TEST(BFloat16GemmKernel, EntriesAreTheWeightsRoundedAndPackedInPairs) {
+  std::mt19937 rng(7100);
+  for (const Index k : {1, 2, 77, 512, 513}) {
+    SCOPED_TRACE(::testing::Message() << "k = " << k);
+    const FloatMatrix w = normal_matrix(k, 45, rng);
+    const BFloat16Kernel kernel(w);
+    ASSERT_EQ(kernel.rows(), k);
+    ASSERT_EQ(kernel.cols(), 45);
+    ASSERT_EQ(kernel.pairs().rows(), (k + 1) / 2);
+    ASSERT_EQ(kernel.pairs().cols(), 45);
+    Index wrong_entries = 0, wrong_pairs = 0;
+    for (Index i = 0; i < k; ++i)
+      for (Index j = 0; j < 45; ++j)
+        wrong_entries += bits_of(kernel(i, j)) != bits_of(to_bfloat16(w(i, j)));
+    for (Index p = 0; p < kernel.pairs().rows(); ++p)
+      for (Index j = 0; j < 45; ++j) {
+        const std::uint32_t high = 2 * p + 1 < k ? bfloat16_pattern(w(2 * p + 1, j)) : 0u;
+        wrong_pairs += kernel.pairs()(p, j) != (bfloat16_pattern(w(2 * p, j)) | high << 16);
+      }
+    EXPECT_EQ(wrong_entries, 0);
+    EXPECT_EQ(wrong_pairs, 0);
+  }
+}
+
+TEST(BFloat16GemmKernel, TiesRoundToEvenAndSpecialValuesSurvive) {
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  // (input bits, expected bits of the rounded float): 1 + 2⁻⁸ lies halfway between 1 and
+  // 1 + 2⁻⁷ and goes to the even 1; 1 + 3·2⁻⁸ halfway between 1 + 2⁻⁷ and 1 + 2⁻⁶ goes up
+  // to the even 1 + 2⁻⁶; one ulp either side of a tie goes to the nearer; the largest float is
+  // nearer 2¹²⁸ than the largest bfloat16 and overflows to infinity.
+  const std::vector<std::pair<std::uint32_t, std::uint32_t>> cases = {
+      {0x3F808000u, 0x3F800000u},   {0x3F818000u, 0x3F820000u},     {0xBF808000u, 0xBF800000u},
+      {0x3F808001u, 0x3F810000u},   {0x3F807FFFu, 0x3F800000u},     {0x7F7FFFFFu, 0x7F800000u},
+      {bits_of(inf), bits_of(inf)}, {bits_of(-inf), bits_of(-inf)}, {0x80000000u, 0x80000000u}};
+  const Index k = Index(cases.size()) + 2;  // odd, with two NaNs last
+  ASSERT_EQ(k % 2, 1);
+  FloatMatrix w(k, 2);
+  for (Index i = 0; i < Index(cases.size()); ++i) {
+    w(i, 0) = from_bits(cases[std::size_t(i)].first);
+    w(i, 1) = -w(i, 0);
+  }
+  w.row(k - 2).setConstant(std::numeric_limits<float>::quiet_NaN());
+  w.row(k - 1).setConstant(-std::numeric_limits<float>::signaling_NaN());
+  const BFloat16Kernel kernel(w);
+  for (Index i = 0; i < Index(cases.size()); ++i) {
+    EXPECT_EQ(bits_of(kernel(i, 0)), cases[std::size_t(i)].second) << "row " << i;
+    EXPECT_EQ(bits_of(kernel(i, 1)), cases[std::size_t(i)].second ^ 0x80000000u) << "row " << i;
+  }
+  for (Index j = 0; j < 2; ++j) {
+    EXPECT_TRUE(std::isnan(kernel(k - 2, j)));
+    EXPECT_TRUE(std::isnan(kernel(k - 1, j)));
+    EXPECT_EQ(kernel.pairs()(k / 2, j) >> 16, 0u) << "the padding half of the last pair";
+  }
+}
+
+TEST(BFloat16Gemm, WithinTheBoundOfTheFloatProductAndRoundsReally) {
+  std::uint32_t seed = 7200;
+  for (const GemmCase& c : gemm_cases()) {
+    SCOPED_TRACE(describe(c));
+    std::mt19937 rng(seed++);
+    const FloatMatrix a = normal_matrix(c.m, c.k, rng), w = normal_matrix(c.k, c.n, rng);
+    const FloatMatrix start = c.accumulate ? normal_matrix(c.m, c.n, rng) : nan_matrix(c.m, c.n);
+    const FloatMatrix* c0 = c.accumulate ? &start : nullptr;
+    const FloatMatrix result = run_gemm(a, BFloat16Kernel(w), start, c.accumulate);
+    const double summation = double(c.k + 1) * kSumRounding;
+    double worst = 0.0;
+    EXPECT_EQ(entries_outside(result, reference_product(a, w, c0, false),
+                              kProductRounding + summation, &worst),
+              0)
+        << "worst |C - A.W| / sum |A.W| = " << worst;
+    EXPECT_EQ(entries_outside(result, reference_product(a, w, c0, true), summation, &worst), 0)
+        << "worst error against the rounded operands' product: " << worst;
+    FloatMatrix float32 = c.accumulate ? start : FloatMatrix::Zero(c.m, c.n);
+    sdmha::detail::gemm<float>(sdmha::detail::as_operand<float>(a),
+                               sdmha::detail::as_operand<float>(w), float32, 1.0f, c.accumulate,
+                               sdmha::StageScratch{});
+    EXPECT_GT(differing_bits(result, float32), 0) << "the same bits as the float32 engine";
+  }
+}
+
+TEST(BFloat16Gemm, EmptyDepthGivesZeroOrLeavesC) {
+  std::mt19937 rng(7300);
+  const FloatMatrix a(4, 0), w(0, 5);
+  const BFloat16Kernel kernel(w);
+  const FloatMatrix start = normal_matrix(4, 5, rng);
+  EXPECT_EQ(differing_bits(run_gemm(a, kernel, start, false), FloatMatrix::Zero(4, 5)), 0);
+  EXPECT_EQ(differing_bits(run_gemm(a, kernel, start, true), start), 0);
+}
+
+// The sums the vdpbf16ps path takes: k cut into depth blocks of `depth` (k alone decides it),
+// each summed from zero pair by pair (the odd row's product first, then the even row's: the SDM's
+// order within one vdpbf16ps lane) and then added to C, or stored for the first block without
+// accumulation. Each product of two bfloat16 values is exact in float.
+FloatMatrix blocked_sums(const FloatMatrix& a, const BFloat16Kernel& w, const FloatMatrix& start,
+                         bool accumulate, Index depth) {
+  const Index m = a.rows(), n = w.cols(), k = a.cols();
+  FloatMatrix c = start;
+  std::vector<float> acc(static_cast<std::size_t>(n));
+  for (Index i = 0; i < m; ++i)
+    for (Index p0 = 0; p0 < k; p0 += depth) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (Index p = p0 / 2; p < (std::min(p0 + depth, k) + 1) / 2; ++p) {
+        const float odd = 2 * p + 1 < k ? to_bfloat16(a(i, 2 * p + 1)) : 0.0f;
+        const float even = to_bfloat16(a(i, 2 * p));
+        for (Index j = 0; j < n; ++j) {
+          acc[std::size_t(j)] += odd * (2 * p + 1 < k ? w(2 * p + 1, j) : 0.0f);
+          acc[std::size_t(j)] += even * w(2 * p, j);
+        }
+      }
+      for (Index j = 0; j < n; ++j)
+        c(i, j) = p0 == 0 && !accumulate ? acc[std::size_t(j)] : c(i, j) + acc[std::size_t(j)];
+    }
+  return c;
+}
+
+// The vdpbf16ps path's depth block for k; the portable loop (one running sum onto C) takes the
+// same sums only without accumulation and within one block.
+Index vdpbf16ps_depth_block(Index k) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return sdmha::detail::bf16_gemm::depth_block(k);
+#else
+  return k;
+#endif
+}
+
+TEST(BFloat16Gemm, VdpBf16PsPathGivesThePortableBitsInOneDepthBlock) {
+  if (!sdmha::detail::kHaveBFloat16Gemm)
+    GTEST_SKIP() << "built without AVX512_BF16: gemm_bfloat16 is the portable loop itself";
+  std::uint32_t seed = 7400;
+  Index compared = 0;
+  for (const GemmCase& c : gemm_cases()) {
+    if (c.accumulate || c.k > vdpbf16ps_depth_block(c.k)) continue;
+    SCOPED_TRACE(describe(c));
+    std::mt19937 rng(seed++);
+    const FloatMatrix a = normal_matrix(c.m, c.k, rng), w = normal_matrix(c.k, c.n, rng);
+    const BFloat16Kernel kernel(w);
+    const FloatMatrix start = nan_matrix(c.m, c.n);
+    EXPECT_EQ(
+        differing_bits(run_gemm(a, kernel, start, false), run_portable(a, kernel, start, false)),
+        0);
+    ++compared;
+  }
+  EXPECT_GE(compared, 6);
+}
+
+TEST(BFloat16Gemm, VdpBf16PsPathSumsEachDepthBlockAndAddsItToC) {
+  if (!sdmha::detail::kHaveBFloat16Gemm)
+    GTEST_SKIP() << "built without AVX512_BF16: gemm_bfloat16 is the portable loop itself";
+  std::uint32_t seed = 7450;
+  for (const GemmCase& c : gemm_cases()) {
+    SCOPED_TRACE(describe(c));
+    std::mt19937 rng(seed++);
+    const FloatMatrix a = normal_matrix(c.m, c.k, rng), w = normal_matrix(c.k, c.n, rng);
+    const FloatMatrix start = c.accumulate ? normal_matrix(c.m, c.n, rng) : nan_matrix(c.m, c.n);
+    const BFloat16Kernel kernel(w);
+    EXPECT_EQ(
+        differing_bits(run_gemm(a, kernel, start, c.accumulate),
+                       blocked_sums(a, kernel, start, c.accumulate, vdpbf16ps_depth_block(c.k))),
+        0);
+  }
+}
+
+TEST(BFloat16Gemm, RowBlocksScratchAndStridesDoNotChangeTheBits) {
+  std::mt19937 rng(7500);
+  const Index m = 700, n = 45, k = 1100;
+  const FloatMatrix a = normal_matrix(m, k, rng), w = normal_matrix(k, n, rng);
+  const BFloat16Kernel kernel(w);
+  const FloatMatrix whole = run_gemm(a, kernel, nan_matrix(m, n), false);
+  EXPECT_EQ(differing_bits(run_gemm(a, kernel, nan_matrix(m, n), false, false), whole), 0)
+      << "without scratch";
+  EXPECT_EQ(differing_bits(run_gemm(a, kernel, nan_matrix(m, n), false), whole), 0) << "again";
+  for (const auto& rows : std::vector<std::pair<Index, Index>>{{256, 256}, {0, 1}, {600, 100}}) {
+    SCOPED_TRACE(::testing::Message() << "rows " << rows.first << " + " << rows.second);
+    const FloatMatrix part =
+        run_gemm(a.middleRows(rows.first, rows.second), kernel, nan_matrix(rows.second, n), false);
+    EXPECT_EQ(differing_bits(part, whole.middleRows(rows.first, rows.second)), 0);
+  }
+  // A and C as blocks of wider matrices (outer stride ≠ columns); C's margin stays untouched.
+  FloatMatrix wide_a = normal_matrix(m, k + 7, rng);
+  wide_a.middleCols(3, k) = a;
+  FloatMatrix wide_c = FloatMatrix::Constant(m, n + 5, -555.0f);
+  sdmha::detail::ScratchBuffer buffer;
+  buffer.reserve(sdmha::detail::gemm_bfloat16_workspace_size(m, n, k));
+  gemm_bfloat16(wide_a.middleCols(3, k), kernel, wide_c.middleCols(2, n), false, buffer.view());
+  EXPECT_EQ(differing_bits(wide_c.middleCols(2, n), whole), 0) << "strided";
+  EXPECT_TRUE((wide_c.leftCols(2).array() == -555.0f).all());
+  EXPECT_TRUE((wide_c.rightCols(3).array() == -555.0f).all());
+}
+
+// The projection stages: Y = bias (or 0) + gemm_bfloat16(X, kernel_bfloat16), bitwise.
+template <typename Stage>
+void check_projection_reads_the_bfloat16_kernel(std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  const Index rows = 37, in = 77, out = 45;
+  const FloatMatrix x = normal_matrix(rows, in, rng), w = normal_matrix(in, out, rng);
+  const sdmha::Vector<float> bias = normal_matrix(out, 1, rng);
+  const BFloat16Kernel kernel(w);
+  sdmha::TileSizes sizes;
+  sizes.rows = rows;
+  sizes.input_width = in;
+  sizes.output_width = out;
+  sdmha::detail::ScratchBuffer buffer;
+  buffer.reserve(Stage::workspace_size(sizes));
+  for (const bool with_bias : {true, false}) {
+    SCOPED_TRACE(with_bias ? "bias" : "no bias");
+    const sdmha::Vector<float> b = with_bias ? bias : sdmha::Vector<float>();
+    FloatMatrix y = nan_matrix(rows, out), float32 = nan_matrix(rows, out);
+    typename Stage::Arguments args{x, w, b, y, buffer.view(), &kernel};
+    Stage::can_implement(args);
+    Stage{}(args);
+    FloatMatrix expected = FloatMatrix::Zero(rows, out);
+    if (with_bias) expected.rowwise() = bias.transpose();
+    gemm_bfloat16(x, kernel, expected, with_bias, sdmha::StageScratch{});
+    EXPECT_EQ(differing_bits(y, expected), 0);
+    typename Stage::Arguments plain{x, w, b, float32, buffer.view()};
+    Stage{}(plain);
+    EXPECT_GT(differing_bits(y, float32), 0) << "kernel_bfloat16 not read";
+  }
+}
+
+template <typename Stage>
+void check_projection_refuses_a_wrong_bfloat16_kernel(const char* stage_name) {
+  std::mt19937 rng(7600);
+  const FloatMatrix x = normal_matrix(5, 6, rng), w = normal_matrix(6, 4, rng);
+  const sdmha::Vector<float> bias = normal_matrix(4, 1, rng);
+  FloatMatrix y(5, 4);
+  const BFloat16Kernel short_kernel(normal_matrix(5, 4, rng)), narrow(normal_matrix(6, 3, rng));
+  const typename Stage::Arguments too_short{x, w, bias, y, {}, &short_kernel};
+  SDMHA_EXPECT_THROW_WITH(Stage::can_implement(too_short), sdmha::ShapeError,
+                          "kernel_bfloat16 is 5 x 4; expected the kernel's 6 x 4");
+  SDMHA_EXPECT_THROW_WITH(Stage::can_implement(too_short), sdmha::ShapeError, stage_name);
+  const typename Stage::Arguments too_narrow{x, w, bias, y, {}, &narrow};
+  SDMHA_EXPECT_THROW_WITH(Stage::can_implement(too_narrow), sdmha::ShapeError,
+                          "kernel_bfloat16 is 6 x 3");
+}
+
+template <typename Stage>
+void check_double_stage_refuses_a_bfloat16_kernel() {
+  std::mt19937 rng(7700);
+  const FloatMatrix w = normal_matrix(6, 4, rng);
+  const BFloat16Kernel kernel(w);  // the right shape: only the scalar type is wrong
+  const DoubleMatrix x = normal_matrix(5, 6, rng).cast<double>();
+  const DoubleMatrix w64 = w.cast<double>();
+  const sdmha::Vector<double> no_bias;
+  DoubleMatrix y(5, 4);
+  const typename Stage::Arguments args{x, w64, no_bias, y, {}, &kernel};
+  SDMHA_EXPECT_THROW_WITH(Stage::can_implement(args), sdmha::ConfigError, "kernel_bfloat16");
+}
+
+TEST(DenseProjectionBFloat16, OutputIsBiasPlusTheBFloat16Product) {
+  check_projection_reads_the_bfloat16_kernel<sdmha::DenseProjection<float>>(7800);
+}
+TEST(OutputProjectionBFloat16, OutputIsBiasPlusTheBFloat16Product) {
+  check_projection_reads_the_bfloat16_kernel<sdmha::OutputProjection<float>>(7810);
+}
+TEST(DenseProjectionBFloat16, CanImplementRefusesAKernelOfAnotherShape) {
+  check_projection_refuses_a_wrong_bfloat16_kernel<sdmha::DenseProjection<float>>(
+      "DenseProjection");
+}
+TEST(OutputProjectionBFloat16, CanImplementRefusesAKernelOfAnotherShape) {
+  check_projection_refuses_a_wrong_bfloat16_kernel<sdmha::OutputProjection<float>>(
+      "OutputProjection");
+}
+TEST(DenseProjectionBFloat16, DoubleStageRefusesABFloat16Kernel) {
+  check_double_stage_refuses_a_bfloat16_kernel<sdmha::DenseProjection<double>>();
+}
+TEST(OutputProjectionBFloat16, DoubleStageRefusesABFloat16Kernel) {
+  check_double_stage_refuses_a_bfloat16_kernel<sdmha::OutputProjection<double>>();
+}
+
+}  // namespace
+}  // namespace sdmha_test
