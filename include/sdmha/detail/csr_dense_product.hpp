@@ -450,6 +450,11 @@ EIGEN_ALWAYS_INLINE void scatter_feature_panel(const Entry* entries, Index begin
 // 512 bytes of each output row), so that a pass's panel of a 512-row block (256 KB) stays in L2
 // beside the stream of W, where a whole 2 KB output row per stored value would not.
 constexpr int kFeaturePanelPackets = 8;
+// The W panel of the used feature this many places ahead is prefetched while the current one is
+// added. The used features' rows of W are 4·N bytes or more apart, irregularly (skipping unused
+// features), a new 4 KB page every row or two: hardware prefetchers follow that only as well as
+// their tables happen to track these particular loads, which varies with where the code lands.
+constexpr Index kFeaturePrefetchAhead = 8;
 
 // One pass of the by-feature kernel: Y(:, panel) += x · W(f, panel) for every used feature, the
 // panel being `Packets` packets from column `first_column`.
@@ -458,8 +463,15 @@ void scatter_panel_by_feature(const FeatureGroups<Scalar, StorageIndex>& groups,
                               const Weight* weight, Index weight_stride, Scalar* output,
                               Index output_stride, Index first_column) {
   const StorageIndex* offsets = groups.feature_offsets;
+  constexpr Index kLines = (Packets * PacketOf<Scalar>::size * Index(sizeof(Weight)) + 63) / 64;
   for (Index i = 0; i < groups.used_count; ++i) {
     const Index feature = groups.used_features[i];
+    if (i + kFeaturePrefetchAhead < groups.used_count) {
+      const char* ahead = reinterpret_cast<const char*>(
+          weight + Index(groups.used_features[i + kFeaturePrefetchAhead]) * weight_stride +
+          first_column);
+      for (Index line = 0; line < kLines; ++line) __builtin_prefetch(ahead + 64 * line, 0, 3);
+    }
     scatter_feature_panel<Packets>(groups.entries, offsets[feature], offsets[feature + 1],
                                    weight + feature * weight_stride, output, output_stride,
                                    first_column);
