@@ -47,8 +47,9 @@ using ConstMatrixMap = Eigen::Map<const Matrix>;
 // max |reference|: float32 sums of a few hundred to a few thousand terms, taken in different
 // orders by the sparse and dense kernels, differ by ~1e-6 of that scale.
 constexpr double kRelativeTolerance = 1e-3;
-// With Wq rounded to bfloat16 (8 significant bits) each entry of Q moves by up to 2⁻⁹ of
-// Σ|x·w|; through the attention the output moves by about 1e-3 of its scale on these workloads.
+// With every kernel and every projection's input rounded to bfloat16 (8 significant bits) each
+// term x·w of a projection moves by up to 2⁻⁷ of itself; through the attention and the output
+// projection the output moves by a few 1e-3 of its scale on these workloads.
 constexpr double kBFloat16RelativeTolerance = 1e-2;
 
 ConstMatrixMap as_matrix(const Tensor3& tensor) {
@@ -229,7 +230,7 @@ class Problem {
         flops(flop_counts(workload, query.nonzeros())),
         d_output(make_dense_input(workload.batch, workload.steps, workload.output_dim,
                                   kOutputGradientSeed)) {
-    bfloat16_layer.set_query_kernel_precision(sdmha::Precision::bfloat16);
+    bfloat16_layer.set_precision(sdmha::Precision::bfloat16);
     build_references();
   }
 
@@ -260,7 +261,7 @@ class Problem {
   const Tensor3 key, value;
   const Layer sparse_layer;
   const sdmha::DenseMHA<float> dense_layer;
-  Layer bfloat16_layer;  // the same weights, the query kernel read in bfloat16
+  Layer bfloat16_layer;  // the same weights, every kernel read in bfloat16
   const FlopCounts flops;
   // ∂loss/∂output for the backward case.
   const Tensor3 d_output;
@@ -1047,7 +1048,7 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
       "%-5s %7s %3s %7s | %9s %9s %9s | %8s %9s | %7s %6s | %8s %8s %6s | %8s %8s | %7s | %9s %7s "
       "%9s %7s\n";
   std::snprintf(line, sizeof line, header, "work", "density", "thr", "nnz/row", "sparse", "regroup",
-                "bf16 Wq", "densify", "dense", "speedup", "ideal", "peak MB", "peak MB", "mem",
+                "bf16", "densify", "dense", "speedup", "ideal", "peak MB", "peak MB", "mem",
                 "query MB", "query MB", "allocs", "backward", "bwd/", "bwd ctx", "ctx/");
   out << line;
   std::snprintf(line, sizeof line, header, "", "", "", "", "ms", "ms", "ms", "ms", "ms", "", "",
@@ -1089,8 +1090,8 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
   out << "\nsparse = SparseDenseMHA::forward (project_first) with a Workspace and result kept "
          "between\n"
          "calls; regroup = the same with sparse_regrouped\n"
-         "scores (\"-\": not timed where it costs more FLOPs than the dense layer); bf16 Wq = the\n"
-         "same as sparse with set_query_kernel_precision(bfloat16); dense =\n"
+         "scores (\"-\": not timed where it costs more FLOPs than the dense layer); bf16 = the\n"
+         "same as sparse with set_precision(bfloat16); dense =\n"
          "SparseQuery::to_dense + DenseMHA::forward, densify included (and shown alone); speedup "
          "=\n"
          "dense / sparse; ideal = dense FLOP / sparse FLOP (WORKLOADS.md), the speedup at equal\n"
@@ -1211,7 +1212,7 @@ void write_json(const std::string& path, const std::vector<ConfigResult>& result
         << ", \"ideal_speedup\": " << json_number(r.flops.ideal_speedup()) << ",\n";
     out << "     \"forward_ms\": {\"sparse\": " << ms("forward/sparse")
         << ", \"sparse_regrouped\": " << ms("forward/sparse_regrouped")
-        << ", \"sparse_bfloat16_query_kernel\": " << ms("forward/sparse_bf16")
+        << ", \"sparse_bfloat16\": " << ms("forward/sparse_bf16")
         << ", \"dense\": " << ms("forward/dense") << ", \"densify\": " << ms("densify/dense")
         << "},\n";
     out << "     \"backward_ms\": " << ms("backward/sparse")

@@ -13,6 +13,7 @@
 // is Keras 3's MultiHeadAttention (docs/keras_pytorch.md).
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -33,13 +34,6 @@ namespace detail {
 template <typename Layer>
 struct Backward;
 
-// Whether a query projection stage's Arguments take a bfloat16 kernel (`kernel_bfloat16`).
-template <typename Stage, typename = void>
-struct reads_bfloat16_kernel : std::false_type {};
-template <typename Stage>
-struct reads_bfloat16_kernel<
-    Stage, std::void_t<decltype(std::declval<typename Stage::Arguments&>().kernel_bfloat16)>>
-    : std::true_type {};
 template <typename Layer>
 struct LayerInternals;
 }  // namespace detail
@@ -104,23 +98,42 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
                                 "precision is bfloat16 but the query projection stage "
                                 "takes no kernel_bfloat16; expected float32");
     } else {
-      const auto& kernel = Core::weights().query_kernel;
+      const auto& kernel = std::as_const(*this).weights().query_kernel;
       auto snapshot = std::make_shared<QueryKernelSnapshot>();
       snapshot->rounded = kernel.template cast<Eigen::bfloat16>();
       snapshot->source = kernel.data();
+      snapshot->weight_accesses = this->weight_accesses();
       query_kernel_bfloat16_ = std::move(snapshot);
-      query_kernel_written_ = false;
     }
   }
+  // Precision::bfloat16 after set_query_kernel_precision or set_precision with it.
   Precision query_kernel_precision() const {
     return query_kernel_bfloat16_ != nullptr ? Precision::bfloat16 : Precision::float32;
   }
 
-  // The weights, as the base's; a write access makes a bfloat16 query kernel stale.
-  using Core::weights;
-  MhaWeights<Scalar>& weights() {
-    query_kernel_written_ = true;
-    return Core::weights();
+  // The precision of every kernel. Precision::bfloat16 (Scalar = float): Wq as
+  // set_query_kernel_precision rounds it, and Wk, Wv and Wo rounded to bfloat16 and packed once,
+  // now; the key, the value and the concatenated heads are rounded as their projections read
+  // them, and those projections run on bfloat16 dot products with float32 sums (vdpbf16ps where
+  // the CPU has AVX512_BF16: twice float32's rate). Each term x·w of a projection then carries a
+  // relative error of at most 2⁻⁷ (2⁻⁸ from each operand); the scores, the softmax and P·V stay
+  // float32. Snapshot semantics, refusals and the backward as for set_query_kernel_precision;
+  // Precision::float32 drops every copy. precision() is bfloat16 only after
+  // set_precision(Precision::bfloat16).
+  void set_precision(Precision precision) {
+    constexpr const char* where = "SparseDenseMHA::set_precision";
+    // Every refusal comes before any copy is made or dropped: nothing is ever half set.
+    if constexpr (!detail::reads_bfloat16_kernel<QueryProjection>::value)
+      if (precision == Precision::bfloat16)
+        detail::fail<ConfigError>(where,
+                                  "precision is bfloat16 but the query projection stage "
+                                  "takes no kernel_bfloat16; expected float32");
+    Core::set_dense_kernel_precision(where, precision);
+    set_query_kernel_precision(precision);
+  }
+  Precision precision() const {
+    return this->dense_kernels_bfloat16() && query_kernel_bfloat16_ != nullptr ? Precision::bfloat16
+                                                                               : Precision::float32;
   }
 
   // query (B, T, Eq) sparse; key (B, S, Ek); value (B, S, Ev) → output (B, T, O). Thread-safe
@@ -261,6 +274,7 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
   // first (see set_query_kernel_precision).
   void check_query_kernel_precision(const char* where, const AttentionOptions<Scalar>& options,
                                     detail::Pass pass) const {
+    Core::check_dense_kernels_bfloat16(where, pass);
     if (query_kernel_bfloat16_ == nullptr) return;
     if (pass == detail::Pass::backward)
       detail::fail<ConfigError>(where,
@@ -268,8 +282,9 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
                                 "for the backward, which differentiates the float32 layer");
     const auto& kernel = Core::weights().query_kernel;
     const auto& rounded = query_kernel_bfloat16_->rounded;
-    if (query_kernel_written_ || kernel.data() != query_kernel_bfloat16_->source ||
-        kernel.rows() != rounded.rows() || kernel.cols() != rounded.cols())
+    if (query_kernel_bfloat16_->weight_accesses != this->weight_accesses() ||
+        kernel.data() != query_kernel_bfloat16_->source || kernel.rows() != rounded.rows() ||
+        kernel.cols() != rounded.cols())
       detail::fail<ConfigError>(where,
                                 "the bfloat16 query kernel was rounded before the weights' "
                                 "last write access; expected "
@@ -355,15 +370,16 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
     this->project_first_scores(plan, item, projected_query, mask, key, scratch, scores);
   }
 
-  // Wq rounded to bfloat16, and the float Wq it was rounded from (to see it replaced).
+  // Wq rounded to bfloat16, the float Wq it was rounded from (to see it replaced) and the count
+  // of write accesses to the weights at the time (to see them written).
   struct QueryKernelSnapshot {
     RowMatrix<Eigen::bfloat16> rounded;
     const Scalar* source = nullptr;
+    std::uint64_t weight_accesses = 0;
   };
 
   QueryProjection query_projection_;
   std::shared_ptr<const QueryKernelSnapshot> query_kernel_bfloat16_;
-  bool query_kernel_written_ = false;
 };
 
 namespace detail {

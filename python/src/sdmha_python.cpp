@@ -302,11 +302,10 @@ inline sdmha::ScoreStrategy strategy_from(const std::string& name) {
                            "'; expected 'automatic', 'project_first' or 'sparse_regrouped'");
 }
 
-inline sdmha::Precision precision_from(const std::string& name) {
+inline sdmha::Precision precision_from(const char* where, const std::string& name) {
   if (name == "float32") return sdmha::Precision::float32;
   if (name == "bfloat16") return sdmha::Precision::bfloat16;
-  fail<sdmha::ConfigError>("Layer.set_query_kernel_precision", "precision = '", name,
-                           "'; expected 'float32' or 'bfloat16'");
+  fail<sdmha::ConfigError>(where, "precision = '", name, "'; expected 'float32' or 'bfloat16'");
 }
 
 template <typename Scalar>
@@ -475,14 +474,22 @@ class PyLayer {
     }
     if (array.size() > 0 && array.data() != data)
       std::copy(array.data(), array.data() + array.size(), data);
-    // A bfloat16 query kernel is a snapshot of Wq: round the new one.
+    // bfloat16 kernels are snapshots: round the new one.
     if (name == "query_kernel" && layer_.query_kernel_precision() == sdmha::Precision::bfloat16)
       layer_.set_query_kernel_precision(sdmha::Precision::bfloat16);
+    else if (name.size() > 7 && name.compare(name.size() - 7, 7, "_kernel") == 0 &&
+             layer_.precision() == sdmha::Precision::bfloat16)
+      layer_.set_precision(sdmha::Precision::bfloat16);
   }
 
   void set_query_kernel_precision(const std::string& precision) {
-    layer_.set_query_kernel_precision(precision_from(precision));
+    layer_.set_query_kernel_precision(
+        precision_from("Layer.set_query_kernel_precision", precision));
   }
+  void set_precision(const std::string& precision) {
+    layer_.set_precision(precision_from("Layer.set_precision", precision));
+  }
+  std::string precision() const { return sdmha::to_string(layer_.precision()); }
   std::string query_kernel_precision() const {
     return sdmha::to_string(layer_.query_kernel_precision());
   }
@@ -759,13 +766,19 @@ void bind_dtype(py::module_& m) {
           py::arg("name"),
           "a writable view (no copy) of the weight; None for a bias when use_bias is False")
       .def("set_weight", &L::set_weight, py::arg("name"), py::arg("array"),
-           "copies `array` (same shape) into the weight, in place (and rounds a bfloat16 query "
-           "kernel again)")
+           "copies `array` (same shape) into the weight, in place (and rounds a bfloat16 kernel "
+           "again)")
       .def("set_query_kernel_precision", &L::set_query_kernel_precision, py::arg("precision"),
            "'bfloat16' (float32 layers): forward reads Wq rounded to bfloat16 now, a snapshot "
            "(call again after writing Wq through weight('query_kernel'); set_weight does it); "
            "backward then refuses. 'float32': the weights as they are.")
       .def_property_readonly("query_kernel_precision", &L::query_kernel_precision)
+      .def("set_precision", &L::set_precision, py::arg("precision"),
+           "'bfloat16' (float32 layers): every kernel rounded to bfloat16 now, a snapshot as for "
+           "set_query_kernel_precision; the projections run on bfloat16 dot products with "
+           "float32 sums, their inputs rounded as read; backward then refuses. 'float32': the "
+           "weights as they are.")
+      .def_property_readonly("precision", &L::precision)
       .def("forward", &L::forward, py::arg("query"), py::arg("key"), py::arg("value") = py::none(),
            "forward(query, key, value=None, *, attention_mask=None, attention_bias=None, "
            "use_causal_mask=False, causal_alignment='top_left', scale=None, "

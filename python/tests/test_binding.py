@@ -330,3 +330,37 @@ def test_bfloat16_query_kernel_is_the_float32_layer_on_the_rounded_kernel():
         layer.set_query_kernel_precision("half")
     with pytest.raises(sdmha.ConfigError, match="need Scalar = float"):
         layer_of(case, "float64").set_query_kernel_precision("bfloat16")
+
+
+def test_bfloat16_precision_rounds_every_kernel():
+    """set_precision('bfloat16'): every kernel in bfloat16 — the output moves (rounding happens)
+    but stays within bfloat16's tolerance of the float32 layer; set_weight of a kernel rounds the
+    new one (bitwise a twin rounded afresh); backward and bad names refuse."""
+    case = Case()
+    layer = layer_of(case, "float32")
+    indptr, indices, values = csr_arrays(case)
+    query = sdmha.csr_query(case.batch, case.steps, case.features, indptr, indices, values.astype("float32"))
+    key, value = numpy_of(case.key).astype("float32"), numpy_of(case.value).astype("float32")
+    expected, _ = layer.forward(query, key, value)
+    layer.set_precision("bfloat16")
+    assert layer.precision == "bfloat16" and layer.query_kernel_precision == "bfloat16"
+    output, _ = layer.forward(query, key, value)
+    assert not np.array_equal(output, expected)
+    # Each projection term within 2^-7 of itself; the small case's outputs move by well under 2^-5.
+    assert np.max(np.abs(output - expected) / (1 + np.abs(expected))) < 2.0**-5
+
+    doubled = (2 * case.weights["key_kernel"].to(torch.float32)).numpy()
+    layer.set_weight("key_kernel", doubled)
+    twin = layer_of(case, "float32")
+    twin.set_weight("key_kernel", doubled)
+    twin.set_precision("bfloat16")
+    assert np.array_equal(layer.forward(query, key, value)[0], twin.forward(query, key, value)[0])
+
+    with pytest.raises(sdmha.ConfigError, match="expected float32 for the backward"):
+        layer.backward(query, key, value, numpy_of(case.d_output).astype("float32"))
+    with pytest.raises(sdmha.ConfigError, match="Layer.set_precision.*expected 'float32' or 'bfloat16'"):
+        layer.set_precision("half")
+    with pytest.raises(sdmha.ConfigError, match="need Scalar = float"):
+        layer_of(case, "float64").set_precision("bfloat16")
+    layer.set_precision("float32")
+    assert layer.precision == "float32" and layer.query_kernel_precision == "float32"

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <memory>
 #include <sstream>
@@ -17,6 +18,7 @@
 #include "sdmha/detail/dropout.hpp"
 #include "sdmha/detail/finite.hpp"
 #include "sdmha/detail/gemm.hpp"
+#include "sdmha/detail/gemm_bfloat16.hpp"
 #include "sdmha/detail/parallel.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/mask.hpp"
@@ -101,6 +103,14 @@ void check_broadcast(const char* where, const char* name, const BroadcastRef<T>&
     fail<ShapeError>(where, name, " has no data; expected ", ref.size(), " values");
 }
 
+// Whether a stage's Arguments take a bfloat16 kernel (`kernel_bfloat16`).
+template <typename Stage, typename = void>
+struct reads_bfloat16_kernel : std::false_type {};
+template <typename Stage>
+struct reads_bfloat16_kernel<
+    Stage, std::void_t<decltype(std::declval<typename Stage::Arguments&>().kernel_bfloat16)>>
+    : std::true_type {};
+
 template <typename Scalar, typename ScoreKernelT, typename SoftmaxT, typename AttendValuesT,
           typename OutputProjectionT, typename ContextProjectionT>
 class AttentionCore {
@@ -127,7 +137,11 @@ class AttentionCore {
   // The weights, shared with whoever else holds them: a training step may update them in place
   // between calls (each call checks their shapes again).
   const MhaWeights<Scalar>& weights() const { return *weights_; }
-  MhaWeights<Scalar>& weights() { return *weights_; }
+  // A write access: bfloat16 copies of the kernels made before it are stale from now on.
+  MhaWeights<Scalar>& weights() {
+    ++weight_accesses_;
+    return *weights_;
+  }
   const std::shared_ptr<MhaWeights<Scalar>>& shared_weights() const { return weights_; }
   // Every width of the layer, from the configuration and the weights' current shapes.
   LayerDims dims() const { return weights_->validate(config_); }
@@ -163,6 +177,7 @@ class AttentionCore {
     constexpr const char* where = "project_context";
     const LayerDims dims = this->dims();
     check_context(where, dims, key.dimension(0), key, value);
+    check_dense_kernels_bfloat16(where, Pass::forward);
     if (num_threads < 0)
       fail<ConfigError>(where, "num_threads = ", num_threads,
                         "; expected >= 0 (0 means all hardware threads)");
@@ -181,6 +196,77 @@ class AttentionCore {
       : config_(config), weights_(std::move(weights)) {
     if (!weights_) fail<ConfigError>("layer", "weights is a null shared_ptr; expected MhaWeights");
     dims();  // ConfigError, ShapeError
+  }
+
+  // ---- bfloat16 kernels ---------------------------------------------------------------------
+
+  // Wk, Wv and Wo rounded to bfloat16 and packed for the bfloat16 GEMM, with what they were
+  // rounded from: the float kernels' places and the count of write accesses at the time.
+  struct DenseKernelsBFloat16 {
+    BFloat16Kernel key, value, output;
+    const Scalar *key_source = nullptr, *value_source = nullptr, *output_source = nullptr;
+    std::uint64_t weight_accesses = 0;
+  };
+
+  // Rounds Wk, Wv and Wo now (Precision::bfloat16), or drops the copies (float32). `where` names
+  // the public call in errors: a double layer, or a key/value or output projection stage that
+  // takes no kernel_bfloat16, is a ConfigError.
+  void set_dense_kernel_precision(const char* where, Precision precision) {
+    if (precision == Precision::float32) {
+      dense_bfloat16_.reset();
+      return;
+    }
+    if constexpr (!std::is_same<Scalar, float>::value) {
+      fail<ConfigError>(where,
+                        "precision is bfloat16 for a double layer; expected float32 "
+                        "(bfloat16 kernels need Scalar = float)");
+    } else if constexpr (!reads_bfloat16_kernel<ContextProjection>::value ||
+                         !reads_bfloat16_kernel<OutputProjection>::value) {
+      fail<ConfigError>(where,
+                        "precision is bfloat16 but the key/value or output projection "
+                        "stage takes no kernel_bfloat16; expected float32");
+    } else {
+      const MhaWeights<Scalar>& weights = *weights_;
+      auto kernels = std::make_shared<DenseKernelsBFloat16>();
+      kernels->key = BFloat16Kernel(weights.key_kernel);
+      kernels->value = BFloat16Kernel(weights.value_kernel);
+      kernels->output = BFloat16Kernel(weights.output_kernel);
+      kernels->key_source = weights.key_kernel.data();
+      kernels->value_source = weights.value_kernel.data();
+      kernels->output_source = weights.output_kernel.data();
+      kernels->weight_accesses = weight_accesses_;
+      dense_bfloat16_ = std::move(kernels);
+    }
+  }
+  bool dense_kernels_bfloat16() const { return dense_bfloat16_ != nullptr; }
+  std::uint64_t weight_accesses() const { return weight_accesses_; }
+
+  // The bfloat16 copies must be those of the current kernels, in a forward pass.
+  void check_dense_kernels_bfloat16(const char* where, Pass pass) const {
+    if (dense_bfloat16_ == nullptr) return;
+    if (pass == Pass::backward)
+      fail<ConfigError>(where,
+                        "the layer's precision is bfloat16; expected float32 for the "
+                        "backward, which differentiates the float32 layer");
+    const MhaWeights<Scalar>& weights = *weights_;
+    const DenseKernelsBFloat16& copies = *dense_bfloat16_;
+    auto same = [](const RowMatrix<Scalar>& kernel, const BFloat16Kernel& copy,
+                   const Scalar* source) {
+      return kernel.data() == source && kernel.rows() == copy.rows() &&
+             kernel.cols() == copy.cols();
+    };
+    if (copies.weight_accesses != weight_accesses_ ||
+        !same(weights.key_kernel, copies.key, copies.key_source) ||
+        !same(weights.value_kernel, copies.value, copies.value_source) ||
+        !same(weights.output_kernel, copies.output, copies.output_source))
+      fail<ConfigError>(where,
+                        "the bfloat16 kernels were rounded before the weights' last write "
+                        "access; expected set_precision(Precision::bfloat16) again");
+  }
+
+  // The bfloat16 copy of one kernel for project_rows, or nullptr in float32.
+  const BFloat16Kernel* dense_kernel_bfloat16(BFloat16Kernel DenseKernelsBFloat16::*kernel) const {
+    return dense_bfloat16_ != nullptr ? &((*dense_bfloat16_).*kernel) : nullptr;
   }
 
   // ---- validation --------------------------------------------------------------------------
@@ -335,11 +421,13 @@ class AttentionCore {
   // ---- forward passes ----------------------------------------------------------------------
 
   // input (rows × E) · kernel + bias → output, in the plan's fixed row blocks.
+  // With `kernel_bfloat16` (the kernel's bfloat16 copy, or nullptr), the stage reads that.
   template <typename Projection>
   static void project_rows(const AttentionPlan& plan, const Projection& projection,
                            Index block_rows, const ConstMatrixRef<Scalar>& input,
                            const RowMatrix<Scalar>& kernel, const Vector<Scalar>& bias,
-                           MatrixRef<Scalar> output, CallBuffers<Scalar>& buffers) {
+                           MatrixRef<Scalar> output, CallBuffers<Scalar>& buffers,
+                           const BFloat16Kernel* kernel_bfloat16 = nullptr) {
     const Index rows = input.rows();
     const Index blocks = AttentionPlan::block_count(rows, block_rows);
     buffers.prepare_workers(plan.workers(blocks), plan.worker_scratch_bytes, 0, 0);
@@ -351,6 +439,8 @@ class AttentionCore {
                                               bias_view(bias),
                                               output.middleRows(block.begin, block.rows),
                                               buffers.workers[std::size_t(worker)].stage.view()};
+          if constexpr (reads_bfloat16_kernel<Projection>::value)
+            args.kernel_bfloat16 = kernel_bfloat16;
           Projection::can_implement(args);
           projection(args);
         },
@@ -368,9 +458,11 @@ class AttentionCore {
     context.keys.resize(rows, plan.dims.projected_key_width());
     context.values.resize(rows, plan.dims.projected_value_width());
     project_rows(plan, context_projection_, kProjectionRowBlock, key.as_matrix(),
-                 weights.key_kernel, weights.key_bias, context.keys, buffers);
+                 weights.key_kernel, weights.key_bias, context.keys, buffers,
+                 dense_kernel_bfloat16(&DenseKernelsBFloat16::key));
     project_rows(plan, context_projection_, kProjectionRowBlock, value.as_matrix(),
-                 weights.value_kernel, weights.value_bias, context.values, buffers);
+                 weights.value_kernel, weights.value_bias, context.values, buffers,
+                 dense_kernel_bfloat16(&DenseKernelsBFloat16::value));
   }
 
   // Where K and V of key step s of batch entry b are: row b·S + s − first_row of `keys` and
@@ -464,9 +556,11 @@ class AttentionCore {
     auto values = buffers.context_chunk.values.topRows(end - first);
     const MhaWeights<Scalar>& weights = *weights_;
     project_rows(plan, context_projection_, block, key.as_matrix().middleRows(first, end - first),
-                 weights.key_kernel, weights.key_bias, keys, buffers);
+                 weights.key_kernel, weights.key_bias, keys, buffers,
+                 dense_kernel_bfloat16(&DenseKernelsBFloat16::key));
     project_rows(plan, context_projection_, block, value.as_matrix().middleRows(first, end - first),
-                 weights.value_kernel, weights.value_bias, values, buffers);
+                 weights.value_kernel, weights.value_bias, values, buffers,
+                 dense_kernel_bfloat16(&DenseKernelsBFloat16::value));
     return ContextRows{keys, values, first};
   }
 
@@ -495,7 +589,7 @@ class AttentionCore {
     project_rows(plan, output_projection_, kProjectionRowBlock, buffers.heads,
                  weights_->output_kernel, weights_->output_bias,
                  Eigen::Map<RowMatrix<Scalar>>(result.output.data(), B * T, plan.dims.output_dim),
-                 buffers);
+                 buffers, dense_kernel_bfloat16(&DenseKernelsBFloat16::output));
   }
 
   // Whether V is finite on each key tile of the plan's grid (plan.key_tile wide, one tile of all
@@ -746,6 +840,8 @@ class AttentionCore {
   OutputProjection output_projection_;
   ContextProjection context_projection_;
   ContextStreaming context_streaming_;  // see plan_context_chunk
+  std::shared_ptr<const DenseKernelsBFloat16> dense_bfloat16_;
+  std::uint64_t weight_accesses_ = 0;  // calls of the non-const weights()
 
   friend struct ContextStreamingHook;
 };

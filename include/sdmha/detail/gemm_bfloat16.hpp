@@ -7,9 +7,9 @@
 //   cost:  m·n·k multiply-adds, 32 per vdpbf16ps (AVX512_BF16: twice float32's FMA rate), one
 //          rounding copy of A per (row block, depth block); a portable loop elsewhere
 //
-// Rounding is to nearest, ties to even. Each term a·w of a float32 result then carries a relative
-// error of at most 2⁻⁸ (2⁻⁹ from each operand, bfloat16 having 8 significant bits) on top of
-// float32's own summation error: |C − A·W| ≤ (2⁻⁸ + (k + 1)·2⁻²⁴)·Σ_p |A(i, p)·W(p, j)| for
+// Rounding is to nearest, ties to even: bfloat16 has 8 significant bits, so each operand moves
+// by at most 2⁻⁸ of itself and each term a·w of a float32 result by at most 2⁻⁷ + 2⁻¹⁶, on top of
+// float32's own summation error: |C − A·W| ≤ (2⁻⁷ + 2⁻¹⁶ + (k + 1)·2⁻²⁴)·Σ_p |A(i, p)·W(p, j)| for
 // operands and products in float's normal range (the AVX512_BF16 instructions read and write
 // subnormals as zero). W's 2-byte entries halve its memory traffic; A is float in memory and
 // rounded as it is packed, so callers keep their float inputs.
@@ -73,7 +73,7 @@ class BFloat16Kernel {
       }
   }
 
-  Index rows() const { return rows_; }  // k
+  Index rows() const { return rows_; }          // k
   Index cols() const { return pairs_.cols(); }  // n
   const Pairs& pairs() const { return pairs_; }
   // W(i, j) as rounded, widened to float.
@@ -86,24 +86,51 @@ class BFloat16Kernel {
   Pairs pairs_;
 };
 
-// The portable product: each product of two bfloat16 values is exact in float, and each pair adds
-// its odd-row term and then its even-row term to the running sum — the order the SDM gives for
-// vdpbf16ps — so that both paths take the same sums (they can still differ where the hardware
-// treats subnormals as zero).
+namespace bf16_gemm {
+
+inline constexpr Index kChunk = 32;   // depth of a packed chunk of A: 16 pairs, one cache line
+inline constexpr Index kMaxKc = 512;  // depth of a block (a multiple of kChunk)
+
+inline Index round_up(Index value, Index step) { return (value + step - 1) / step * step; }
+
+// k split into equal depth blocks of at most kMaxKc, each a multiple of kChunk but the last: a
+// function of k alone, shared by both paths.
+inline Index depth_block(Index k) {
+  const Index blocks = (k + kMaxKc - 1) / kMaxKc;
+  return round_up((k + blocks - 1) / blocks, kChunk);
+}
+
+}  // namespace bf16_gemm
+
+// The portable product, in the order of the vdpbf16ps path: per depth block, a sum from zero
+// over the block's pairs, each pair adding its odd-row term and then its even-row term (the
+// order the SDM gives for vdpbf16ps; each product of two bfloat16 values is exact in float),
+// then added to C (or stored, for the first block without `accumulate`). So both paths take the
+// same sums; they can differ only where the hardware treats subnormals as zero.
 inline void gemm_bfloat16_portable(const ConstMatrixRef<float>& a, const BFloat16Kernel& w,
                                    MatrixRef<float> c, bool accumulate) {
-  const Index m = c.rows(), n = c.cols(), pairs = w.pairs().rows();
-  if (!accumulate) c.setZero();
+  const Index m = c.rows(), n = c.cols(), k = a.cols();
+  if (k == 0) {
+    if (!accumulate) c.setZero();
+    return;
+  }
+  const Index kc = bf16_gemm::depth_block(k);
+  Eigen::Matrix<float, 1, Eigen::Dynamic> sum(n);
   for (Index i = 0; i < m; ++i) {
     float* row = c.data() + i * c.outerStride();
-    for (Index p = 0; p < pairs; ++p) {
-      const float even = widen_bfloat16(bfloat16_bits(a(i, 2 * p)));
-      const float odd = 2 * p + 1 < a.cols() ? widen_bfloat16(bfloat16_bits(a(i, 2 * p + 1))) : 0.f;
-      const std::uint32_t* pair = w.pairs().data() + p * n;
-      for (Index j = 0; j < n; ++j) {
-        row[j] += odd * widen_bfloat16(pair[j] >> 16);
-        row[j] += even * widen_bfloat16(pair[j] & 0xFFFFu);
+    for (Index pc = 0; pc < k; pc += kc) {  // pc is even: kc is a multiple of kChunk
+      const Index end = std::min(pc + kc, k);
+      sum.setZero();
+      for (Index p = pc / 2; p < (end + 1) / 2; ++p) {
+        const float even = widen_bfloat16(bfloat16_bits(a(i, 2 * p)));
+        const float odd = 2 * p + 1 < k ? widen_bfloat16(bfloat16_bits(a(i, 2 * p + 1))) : 0.f;
+        const std::uint32_t* pair = w.pairs().data() + p * n;
+        for (Index j = 0; j < n; ++j) {
+          sum[j] += odd * widen_bfloat16(pair[j] >> 16);
+          sum[j] += even * widen_bfloat16(pair[j] & 0xFFFFu);
+        }
       }
+      for (Index j = 0; j < n; ++j) row[j] = accumulate || pc > 0 ? row[j] + sum[j] : sum[j];
     }
   }
 }
@@ -117,17 +144,8 @@ namespace bf16_gemm {
 inline constexpr int kMr = 14;  // rows of a micro-tile
 inline constexpr int kNv = 2;   // its 16-float vectors across
 inline constexpr Index kNr = 16 * kNv;
-inline constexpr Index kChunk = 32;    // depth of a packed chunk of A: 16 pairs, one cache line
-inline constexpr Index kMaxKc = 512;   // depth of a block (a multiple of kChunk)
-inline constexpr Index kMaxMc = 256;   // rows of a block
+inline constexpr Index kMaxMc = 256;  // rows of a block
 
-inline Index round_up(Index value, Index step) { return (value + step - 1) / step * step; }
-
-// k split into equal depth blocks of at most kMaxKc, each a multiple of kChunk but the last.
-inline Index depth_block(Index k) {
-  const Index blocks = (k + kMaxKc - 1) / kMaxKc;
-  return round_up((k + blocks - 1) / blocks, kChunk);
-}
 inline Index row_block(Index m) {
   const Index blocks = (m + kMaxMc - 1) / kMaxMc;
   return blocks > 0 ? (m + blocks - 1) / blocks : 0;
@@ -137,8 +155,9 @@ inline Index packed_row_pairs(Index depth) { return round_up(depth, kChunk) / 2;
 inline Index block_a_pairs(Index rows, Index depth) { return rows * packed_row_pairs(depth); }
 
 inline __mmask16 lanes(Index count) {
-  return count >= 16 ? __mmask16(0xFFFF)
-                     : count <= 0 ? __mmask16(0) : __mmask16((1u << unsigned(count)) - 1u);
+  return count >= 16  ? __mmask16(0xFFFF)
+         : count <= 0 ? __mmask16(0)
+                      : __mmask16((1u << unsigned(count)) - 1u);
 }
 
 // Rows of micro-tile t when `rows` are split into tiles of at most kMr, of near-equal heights.
@@ -179,8 +198,8 @@ inline void pack_a(const float* a, Index lda, Index i0, Index rows, Index p0, In
 // C[0:MR, 0:16·NV] = (C +) Σ over `pairs` pair steps of A's packed panel times the pair rows of W
 // at w + p·ldw; the last vector of each row of W and C goes under `last` (the n edge).
 template <int MR, int NV>
-void micro_kernel(Index pairs, const std::uint32_t* a, const std::uint32_t* w, Index ldw,
-                  float* c, Index ldc, bool add, __mmask16 last) {
+void micro_kernel(Index pairs, const std::uint32_t* a, const std::uint32_t* w, Index ldw, float* c,
+                  Index ldc, bool add, __mmask16 last) {
   const float* c_row = c;
 #pragma GCC unroll 1
   for (int i = 0; i < MR; ++i, c_row += ldc) {
@@ -215,8 +234,8 @@ void micro_kernel(Index pairs, const std::uint32_t* a, const std::uint32_t* w, I
     for (int v = 0; v < NV; ++v) {
       float* out = c + i * ldc + 16 * v;
       const __mmask16 mask = v == NV - 1 ? last : __mmask16(0xFFFF);
-      const __m512 sum = add ? _mm512_add_ps(acc[i][v], _mm512_maskz_loadu_ps(mask, out))
-                             : acc[i][v];
+      const __m512 sum =
+          add ? _mm512_add_ps(acc[i][v], _mm512_maskz_loadu_ps(mask, out)) : acc[i][v];
       _mm512_mask_storeu_ps(out, mask, sum);
     }
 }

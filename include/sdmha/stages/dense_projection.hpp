@@ -131,8 +131,9 @@ struct DenseProjection {
                                "; expected ", args.input.rows(), " x ", args.kernel.cols());
     if (args.kernel_bfloat16 == nullptr) return;
     if (!std::is_same<Scalar, float>::value)
-      detail::fail<ConfigError>(where, "kernel_bfloat16 is set for a double stage; expected none "
-                                       "(bfloat16 kernels need Scalar = float)");
+      detail::fail<ConfigError>(where,
+                                "kernel_bfloat16 is set for a double stage; expected none "
+                                "(bfloat16 kernels need Scalar = float)");
     if (args.kernel_bfloat16->rows() != args.kernel.rows() ||
         args.kernel_bfloat16->cols() != args.kernel.cols())
       detail::fail<ShapeError>(where, "kernel_bfloat16 is ", args.kernel_bfloat16->rows(), " x ",

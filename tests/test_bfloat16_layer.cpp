@@ -1,0 +1,176 @@
+// Tests of SparseDenseMHA::set_precision: with every kernel in bfloat16 the key and value
+// projections (ProjectedContext) are bitwise the bias plus detail::gemm_bfloat16 of the inputs
+// on the rounded kernels, the forward agrees with the float64 reference within bfloat16's
+// tolerance, is bitwise invariant to the thread count and to streaming K and V, and equals its
+// own forward over a ProjectedContext; the snapshot's staleness, the backward and double layers
+// are refused with clear errors, and float32 restores the float layer.
+#include <cstring>
+
+#include "test_support.hpp"
+
+namespace sdmha_test {
+namespace {
+
+using Layer = sdmha::SparseDenseMHA<float>;
+using sdmha::detail::BFloat16Kernel;
+
+// Each term x·w of a projection is within 2⁻⁷ of itself (gemm_bfloat16.hpp); through the four
+// projections and the softmax the test shapes' outputs (|y| ≲ 1) move by well under 2⁻⁵, while
+// a dropped term, a wrong pairing of rows or a missing bias moves them by O(|y|).
+constexpr double kBFloat16LayerTolerance = 1.0 / 32;
+
+::testing::AssertionResult same_bits(const float* a, const float* b, Index count) {
+  for (Index i = 0; i < count; ++i)
+    if (std::memcmp(a + i, b + i, sizeof(float)) != 0)
+      return ::testing::AssertionFailure() << "entry " << i << ": " << a[i] << " vs " << b[i];
+  return ::testing::AssertionSuccess();
+}
+::testing::AssertionResult same_bits(const Tensor3<float>& a, const Tensor3<float>& b) {
+  if (a.dimensions() != b.dimensions()) return ::testing::AssertionFailure() << "shapes differ";
+  return same_bits(a.data(), b.data(), a.size());
+}
+
+// bias + bf16(input)·bf16(kernel), as the bfloat16 projection stage computes it.
+sdmha::RowMatrix<float> bfloat16_projection(const Tensor3<float>& input,
+                                            const sdmha::RowMatrix<float>& kernel,
+                                            const sdmha::Vector<float>& bias) {
+  const Eigen::Map<const sdmha::RowMatrix<float>> rows(
+      input.data(), input.dimension(0) * input.dimension(1), input.dimension(2));
+  sdmha::RowMatrix<float> output(rows.rows(), kernel.cols());
+  if (bias.size() != 0)
+    output.rowwise() = bias.transpose();
+  else
+    output.setZero();
+  sdmha::detail::gemm_bfloat16(rows, BFloat16Kernel(kernel), output, true, {});
+  return output;
+}
+
+TEST(BFloat16LayerTest, ProjectedContextIsTheBFloat16GemmOfTheInputs) {
+  const auto c = make_case<float>(Shape{}, 400);
+  Layer layer(c.config, c.weights);
+  layer.set_precision(sdmha::Precision::bfloat16);
+  EXPECT_EQ(layer.precision(), sdmha::Precision::bfloat16);
+  EXPECT_EQ(layer.query_kernel_precision(), sdmha::Precision::bfloat16);
+  const auto context = layer.project_context(c.key, c.value);
+  const auto keys = bfloat16_projection(c.key, c.weights.key_kernel, c.weights.key_bias);
+  const auto values = bfloat16_projection(c.value, c.weights.value_kernel, c.weights.value_bias);
+  ASSERT_EQ(context.keys.rows(), keys.rows());
+  ASSERT_EQ(context.keys.cols(), keys.cols());
+  EXPECT_TRUE(same_bits(context.keys.data(), keys.data(), keys.size()));
+  EXPECT_TRUE(same_bits(context.values.data(), values.data(), values.size()));
+  // Rounding did happen: the float32 layer's K differs.
+  const auto float_context = Layer(c.config, c.weights).project_context(c.key, c.value);
+  EXPECT_FALSE(same_bits(context.keys.data(), float_context.keys.data(), keys.size()));
+}
+
+// Over the named shapes (every mask, empty and fully blocked rows, no bias, T ≠ S, …): within
+// bfloat16's tolerance of the float64 reference, bitwise for 1 and 2 threads, and bitwise the
+// forward over its own ProjectedContext.
+TEST(BFloat16LayerTest, AgreesWithTheReferenceAndIsThreadInvariant) {
+  std::uint64_t seed = 410;
+  for (const auto& variant : variants()) {
+    SCOPED_TRACE(variant.name);
+    const auto c = make_case<float>(variant.shape, seed++);
+    Layer layer(c.config, c.weights);
+    layer.set_precision(sdmha::Precision::bfloat16);
+    const auto query = c.query();
+    auto options = c.options;
+    options.num_threads = 1;
+    const auto single = layer.forward(query, c.key, c.value, options);
+    const auto expected = sdmha_reference::forward(c.problem);
+    EXPECT_TRUE(all_near(single.output.data(), expected.output, kBFloat16LayerTolerance));
+    options.num_threads = 2;
+    EXPECT_TRUE(same_bits(single.output, layer.forward(query, c.key, c.value, options).output));
+    const auto context = layer.project_context(c.key, c.value);
+    EXPECT_TRUE(same_bits(single.output, layer.forward(query, context, options).output));
+  }
+}
+
+// K and V streamed in chunks of one key tile give the bits of the unstreamed bfloat16 forward.
+TEST(BFloat16LayerTest, StreamedContextIsBitwiseTheWholeOne) {
+  Shape s;
+  s.batch = 2;
+  s.steps = 9;
+  s.key_steps = 2 * sdmha::detail::kKeyTile + 37;
+  s.query_dim = 24;
+  s.key_in_dim = 10;
+  s.value_in_dim = 9;
+  s.heads = 2;
+  s.key_dim = 4;
+  s.value_dim = 3;
+  s.density = 0.2;
+  const auto c = make_case<float>(s, 420);
+  Layer whole(c.config, c.weights), streamed(c.config, c.weights);
+  whole.set_precision(sdmha::Precision::bfloat16);
+  streamed.set_precision(sdmha::Precision::bfloat16);
+  sdmha::detail::ContextStreaming streaming;
+  streaming.budget_bytes = 0;
+  streaming.chunk_bytes = std::size_t(s.heads * (s.key_dim + s.value_dim)) * sizeof(float) *
+                          std::size_t(sdmha::detail::kKeyTile);
+  sdmha::detail::ContextStreamingHook::set(streamed, streaming);
+  const auto query = c.query();
+  EXPECT_TRUE(same_bits(whole.forward(query, c.key, c.value, c.options).output,
+                        streamed.forward(query, c.key, c.value, c.options).output));
+}
+
+// Back to float32, the layer is the float32 layer again; set_query_kernel_precision alone
+// leaves precision() at float32.
+TEST(BFloat16LayerTest, Float32RestoresTheFloatLayer) {
+  const auto c = make_case<float>(Shape{}, 430);
+  Layer layer(c.config, c.weights);
+  const auto query = c.query();
+  const auto before = layer.forward(query, c.key, c.value, c.options);
+  layer.set_precision(sdmha::Precision::bfloat16);
+  EXPECT_FALSE(same_bits(before.output, layer.forward(query, c.key, c.value, c.options).output));
+  layer.set_precision(sdmha::Precision::float32);
+  EXPECT_EQ(layer.precision(), sdmha::Precision::float32);
+  EXPECT_EQ(layer.query_kernel_precision(), sdmha::Precision::float32);
+  EXPECT_TRUE(same_bits(before.output, layer.forward(query, c.key, c.value, c.options).output));
+  layer.set_query_kernel_precision(sdmha::Precision::bfloat16);
+  EXPECT_EQ(layer.precision(), sdmha::Precision::float32);
+}
+
+// The snapshot: a write access through weights() or an output kernel replaced through the shared
+// handle makes the next forward (and project_context) a ConfigError; rounding again serves the
+// new kernels.
+TEST(BFloat16LayerTest, StaleKernelsAreAConfigErrorUntilRoundedAgain) {
+  const auto c = make_case<float>(Shape{}, 440);
+  auto shared = std::make_shared<sdmha::MhaWeights<float>>(c.weights);
+  Layer layer(c.config, shared);
+  layer.set_precision(sdmha::Precision::bfloat16);
+  const auto query = c.query();
+  layer.weights().key_kernel *= 2.0f;
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, c.options), sdmha::ConfigError,
+                          "set_precision(Precision::bfloat16) again");
+  SDMHA_EXPECT_THROW_WITH(layer.project_context(c.key, c.value), sdmha::ConfigError,
+                          "set_precision(Precision::bfloat16) again");
+  layer.set_precision(sdmha::Precision::bfloat16);
+  Layer twin(c.config, shared);  // the doubled Wk, rounded afresh
+  twin.set_precision(sdmha::Precision::bfloat16);
+  EXPECT_TRUE(same_bits(layer.forward(query, c.key, c.value, c.options).output,
+                        twin.forward(query, c.key, c.value, c.options).output));
+  sdmha::RowMatrix<float> replacement = shared->output_kernel;
+  shared->output_kernel.swap(replacement);  // the same values in another allocation
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, c.options), sdmha::ConfigError,
+                          "rounded before the weights' last write access");
+}
+
+TEST(BFloat16LayerTest, RefusesBackwardAndDoubleLayers) {
+  const auto c = make_case<float>(Shape{}, 450);
+  Layer layer(c.config, c.weights);
+  layer.set_precision(sdmha::Precision::bfloat16);
+  const auto query = c.query();
+  Tensor3<float> d_output(c.shape.batch, c.shape.steps, c.problem.output_dim);
+  d_output.setConstant(1.0f);
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, c.options),
+                          sdmha::ConfigError, "expected float32 for the backward");
+  const auto c64 = make_case<double>(Shape{}, 451);
+  sdmha::SparseDenseMHA<double> layer64(c64.config, c64.weights);
+  SDMHA_EXPECT_THROW_WITH(layer64.set_precision(sdmha::Precision::bfloat16), sdmha::ConfigError,
+                          "bfloat16 kernels need Scalar = float");
+  EXPECT_EQ(layer64.precision(), sdmha::Precision::float32);
+  EXPECT_EQ(layer64.query_kernel_precision(), sdmha::Precision::float32);
+}
+
+}  // namespace
+}  // namespace sdmha_test
