@@ -113,8 +113,9 @@ TEST(SteadyState, SparseForwardAllocatesNothingOnceWarm) {
 }
 
 // K and V streamed in chunks (the budget lowered to 0, chunks of one key tile, S of two and a
-// bit key tiles) and the query kernel read in bfloat16: still nothing once warm.
-TEST(SteadyState, StreamedContextAndBFloat16QueryKernelAllocateNothingOnceWarm) {
+// bit key tiles) and every kernel in bfloat16 (set_precision: the bfloat16 GEMM packs in the
+// workers' scratch too): still nothing once warm.
+TEST(SteadyState, StreamedContextAndBFloat16KernelsAllocateNothingOnceWarm) {
   Shape s = steady_shape(true);
   s.key_steps = 2 * sdmha::detail::kKeyTile + 37;
   const auto c = make_case<float>(s, 13);
@@ -124,7 +125,7 @@ TEST(SteadyState, StreamedContextAndBFloat16QueryKernelAllocateNothingOnceWarm) 
   streaming.chunk_bytes = std::size_t(s.heads * (s.key_dim + s.value_dim)) * sizeof(float) *
                           std::size_t(sdmha::detail::kKeyTile);
   sdmha::detail::ContextStreamingHook::set(layer, streaming);
-  layer.set_query_kernel_precision(sdmha::Precision::bfloat16);
+  layer.set_precision(sdmha::Precision::bfloat16);
   const auto query = c.query();
   for (int threads : {1, 2}) {
     SCOPED_TRACE(testing::Message() << "threads=" << threads);
