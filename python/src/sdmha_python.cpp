@@ -20,6 +20,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -472,6 +473,8 @@ class PyLayer {
       fail<sdmha::ShapeError>("Layer.set_weight", name, " has shape ", shape_text(array),
                               "; expected ", expected, shape.size() == 1 ? ",)" : ")");
     }
+    // Exclusive: no call that released the GIL reads the weights or their copies meanwhile.
+    const std::unique_lock<std::shared_mutex> lock = exclusive();
     if (array.size() > 0 && array.data() != data)
       std::copy(array.data(), array.data() + array.size(), data);
     // bfloat16 kernels are snapshots: round the new one.
@@ -483,11 +486,14 @@ class PyLayer {
   }
 
   void set_query_kernel_precision(const std::string& precision) {
-    layer_.set_query_kernel_precision(
-        precision_from("Layer.set_query_kernel_precision", precision));
+    const sdmha::Precision value = precision_from("Layer.set_query_kernel_precision", precision);
+    const std::unique_lock<std::shared_mutex> lock = exclusive();
+    layer_.set_query_kernel_precision(value);
   }
   void set_precision(const std::string& precision) {
-    layer_.set_precision(precision_from("Layer.set_precision", precision));
+    const sdmha::Precision value = precision_from("Layer.set_precision", precision);
+    const std::unique_lock<std::shared_mutex> lock = exclusive();
+    layer_.set_precision(value);
   }
   std::string precision() const { return sdmha::to_string(layer_.precision()); }
   std::string query_kernel_precision() const {
@@ -509,6 +515,7 @@ class PyLayer {
     if (scores_wanted) recycled_.scores->lend(result.attention_scores);
     {
       py::gil_scoped_release release;
+      const std::shared_lock<std::shared_mutex> lock(calls_mutex_);
       std::optional<sdmha::Workspace<Scalar>> local;
       sdmha::Workspace<Scalar>& workspace = call.workspace ? *call.workspace : local.emplace();
       if (call.context)
@@ -554,6 +561,7 @@ class PyLayer {
     recycled_.value->lend(g.value);
     {
       py::gil_scoped_release release;
+      const std::shared_lock<std::shared_mutex> lock(calls_mutex_);
       std::optional<sdmha::Workspace<Scalar>> local;
       sdmha::Workspace<Scalar>& workspace = call.workspace ? *call.workspace : local.emplace();
       if (call.context)
@@ -609,6 +617,7 @@ class PyLayer {
       }
     }
     py::gil_scoped_release release;
+    const std::shared_lock<std::shared_mutex> lock(calls_mutex_);
     std::optional<sdmha::Workspace<Scalar>> local;
     sdmha::Workspace<Scalar>& workspace = call.workspace ? *call.workspace : local.emplace();
     layer_.project_context(key_ref, value_ref, workspace, *context, num_threads);
@@ -649,6 +658,16 @@ class PyLayer {
   Recycled recycled_;
   std::mutex contexts_mutex_;
   std::vector<std::shared_ptr<sdmha::ProjectedContext<Scalar>>> contexts_;  // at most 2 kept
+  // Calls that release the GIL (forward, backward, project_context) hold it shared; set_weight
+  // and the precision setters exclusively, so that they never free or rewrite the bfloat16
+  // copies or the weights under a running call. Taken after the GIL is released and released
+  // before it is taken back, so a waiting setter (holding the GIL) cannot deadlock a call.
+  mutable std::shared_mutex calls_mutex_;
+  // The exclusive lock, waited for without the GIL (the running calls never need it to finish).
+  std::unique_lock<std::shared_mutex> exclusive() const {
+    py::gil_scoped_release release;
+    return std::unique_lock<std::shared_mutex>(calls_mutex_);
+  }
 };
 
 template <typename Scalar>

@@ -364,3 +364,38 @@ def test_bfloat16_precision_rounds_every_kernel():
         layer_of(case, "float64").set_precision("bfloat16")
     layer.set_precision("float32")
     assert layer.precision == "float32" and layer.query_kernel_precision == "float32"
+
+
+def test_precision_and_weights_change_safely_beside_running_calls():
+    """forward releases the GIL; set_precision and set_weight from another thread wait for it
+    (and it for them): every output is exactly the float32 or the bfloat16 layer's, never a mix
+    or a crash on a freed bfloat16 copy."""
+    import threading
+
+    case = Case()
+    layer = layer_of(case, "float32")
+    indptr, indices, values = csr_arrays(case)
+    query = sdmha.csr_query(case.batch, case.steps, case.features, indptr, indices, values.astype("float32"))
+    key, value = numpy_of(case.key).astype("float32"), numpy_of(case.value).astype("float32")
+    float_output = layer.forward(query, key, value)[0].copy()
+    layer.set_precision("bfloat16")
+    bfloat16_output = layer.forward(query, key, value)[0].copy()
+    kernel = layer.weight("key_kernel").copy()
+    outputs, failures = [], []
+
+    def run():
+        try:
+            for _ in range(200):
+                outputs.append(layer.forward(query, key, value)[0].copy())
+        except Exception as error:  # noqa: BLE001 — reported below
+            failures.append(error)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    for i in range(200):
+        layer.set_precision("float32" if i % 2 else "bfloat16")
+        layer.set_weight("key_kernel", kernel)
+    worker.join()
+    assert not failures
+    assert len(outputs) == 200
+    assert all(np.array_equal(o, float_output) or np.array_equal(o, bfloat16_output) for o in outputs)
