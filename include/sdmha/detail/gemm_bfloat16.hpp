@@ -20,11 +20,12 @@
 // and a row of A packs the same way as it is (its entries 2p and 2p + 1 are adjacent): one
 // broadcast 32-bit pair of A times 16 columns' pairs of W is 32 multiply-adds.
 //
-// Blocking as in gemm_avx512.hpp (which gives the reasons): micro-tiles of up to 14 × 32 (28 zmm
-// accumulators), W read in place (its pair rows are contiguous), A packed per (row block of ≤ 256
-// rows, depth block of ≤ 512) in chunks of 16 pairs — one cache line per row and chunk. Every
-// entry of C is one fixed sequence of vdpbf16ps over p, split at depth blocks that depend on k
-// alone: deterministic, and a row block of C is bitwise the same rows of a larger product.
+// Blocking as in gemm_avx512.hpp (which gives the reasons, and whose helpers it uses): micro-tiles
+// of up to 14 × 32 (28 zmm accumulators), W read in place (its pair rows are contiguous), A packed
+// per (row block of ≤ 256 rows, depth block of ≤ 512) in chunks of 16 pairs — one cache line per
+// row and chunk. Every entry of C is one fixed sequence of vdpbf16ps over p, split at depth blocks
+// that depend on k alone: deterministic, and a row block of C is bitwise the same rows of a larger
+// product.
 #pragma once
 
 #include <algorithm>
@@ -39,6 +40,7 @@
 #include <Eigen/Core>
 
 #include "sdmha/config.hpp"
+#include "sdmha/detail/gemm_avx512.hpp"
 #include "sdmha/detail/scratch.hpp"
 #include "sdmha/stage.hpp"
 
@@ -141,34 +143,19 @@ inline constexpr bool kHaveBFloat16Gemm = true;
 
 namespace bf16_gemm {
 
-inline constexpr int kMr = 14;  // rows of a micro-tile
-inline constexpr int kNv = 2;   // its 16-float vectors across
+// The float32 engine's blocking: micro-tiles of up to its kMr rows (RowSplit's near-equal
+// heights), row blocks of up to its kMaxMc rows (row_block), its 16-lane masks.
+using avx512_gemm::kMaxMc;
+using avx512_gemm::kMr;
+using avx512_gemm::lanes;
+using avx512_gemm::row_block;
+using avx512_gemm::RowSplit;
+inline constexpr int kNv = 2;  // 16-float vectors across a micro-tile
 inline constexpr Index kNr = 16 * kNv;
-inline constexpr Index kMaxMc = 256;  // rows of a block
 
-inline Index row_block(Index m) {
-  const Index blocks = (m + kMaxMc - 1) / kMaxMc;
-  return blocks > 0 ? (m + blocks - 1) / blocks : 0;
-}
 // 32-bit pairs per packed row of a depth block of `depth`, and of a packed block.
 inline Index packed_row_pairs(Index depth) { return round_up(depth, kChunk) / 2; }
 inline Index block_a_pairs(Index rows, Index depth) { return rows * packed_row_pairs(depth); }
-
-inline __mmask16 lanes(Index count) {
-  return count >= 16  ? __mmask16(0xFFFF)
-         : count <= 0 ? __mmask16(0)
-                      : __mmask16((1u << unsigned(count)) - 1u);
-}
-
-// Rows of micro-tile t when `rows` are split into tiles of at most kMr, of near-equal heights.
-struct RowSplit {
-  Index tiles, base, extra;
-  explicit RowSplit(Index rows)
-      : tiles((rows + kMr - 1) / kMr),
-        base(tiles > 0 ? rows / tiles : 0),
-        extra(tiles > 0 ? rows % tiles : 0) {}
-  Index height(Index t) const { return base + (t < extra ? 1 : 0); }
-};
 
 // Packs rows [i0, i0 + rows) × depth [p0, p0 + depth) of A, rounded, into micro-panels of the
 // RowSplit's heights: out[c·16·h + i·16 + q] = pair q of chunk c of the panel's row i (zero past
@@ -181,7 +168,7 @@ inline void pack_a(const float* a, Index lda, Index i0, Index rows, Index p0, In
     const Index h = split.height(t);
     for (Index ch = 0; ch < chunks; ++ch) {
       const Index left = depth - kChunk * ch;
-      const __mmask16 low_mask = lanes(left), high_mask = lanes(left - 16);
+      const __mmask16 low_mask = lanes(left), high_mask = lanes(left > 16 ? left - 16 : 0);
       std::uint32_t* dst = out + ch * 16 * h;
       for (Index i = 0; i < h; ++i) {
         const float* src = a + (i0 + ir + i) * lda + p0 + kChunk * ch;
