@@ -20,6 +20,7 @@
 #include "sdmha/detail/gemm.hpp"
 #include "sdmha/detail/gemm_bfloat16.hpp"
 #include "sdmha/detail/parallel.hpp"
+#include "sdmha/detail/softmax_exp.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/mask.hpp"
 #include "sdmha/options.hpp"
@@ -488,8 +489,7 @@ class AttentionCore {
               CallBuffers<Scalar>& buffers, AttentionResult<Scalar>& result) const {
     begin_attention(plan, options, buffers, result);
     const ContextRows whole{context.keys, context.values, 0};
-    for (Index b = 0; b < plan.batch; ++b)
-      mark_finite_values(plan, whole, b, 0, plan.key_steps, buffers);
+    mark_finite_values(plan, whole, 0, plan.batch, 0, plan.key_steps, buffers);
     buffers.prepare_workers(plan.workers(plan.attention_items()), plan.worker_scratch_bytes,
                             plan.tile_entries, 2);
     const KeyChunk all_keys{0, plan.key_steps, true, true};
@@ -529,7 +529,7 @@ class AttentionCore {
         const KeyChunk chunk{key_begin, std::min(S, key_begin + plan.context_chunk), key_begin == 0,
                              key_begin + plan.context_chunk >= S};
         const ContextRows rows = project_context_chunk(plan, key, value, b, chunk, buffers);
-        mark_finite_values(plan, rows, b, chunk.key_begin, chunk.key_end, buffers);
+        mark_finite_values(plan, rows, b, b + 1, chunk.key_begin, chunk.key_end, buffers);
         buffers.prepare_workers(plan.workers(items), plan.worker_scratch_bytes, plan.tile_entries,
                                 2);
         parallel_for(
@@ -593,24 +593,27 @@ class AttentionCore {
   }
 
   // Whether V is finite on each key tile of the plan's grid (plan.key_tile wide, one tile of all
-  // S keys without the online softmax) that starts in [key_begin, key_end), per head, for batch
-  // entry b: flag (b·H + h)·key_tiles_per_head + j. It depends on V and the grid only, not on
-  // how K and V are streamed.
-  static void mark_finite_values(const AttentionPlan& plan, const ContextRows& context, Index b,
-                                 Index key_begin, Index key_end, CallBuffers<Scalar>& buffers) {
+  // S keys without the online softmax) that starts in [key_begin, key_end), per head, for the
+  // batch entries b in [batch_begin, batch_end): flag (b·H + h)·key_tiles_per_head + j. It
+  // depends on V and the grid only, not on how K and V are streamed. One parallel loop for all
+  // the entries: each loop wakes the pool's threads, which costs tens of microseconds.
+  static void mark_finite_values(const AttentionPlan& plan, const ContextRows& context,
+                                 Index batch_begin, Index batch_end, Index key_begin, Index key_end,
+                                 CallBuffers<Scalar>& buffers) {
     const Index H = plan.heads(), S = plan.key_steps, Dv = plan.dims.value_dim;
     const Index width = plan.key_tile, per_head = plan.key_tiles_per_head();
     const Index first = key_begin / std::max<Index>(width, 1);
     const Index tiles = width > 0 ? (key_end - key_begin + width - 1) / width : 0;
-    parallel_for(
-        H * tiles, plan.threads,
-        [&](Index item, int) {
-          const Index h = item / tiles, tile = first + item % tiles;
-          const Index keys = std::min(width, S - tile * width);
-          buffers.value_is_finite[std::size_t((b * H + h) * per_head + tile)] = all_finite<Scalar>(
-              context.values.block(b * S + tile * width - context.first_row, h * Dv, keys, Dv));
-        },
-        &buffers.pool);
+    parallel_for((batch_end - batch_begin) * H * tiles, plan.threads,
+                 [&](Index item, int) {
+                   const Index b = batch_begin + item / (H * tiles), h = item / tiles % H;
+                   const Index tile = first + item % tiles;
+                   const Index keys = std::min(width, S - tile * width);
+                   buffers.value_is_finite[std::size_t((b * H + h) * per_head + tile)] =
+                       all_finite<Scalar>(context.values.block(
+                           b * S + tile * width - context.first_row, h * Dv, keys, Dv));
+                 },
+                 &buffers.pool);
   }
   static bool value_is_finite(const AttentionPlan& plan, const CallBuffers<Scalar>& buffers,
                               const AttentionItem& tile) {
@@ -743,7 +746,6 @@ class AttentionCore {
   template <typename Tile, typename Statistics, typename Heads>
   static void online_softmax_update(Tile& scores, Statistics& statistics, Heads& heads) {
     constexpr Scalar minus_infinity = -std::numeric_limits<Scalar>::infinity();
-    constexpr Scalar smallest_normal = std::numeric_limits<Scalar>::min();
     for (Index t = 0; t < scores.rows(); ++t) {
       auto row = scores.row(t).array();
       const Scalar previous = statistics(t, 0);
@@ -753,13 +755,10 @@ class AttentionCore {
         row.setZero();
         continue;
       }
-      row = (row - maximum).exp();
-      Scalar* probabilities = scores.row(t).data();
-      for (Index s = 0; s < scores.cols(); ++s)
-        probabilities[s] = probabilities[s] < smallest_normal ? Scalar(0) : probabilities[s];
+      const Scalar sum = exponentiate_shifted(scores.row(t).data(), scores.cols(), maximum);
       const Scalar correction =
           previous == minus_infinity ? Scalar(0) : std::exp(previous - maximum);
-      statistics(t, 1) = statistics(t, 1) * correction + row.sum();
+      statistics(t, 1) = statistics(t, 1) * correction + sum;
       statistics(t, 0) = maximum;
       if (correction != Scalar(1)) heads.row(t) *= correction;
     }

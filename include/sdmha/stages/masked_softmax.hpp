@@ -15,6 +15,7 @@
 #include <limits>
 
 #include "sdmha/config.hpp"
+#include "sdmha/detail/softmax_exp.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/options.hpp"
 #include "sdmha/stage.hpp"
@@ -52,16 +53,10 @@ struct MaskedSoftmax {
   }
 
   // Subtracting the row maximum keeps every exponent ≤ 0, so logits of any size (±1e4 and more)
-  // neither overflow nor lose the largest term. Blocked keys must come out as exactly 0, but
-  // Eigen's vectorised exp clamps its argument and turns exp(−∞) into a denormal (which would let
-  // 0·NaN from a blocked value row through), and Eigen 3.4's select() is not vectorised. So the
-  // exp stays vectorised and a plain loop, which the compiler vectorises, flushes every result
-  // below the smallest normal number to 0: that catches the clamped exp(−∞), and the only
-  // genuine probabilities it zeroes are below e⁻⁸⁷ (float) or e⁻⁷⁰⁸ (double) of the row's
-  // largest, far below the precision of the sum.
+  // neither overflow nor lose the largest term. Blocked keys come out as exactly 0
+  // (detail::exponentiate_shifted flushes below the smallest normal number).
   void operator()(const Arguments& args) const {
     constexpr Scalar minus_infinity = -std::numeric_limits<Scalar>::infinity();
-    constexpr Scalar smallest_normal = std::numeric_limits<Scalar>::min();
     const Index columns = args.scores.cols();
     for (Index t = 0; t < args.scores.rows(); ++t) {
       auto row = args.scores.row(t).array();
@@ -73,11 +68,8 @@ struct MaskedSoftmax {
           row.setZero();
         continue;
       }
-      row = (row - row_max).exp();
-      Scalar* probabilities = args.scores.row(t).data();
-      for (Index s = 0; s < columns; ++s)
-        probabilities[s] = probabilities[s] < smallest_normal ? Scalar(0) : probabilities[s];
-      row *= Scalar(1) / row.sum();
+      const Scalar sum = detail::exponentiate_shifted(args.scores.row(t).data(), columns, row_max);
+      row *= Scalar(1) / sum;
     }
   }
 
