@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -76,7 +77,7 @@ class ThreadPool {
   ~ThreadPool() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
+      stopping_.store(true, std::memory_order_relaxed);
     }
     wake_.notify_all();
     for (auto& thread : threads_) thread.join();
@@ -95,14 +96,14 @@ class ThreadPool {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       job_ = job;
-      pending_ = helpers;
-      ++generation_;
+      pending_.store(helpers, std::memory_order_relaxed);
+      generation_.store(generation_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
     }
     if (helpers > 0) wake_.notify_all();
     queue.run_items(body, 0, 0);
-    {
+    if (!spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; })) {
       std::unique_lock<std::mutex> lock(mutex_);
-      done_.wait(lock, [&] { return pending_ == 0; });
+      done_.wait(lock, [&] { return pending_.load(std::memory_order_relaxed) == 0; });
     }
     queue.rethrow_failure();
   }
@@ -127,7 +128,9 @@ class ThreadPool {
       try {
         // The thread starts from the current generation: the job it is started for comes next.
         threads_.emplace_back(
-            [this, index, generation = generation_] { serve(index, generation); });
+            [this, index, generation = generation_.load(std::memory_order_relaxed)] {
+              serve(index, generation);
+            });
       } catch (const std::system_error&) {
         break;
       }
@@ -135,21 +138,45 @@ class ThreadPool {
     return std::min(wanted, static_cast<int>(threads_.size()));
   }
 
+  // Waking a sleeping thread takes tens of microseconds (a system call, and on a virtual
+  // machine an interrupt to the idle virtual CPU), as long as a small parallel loop: so a
+  // thread that runs out of work first polls for up to kSpinTime before it sleeps. A forward
+  // runs a handful of loops back to back, and the gaps between them are far shorter than that.
+  static constexpr std::chrono::microseconds kSpinTime{100};
+  template <typename Ready>
+  static bool spin_until(Ready ready) {
+    const auto until = std::chrono::steady_clock::now() + kSpinTime;
+    do {
+      for (int poll = 0; poll < 64; ++poll) {
+        if (ready()) return true;
+        std::this_thread::yield();
+      }
+    } while (std::chrono::steady_clock::now() < until);
+    return ready();
+  }
+
   void serve(int index, std::uint64_t seen) {
     for (;;) {
       Job job;
+      spin_until([&] {
+        return stopping_.load(std::memory_order_relaxed) ||
+               generation_.load(std::memory_order_acquire) != seen;
+      });
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return stopping_ || generation_ != seen; });
-        if (stopping_) return;
-        seen = generation_;
+        wake_.wait(lock, [&] {
+          return stopping_.load(std::memory_order_relaxed) ||
+                 generation_.load(std::memory_order_relaxed) != seen;
+        });
+        if (stopping_.load(std::memory_order_relaxed)) return;
+        seen = generation_.load(std::memory_order_relaxed);
         job = job_;
       }
       if (index >= job.helpers) continue;  // not needed for this call
       job.call(*job.queue, job.body, index + 1);
       {
         std::lock_guard<std::mutex> lock(mutex_);
-        --pending_;
+        pending_.fetch_sub(1, std::memory_order_release);
       }
       done_.notify_one();
     }
@@ -159,9 +186,10 @@ class ThreadPool {
   std::condition_variable wake_, done_;
   std::vector<std::thread> threads_;
   Job job_;
-  std::uint64_t generation_ = 0;
-  int pending_ = 0;
-  bool stopping_ = false;
+  // Written under mutex_; atomic so that spin_until may poll them without it.
+  std::atomic<std::uint64_t> generation_{0};
+  std::atomic<int> pending_{0};
+  std::atomic<bool> stopping_{false};
 };
 
 // Calls body(item, worker) for item in [0, count) on worker_count(count, threads) workers (the
