@@ -334,10 +334,10 @@ TEST(CustomScoreStage, CustomStagesUnderScaleAlignmentAndFullyMaskedRowOptions) 
 }
 
 // The reference must see a stage that used tile-local steps: its output differs as soon as the
-// project-first forward splits the rows into query tiles (T > 64) or the keys into key tiles
+// project-first forward splits the rows into query tiles (T > 256) or the keys into key tiles
 // (S > 512, online softmax), and not before.
 TEST(CustomScoreStage, TileLocalStepsAreCaughtBeyondTheFirstTile) {
-  const std::pair<long, long> sizes[] = {{64, 70}, {130, 70}, {64, 1100}};
+  const std::pair<long, long> sizes[] = {{256, 70}, {260, 70}, {64, 1100}};
   for (const auto& [steps, key_steps] : sizes) {
     const auto c = make_case<double>(small_shape(steps, key_steps, false, false), 7);
     sdmha::SparseDenseMHA<double, sdmha::SparseQueryProjection<double>, TileLocalBias<double>>
@@ -349,7 +349,7 @@ TEST(CustomScoreStage, TileLocalStepsAreCaughtBeyondTheFirstTile) {
     const auto output = layer.forward(c.query(), c.key, c.value, options).output;
     const bool matches =
         all_near(output.data(), reference(c.problem, Hooks{kSlopes, {}}).output, kForwardTolerance);
-    EXPECT_EQ(matches, steps <= sdmha::detail::kQueryTile && key_steps <= 512)
+    EXPECT_EQ(matches, steps <= sdmha::detail::kForwardQueryTile && key_steps <= 512)
         << "T = " << steps << ", S = " << key_steps;
   }
 }

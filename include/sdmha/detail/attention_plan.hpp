@@ -41,7 +41,13 @@ constexpr Index kProjectionRowBlock = 64;
 // wide queries; each block streams the part of Wq its rows use once, so larger blocks read Wq
 // fewer times. The dense baseline projects its query in blocks of the same height.
 constexpr Index kQueryProjectionRowBlock = 512;
-// Query steps per attention tile: the scores in flight are kQueryTile × S per worker.
+// Query steps per attention tile of a forward without a causal mask: the scores in flight are
+// kForwardQueryTile × min(S, kKeyTile) per worker (512 KB in float), and every key tile of K and
+// V is packed and read once per this many rows, so larger tiles read K and V fewer times.
+constexpr Index kForwardQueryTile = 256;
+// Query steps per attention tile under a causal mask (forward and backward), whose key range
+// reaches the tile's last row: small tiles skip more of the blocked keys. Also the least height
+// of a backward tile.
 constexpr Index kQueryTile = 64;
 // Keys per key tile of the online-softmax forward.
 constexpr Index kKeyTile = 512;
@@ -164,12 +170,13 @@ struct AttentionPlan {
 };
 
 // Query rows per attention tile. The regrouped kernel shares M_bh across all of a batch entry's
-// rows, so it takes them all; forward tiles are kQueryTile; backward tiles under a causal mask
-// are the forward's (whose key range they shorten), otherwise as many rows as
+// rows, so it takes them all; tiles under a causal mask are kQueryTile (whose key range they
+// shorten); other forward tiles kForwardQueryTile; other backward tiles as many rows as
 // kBackwardTileEntries allows (on `seed`, S = 128: all T = 128 rows in one tile).
 inline Index plan_query_tile(Pass pass, bool regrouped, bool causal, Index steps, Index key_steps) {
   if (regrouped) return std::max<Index>(steps, 1);
-  if (pass == Pass::forward || causal || key_steps == 0) return kQueryTile;
+  if (causal || key_steps == 0) return kQueryTile;
+  if (pass == Pass::forward) return kForwardQueryTile;
   return std::max(kQueryTile, std::min(steps, kBackwardTileEntries / key_steps));
 }
 

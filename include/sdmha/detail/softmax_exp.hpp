@@ -15,11 +15,12 @@
 // float with AVX-512F: one pass, exp(y) = 2ⁿ·e^f with n = round(y·log₂e) and f = y − n·ln 2 in
 // two parts (Cody–Waite: n·ln2_hi is exact for |n| < 2¹⁵), so |f| ≤ ln 2 / 2 and e^f by its
 // Taylor polynomial of degree 7, whose remainder |f|⁸/8! < 5.2e-9 is below half an ulp, summed
-// as 1 + (f + f²·q(f)) so that the last rounding is that of adding 1; 2ⁿ is applied by vscalefps. Arguments below −104 (2ⁿ underflows to 0 there) are clamped to −104
-// first, keeping NaN. Everywhere else (double, no AVX-512): Eigen's vectorised exp, a loop the
-// compiler vectorises for the flush, and Eigen's sum. The AVX-512 exp is within 1 ulp of exp
-// (0.7 measured, unbiased); Eigen 3.4's float exp within 3 (2.5 measured, 1 ulp high on
-// average), so the AVX-512 path is the more accurate too.
+// as 1 + (f + f²·q(f)) so that the last rounding is that of adding 1; 2ⁿ is applied by vscalefps.
+// Arguments below −104 (2ⁿ underflows to 0 there) are clamped to −104 first, keeping NaN.
+// Everywhere else (double, no AVX-512): Eigen's vectorised exp, a loop the compiler vectorises for
+// the flush, and Eigen's sum. The AVX-512 exp is within 1 ulp of exp (0.7 measured, unbiased);
+// Eigen 3.4's float exp within 3 (2.5 measured, 1 ulp high on average), so the AVX-512 path is the
+// more accurate too.
 #pragma once
 
 #include <limits>
@@ -60,12 +61,11 @@ inline __m512 exp_flushed_avx512(__m512 y) {
   q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f / 24.0f));
   q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f / 6.0f));
   q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0.5f));
-  const __m512 p =
-      _mm512_add_ps(_mm512_fmadd_ps(q, _mm512_mul_ps(f, f), f), _mm512_set1_ps(1.0f));
+  const __m512 p = _mm512_add_ps(_mm512_fmadd_ps(q, _mm512_mul_ps(f, f), f), _mm512_set1_ps(1.0f));
   const __m512 result = _mm512_scalef_ps(p, n);
   // Kept: results ≥ the smallest normal, and NaN (unordered compares true).
-  const __mmask16 keep = _mm512_cmp_ps_mask(
-      result, _mm512_set1_ps(std::numeric_limits<float>::min()), _CMP_NLT_UQ);
+  const __mmask16 keep =
+      _mm512_cmp_ps_mask(result, _mm512_set1_ps(std::numeric_limits<float>::min()), _CMP_NLT_UQ);
   return _mm512_maskz_mov_ps(keep, result);
 }
 
