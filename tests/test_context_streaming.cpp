@@ -26,7 +26,8 @@ template <typename Scalar>
 class ContextStreamingTest : public ::testing::Test {};
 TYPED_TEST_SUITE(ContextStreamingTest, ScalarTypes, );
 
-// Three whole key tiles and a ragged tail; two query tiles per (b, h).
+// Three whole key tiles and a ragged tail; two query tiles per (b, h) under a causal mask (one
+// otherwise).
 Shape streamed_shape() {
   Shape s;
   s.batch = 2;

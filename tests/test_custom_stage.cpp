@@ -2,10 +2,10 @@
 // score kernel (a relative-position bias with a per-row scale) and a softmax with a temperature
 // per head, each derived from the default stage with a backward of its own. Their forward against
 // a float64 reference written here from plain loops (tests/reference/'s projections, never
-// sdmha), across query tiles (64 rows) and key tiles (512 keys, online softmax), both score
-// strategies, 1 and 2 threads, masks, padding, scale, causal alignment and fully masked rows;
-// their backward against central differences of the forward; a short training run through them;
-// and the layer's shared weights (updated in place, reshaped, null).
+// sdmha), across query tiles (256 rows, 64 when causal) and key tiles (512 keys, online softmax),
+// both score strategies, 1 and 2 threads, masks, padding, scale, causal alignment and fully masked
+// rows; their backward against central differences of the forward; a short training run through
+// them; and the layer's shared weights (updated in place, reshaped, null).
 #include "test_support.hpp"
 
 #include "gradient_check.hpp"
@@ -297,8 +297,8 @@ void check_forward(const Case<double>& c, const Hooks& hooks) {
 // ---- 1. the position-dependent score stage, forward ----------------------------------------
 
 TEST(CustomScoreStage, RelativeBiasMatchesReferenceAcrossTilesStrategiesThreadsAndMasks) {
-  // Up to 300 query steps (query tiles of 64) and 1100 key steps (key tiles of 512 in the online
-  // softmax); masks: none, causal, padding, causal + padding.
+  // Up to 300 query steps (query tiles of 256, 64 when causal) and 1100 key steps (key tiles of 512
+  // in the online softmax); masks: none, causal, padding, causal + padding.
   const std::pair<long, long> sizes[] = {{1, 1},    {63, 65},   {64, 64},   {65, 130},
                                          {130, 70}, {300, 300}, {64, 1100}, {130, 1030}};
   std::uint64_t seed = 100;

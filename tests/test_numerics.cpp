@@ -192,7 +192,8 @@ TYPED_TEST(Numerics, NonFiniteKeysAndValuesAtBlockedPositionsNeverReachTheOutput
   const Scalar poisons[] = {
       std::numeric_limits<Scalar>::quiet_NaN(), std::numeric_limits<Scalar>::infinity(),
       -std::numeric_limits<Scalar>::infinity(), std::numeric_limits<Scalar>::max()};
-  // (T, S): a small case, and one whose T crosses the 64-step query tile (causal skips tiles).
+  // (T, S): a small case, and one whose T crosses a causal mask's 64-step query tile (causal
+  // skips tiles).
   const std::pair<long, long> sizes[] = {{5, 9}, {70, 75}};
   for (Blocking blocking : {Blocking::attention_mask, Blocking::causal, Blocking::key_padding}) {
     for (const auto& [steps, key_steps] : sizes) {

@@ -381,16 +381,16 @@ class AttentionCore {
   // Fills in the plan's tiles and each worker's scratch: the largest of what the stages ask for
   // (`query_stage_bytes` is the layer's own query projection's).
   void finish_plan(AttentionPlan& plan, std::size_t query_stage_bytes) const {
-    plan.query_tile =
-        plan_query_tile(plan.pass, plan.regrouped(), plan.causal, plan.steps, plan.key_steps);
-    plan.query_tiles = AttentionPlan::block_count(plan.steps, plan.query_tile);
-    const Index rows = std::min(plan.query_tile, plan.steps);
     plan.online_softmax = plan.pass == Pass::forward && !plan.regrouped() && !plan.return_scores &&
                           plan.fully_masked_rows == FullyMaskedRows::zeros &&
                           plan.key_steps > kKeyTile &&
                           std::is_same<Softmax, MaskedSoftmax<Scalar>>::value &&
                           std::is_same<AttendValues, sdmha::AttendValues<Scalar>>::value;
     plan.key_tile = plan.online_softmax ? kKeyTile : plan.key_steps;
+    plan.query_tile = plan_query_tile(plan.pass, plan.regrouped(), plan.causal, plan.steps,
+                                      plan.key_steps, plan.key_tile);
+    plan.query_tiles = AttentionPlan::block_count(plan.steps, plan.query_tile);
+    const Index rows = std::min(plan.query_tile, plan.steps);
     plan.tile_entries = rows * std::max(plan.key_tile, Index(2));
     TileSizes tile;
     tile.rows = rows;

@@ -41,9 +41,10 @@ constexpr Index kProjectionRowBlock = 64;
 // wide queries; each block streams the part of Wq its rows use once, so larger blocks read Wq
 // fewer times. The dense baseline projects its query in blocks of the same height.
 constexpr Index kQueryProjectionRowBlock = 512;
-// Query steps per attention tile of a forward without a causal mask: the scores in flight are
-// kForwardQueryTile × min(S, kKeyTile) per worker (512 KB in float), and every key tile of K and
-// V is packed and read once per this many rows, so larger tiles read K and V fewer times.
+// Query steps per attention tile of a forward without a causal mask whose key tiles are at most
+// kKeyTile wide (S ≤ kKeyTile, or the online softmax): the scores in flight are at most
+// kForwardQueryTile × kKeyTile per worker (512 KB in float), and every key tile of K and V is
+// packed and read once per this many rows, so larger tiles read K and V fewer times.
 constexpr Index kForwardQueryTile = 256;
 // Query steps per attention tile under a causal mask (forward and backward), whose key range
 // reaches the tile's last row: small tiles skip more of the blocked keys. Also the least height
@@ -171,12 +172,14 @@ struct AttentionPlan {
 
 // Query rows per attention tile. The regrouped kernel shares M_bh across all of a batch entry's
 // rows, so it takes them all; tiles under a causal mask are kQueryTile (whose key range they
-// shorten); other forward tiles kForwardQueryTile; other backward tiles as many rows as
-// kBackwardTileEntries allows (on `seed`, S = 128: all T = 128 rows in one tile).
-inline Index plan_query_tile(Pass pass, bool regrouped, bool causal, Index steps, Index key_steps) {
+// shorten); other forward tiles kForwardQueryTile when their key tiles (key_tile keys) are at
+// most kKeyTile, else kQueryTile (a tile × S of scores stays small); other backward tiles as
+// many rows as kBackwardTileEntries allows (on `seed`, S = 128: all T = 128 rows in one tile).
+inline Index plan_query_tile(Pass pass, bool regrouped, bool causal, Index steps, Index key_steps,
+                             Index key_tile) {
   if (regrouped) return std::max<Index>(steps, 1);
   if (causal || key_steps == 0) return kQueryTile;
-  if (pass == Pass::forward) return kForwardQueryTile;
+  if (pass == Pass::forward) return key_tile <= kKeyTile ? kForwardQueryTile : kQueryTile;
   return std::max(kQueryTile, std::min(steps, kBackwardTileEntries / key_steps));
 }
 
