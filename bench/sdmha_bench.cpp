@@ -496,8 +496,8 @@ void Problem::build_references() {
   output.resize(rows(), shape.output_dim);
   LayerPlan& plan = *plans(1).project_first;
   const AttentionPlan& walk = plan.plan();
-  if (walk.query_tile != sdmha::detail::kForwardQueryTile || walk.attention_items() == 0)
-    throw std::logic_error("the layer's forward plan has no kForwardQueryTile attention tiles");
+  if (walk.attention_items() == 0)
+    throw std::logic_error("the layer's forward plan has no attention items");
   dense_query_projection(*this, plan, dense_query, projected_query);
   key_value_projection(*this, plan, keys, values);
   project_first_scores(*this, plan, projected_query, keys, scores);
