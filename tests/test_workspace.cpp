@@ -112,6 +112,39 @@ TYPED_TEST(WorkspaceTest, DenseBaselineReusesAWorkspaceToo) {
   }
 }
 
+// The calls given no Workspace borrow one the layer keeps: a second plain forward gives the first's
+// bits (and a caller's Workspace's), the layer holds that memory until
+// release_workspace_cache(), project_context borrows it too, and a copy of the layer starts
+// with none.
+TYPED_TEST(WorkspaceTest, PlainCallsReuseTheLayersCachedWorkspace) {
+  using Scalar = TypeParam;
+  const auto c = make_case<Scalar>(sized(2, 70, 90, true), 71);
+  const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
+  const auto query = c.query();
+  auto options = c.options;
+  options.num_threads = 2;
+  EXPECT_EQ(layer.workspace_cache_bytes(), 0u);
+  const auto first = layer.forward(query, c.key, c.value, options);
+  const std::size_t kept = layer.workspace_cache_bytes();
+  EXPECT_GT(kept, 0u);
+  const auto second = layer.forward(query, c.key, c.value, options);
+  expect_same_tensor<Scalar>(second.output, first.output);
+  EXPECT_EQ(layer.workspace_cache_bytes(), kept);  // the same workspace again, not a second one
+  sdmha::Workspace<Scalar> workspace;
+  sdmha::AttentionResult<Scalar> result;
+  layer.forward(query, c.key, c.value, options, workspace, result);
+  expect_same_tensor<Scalar>(result.output, first.output);
+  const auto context = layer.project_context(c.key, c.value, 2);
+  expect_same_tensor<Scalar>(layer.forward(query, context, options).output, first.output);
+  const sdmha::SparseDenseMHA<Scalar> copy = layer;
+  EXPECT_EQ(copy.workspace_cache_bytes(), 0u);
+  layer.release_workspace_cache();
+  EXPECT_EQ(layer.workspace_cache_bytes(), 0u);
+  expect_same_tensor<Scalar>(layer.forward(query, c.key, c.value, options).output, first.output);
+  const auto reference = sdmha_reference::forward(c.problem);
+  EXPECT_TRUE(all_near(first.output.data(), reference.output, relative_tolerance<Scalar>()));
+}
+
 TYPED_TEST(WorkspaceTest, AWorkspaceInUseIsRefusedWithConfigError) {
   using Scalar = TypeParam;
   const auto c = make_case<Scalar>(Shape{}, 3);

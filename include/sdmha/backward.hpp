@@ -669,9 +669,9 @@ template <typename Scalar, typename QP, typename SK, typename SM, typename AV, t
 MhaGradients<Scalar> SparseDenseMHA<Scalar, QP, SK, SM, AV, OP, CP>::backward(
     const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
     const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options) const {
-  Workspace<Scalar> workspace;
+  const auto borrowed = this->borrow_workspace();
   MhaGradients<Scalar> gradients;
-  backward(query, key, value, d_output, options, workspace, gradients);
+  backward(query, key, value, d_output, options, borrowed.workspace(), gradients);
   return gradients;
 }
 
@@ -681,9 +681,9 @@ MhaGradients<Scalar> SparseDenseMHA<Scalar, QP, SK, SM, AV, OP, CP>::backward(
     const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
     const ProjectedContext<Scalar>& context, const TensorRef3<Scalar>& d_output,
     const AttentionOptions<Scalar>& options) const {
-  Workspace<Scalar> workspace;
+  const auto borrowed = this->borrow_workspace();
   MhaGradients<Scalar> gradients;
-  backward(query, key, value, context, d_output, options, workspace, gradients);
+  backward(query, key, value, context, d_output, options, borrowed.workspace(), gradients);
   return gradients;
 }
 

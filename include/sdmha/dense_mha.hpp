@@ -48,9 +48,9 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
   AttentionResult<Scalar> forward(const TensorRef3<Scalar>& query, const TensorRef3<Scalar>& key,
                                   const TensorRef3<Scalar>& value,
                                   const AttentionOptions<Scalar>& options = {}) const {
-    Workspace<Scalar> workspace;
+    const auto borrowed = this->borrow_workspace();
     AttentionResult<Scalar> result;
-    forward(query, key, value, options, workspace, result);
+    forward(query, key, value, options, borrowed.workspace(), result);
     return result;
   }
 

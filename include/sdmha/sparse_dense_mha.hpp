@@ -141,9 +141,9 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
   AttentionResult<Scalar> forward(const Query& query, const TensorRef3<Scalar>& key,
                                   const TensorRef3<Scalar>& value,
                                   const AttentionOptions<Scalar>& options = {}) const {
-    Workspace<Scalar> workspace;
+    const auto borrowed = this->borrow_workspace();
     AttentionResult<Scalar> result;
-    forward(query, key, value, options, workspace, result);
+    forward(query, key, value, options, borrowed.workspace(), result);
     return result;
   }
 
@@ -171,9 +171,9 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
   // The same against keys and values projected once by project_context(key, value).
   AttentionResult<Scalar> forward(const Query& query, const ProjectedContext<Scalar>& context,
                                   const AttentionOptions<Scalar>& options = {}) const {
-    Workspace<Scalar> workspace;
+    const auto borrowed = this->borrow_workspace();
     AttentionResult<Scalar> result;
-    forward(query, context, options, workspace, result);
+    forward(query, context, options, borrowed.workspace(), result);
     return result;
   }
 

@@ -23,6 +23,8 @@
 #include <atomic>
 #include <cstddef>
 #include <memory>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 #include "sdmha/config.hpp"
@@ -157,5 +159,77 @@ class Workspace {
   std::unique_ptr<detail::CallBuffers<Scalar>> buffers_;
   std::atomic<bool> in_use_{false};
 };
+
+namespace detail {
+
+// The workspaces a layer keeps for its calls that are given none (forward, backward and
+// project_context without a Workspace). Such a call borrows an idle one, or makes one, and gives
+// it back when it returns, so a repeated call reuses memory and threads as it would with a
+// caller's Workspace: allocating every buffer afresh costs first-touch page faults on tens of MB
+// and starting threads, more than the forward itself on small layers. As many are kept as calls
+// have run at once; release() frees them. Copies and moves of a layer start with none.
+template <typename Scalar>
+class WorkspaceCache {
+ public:
+  WorkspaceCache() = default;
+  WorkspaceCache(const WorkspaceCache&) {}
+  WorkspaceCache& operator=(const WorkspaceCache&) { return *this; }
+
+  // One idle workspace (or a new one) for the duration of a call.
+  class Borrowed {
+   public:
+    explicit Borrowed(const WorkspaceCache& cache) : cache_(cache), workspace_(cache.take()) {}
+    ~Borrowed() { cache_.give_back(std::move(workspace_)); }
+    Borrowed(const Borrowed&) = delete;
+    Borrowed& operator=(const Borrowed&) = delete;
+    Workspace<Scalar>& workspace() const { return *workspace_; }
+
+   private:
+    const WorkspaceCache& cache_;
+    std::unique_ptr<Workspace<Scalar>> workspace_;
+  };
+
+  // Bytes held by the idle workspaces (a borrowed one is counted when it is given back).
+  std::size_t bytes() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::size_t total = 0;
+    for (const auto& workspace : idle_) total += workspace->bytes();
+    return total;
+  }
+  // Frees the idle workspaces and stops their threads.
+  void release() const {
+    std::vector<std::unique_ptr<Workspace<Scalar>>> freed;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      freed.swap(idle_);
+    }
+  }
+
+ private:
+  std::unique_ptr<Workspace<Scalar>> take() const {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!idle_.empty()) {
+        std::unique_ptr<Workspace<Scalar>> workspace = std::move(idle_.back());
+        idle_.pop_back();
+        return workspace;
+      }
+    }
+    return std::make_unique<Workspace<Scalar>>();
+  }
+  // Never throws: a workspace that cannot be kept (no memory for the list) is freed instead.
+  void give_back(std::unique_ptr<Workspace<Scalar>> workspace) const noexcept {
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      idle_.push_back(std::move(workspace));
+    } catch (...) {
+    }
+  }
+
+  mutable std::mutex mutex_;
+  mutable std::vector<std::unique_ptr<Workspace<Scalar>>> idle_;
+};
+
+}  // namespace detail
 
 }  // namespace sdmha

@@ -516,8 +516,9 @@ class PyLayer {
     {
       py::gil_scoped_release release;
       const std::shared_lock<std::shared_mutex> lock(calls_mutex_);
-      std::optional<sdmha::Workspace<Scalar>> local;
-      sdmha::Workspace<Scalar>& workspace = call.workspace ? *call.workspace : local.emplace();
+      std::optional<typename sdmha::detail::WorkspaceCache<Scalar>::Borrowed> borrowed;
+      sdmha::Workspace<Scalar>& workspace =
+          call.workspace ? *call.workspace : borrowed.emplace(workspaces_).workspace();
       if (call.context)
         layer_.forward(query.query, *call.context, call.options, workspace, result);
       else
@@ -562,8 +563,9 @@ class PyLayer {
     {
       py::gil_scoped_release release;
       const std::shared_lock<std::shared_mutex> lock(calls_mutex_);
-      std::optional<sdmha::Workspace<Scalar>> local;
-      sdmha::Workspace<Scalar>& workspace = call.workspace ? *call.workspace : local.emplace();
+      std::optional<typename sdmha::detail::WorkspaceCache<Scalar>::Borrowed> borrowed;
+      sdmha::Workspace<Scalar>& workspace =
+          call.workspace ? *call.workspace : borrowed.emplace(workspaces_).workspace();
       if (call.context)
         layer_.backward(query.query, key_ref, value_ref, *call.context, d_output_ref, call.options,
                         workspace, g);
@@ -618,8 +620,9 @@ class PyLayer {
     }
     py::gil_scoped_release release;
     const std::shared_lock<std::shared_mutex> lock(calls_mutex_);
-    std::optional<sdmha::Workspace<Scalar>> local;
-    sdmha::Workspace<Scalar>& workspace = call.workspace ? *call.workspace : local.emplace();
+    std::optional<typename sdmha::detail::WorkspaceCache<Scalar>::Borrowed> borrowed;
+    sdmha::Workspace<Scalar>& workspace =
+        call.workspace ? *call.workspace : borrowed.emplace(workspaces_).workspace();
     layer_.project_context(key_ref, value_ref, workspace, *context, num_threads);
     return context;
   }
@@ -658,6 +661,9 @@ class PyLayer {
   Recycled recycled_;
   std::mutex contexts_mutex_;
   std::vector<std::shared_ptr<sdmha::ProjectedContext<Scalar>>> contexts_;  // at most 2 kept
+  // Workspaces for the calls given none (one per call that ran at the same time), so that a
+  // repeated call reuses memory and threads instead of allocating and starting them again.
+  sdmha::detail::WorkspaceCache<Scalar> workspaces_;
   // Calls that release the GIL (forward, backward, project_context) hold it shared; set_weight
   // and the precision setters exclusively, so that they never free or rewrite the bfloat16
   // copies or the weights under a running call. Taken after the GIL is released and released

@@ -90,6 +90,21 @@ void expect_no_allocation_after_warm_up(const Layer& layer, const Query& query,
   for (Index i = 0; i < first.size(); ++i) ASSERT_EQ(first.data()[i], result.output.data()[i]);
 }
 
+// The plain forward (no Workspace given) borrows the layer's cached workspace: once warm it
+// allocates only the result it returns (its output tensor; the scores are not asked for).
+TEST(SteadyState, PlainForwardAllocatesOnlyItsResultOnceWarm) {
+  const auto c = make_case<float>(steady_shape(true), 5);
+  const sdmha::SparseDenseMHA<float> layer(c.config, c.weights);
+  const auto query = c.query();
+  auto options = c.options;
+  options.num_threads = 2;
+  for (int warm_up = 0; warm_up < 3; ++warm_up) layer.forward(query, c.key, c.value, options);
+  const std::int64_t allocations = allocations_during([&] {
+    for (int call = 0; call < 5; ++call) layer.forward(query, c.key, c.value, options);
+  });
+  EXPECT_EQ(allocations, 5);
+}
+
 TEST(SteadyState, SparseForwardAllocatesNothingOnceWarm) {
   for (bool masks : {false, true}) {
     const auto c = make_case<float>(steady_shape(masks), 11);

@@ -135,6 +135,11 @@ class AttentionCore {
   using ContextProjection = ContextProjectionT;
 
   const MhaConfig& config() const { return config_; }
+  // The calls given no Workspace (forward, backward, project_context) borrow one the layer keeps
+  // (detail::WorkspaceCache): after the first call they allocate only what they return and
+  // start no threads. These are the bytes kept, and their release (threads stopped too).
+  std::size_t workspace_cache_bytes() const { return workspace_cache_.bytes(); }
+  void release_workspace_cache() const { workspace_cache_.release(); }
   // The weights, shared with whoever else holds them: a training step may update them in place
   // between calls (each call checks their shapes again).
   const MhaWeights<Scalar>& weights() const { return *weights_; }
@@ -165,9 +170,9 @@ class AttentionCore {
   ProjectedContext<Scalar> project_context(const TensorRef3<Scalar>& key,
                                            const TensorRef3<Scalar>& value,
                                            int num_threads = 0) const {
-    Workspace<Scalar> workspace;
+    const auto borrowed = borrow_workspace();
     ProjectedContext<Scalar> context;
-    project_context(key, value, workspace, context, num_threads);
+    project_context(key, value, borrowed.workspace(), context, num_threads);
     return context;
   }
   // The same into `context`, working in `workspace`: a training loop that keeps both allocates
@@ -193,6 +198,11 @@ class AttentionCore {
   }
 
  protected:
+  // A workspace of the layer's cache for a call given none, given back when it goes out of scope.
+  typename WorkspaceCache<Scalar>::Borrowed borrow_workspace() const {
+    return typename WorkspaceCache<Scalar>::Borrowed(workspace_cache_);
+  }
+
   AttentionCore(const MhaConfig& config, std::shared_ptr<MhaWeights<Scalar>> weights)
       : config_(config), weights_(std::move(weights)) {
     if (!weights_) fail<ConfigError>("layer", "weights is a null shared_ptr; expected MhaWeights");
@@ -840,7 +850,8 @@ class AttentionCore {
   ContextProjection context_projection_;
   ContextStreaming context_streaming_;  // see plan_context_chunk
   std::shared_ptr<const DenseKernelsBFloat16> dense_bfloat16_;
-  std::uint64_t weight_accesses_ = 0;  // calls of the non-const weights()
+  std::uint64_t weight_accesses_ = 0;       // calls of the non-const weights()
+  WorkspaceCache<Scalar> workspace_cache_;  // for the calls given no Workspace
 
   friend struct ContextStreamingHook;
 };
