@@ -569,6 +569,17 @@ std::vector<Case> make_cases(Problem& p, int threads) {
                                             p.forward_result);
                    },
                    check_forward});
+  // The call a user (and the harness) makes: no Workspace given, a new result each call.
+  // Its workspace is the layer's own cache, emptied before the checked call.
+  cases.push_back({"forward", "sparse_plain", f.sparse_total(), csr, 0, 0,
+                   [&p] {
+                     p.sparse_layer.release_workspace_cache();
+                     p.forward_result = sdmha::AttentionResult<float>();
+                   },
+                   [&p, o = options(sdmha::ScoreStrategy::project_first)] {
+                     p.forward_result = p.sparse_layer.forward(p.query, p.key, p.value, o);
+                   },
+                   check_forward});
   if (regrouped)
     cases.push_back({"forward", "sparse_regrouped", f.sparse_total(), csr, 0, 0,
                      fresh(p.regrouped_workspace),
@@ -704,7 +715,7 @@ std::vector<Case> make_cases(Problem& p, int threads) {
 // The names of make_cases' cases, in its order, known before any input is built.
 std::vector<std::string> case_names(const WorkloadShape& shape, double density) {
   const bool regrouped = regrouped_is_timed(shape, density);
-  std::vector<std::string> names = {"forward/sparse"};
+  std::vector<std::string> names = {"forward/sparse", "forward/sparse_plain"};
   if (regrouped) names.push_back("forward/sparse_regrouped");
   for (const char* name :
        {"forward/sparse_bf16", "forward/dense", "backward/sparse", "backward/sparse_saved_context",
@@ -1045,14 +1056,15 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
 
   char line[512];
   const char* header =
-      "%-5s %7s %3s %7s | %9s %9s %9s | %8s %9s | %7s %6s | %8s %8s %6s | %8s %8s | %7s | %9s %7s "
-      "%9s %7s\n";
-  std::snprintf(line, sizeof line, header, "work", "density", "thr", "nnz/row", "sparse", "regroup",
-                "bf16", "densify", "dense", "speedup", "ideal", "peak MB", "peak MB", "mem",
-                "query MB", "query MB", "allocs", "backward", "bwd/", "bwd ctx", "ctx/");
+      "%-5s %7s %3s %7s | %9s %9s %9s %9s | %8s %9s | %7s %6s | %8s %8s %6s | %8s %8s | %7s | "
+      "%9s %7s %9s %7s\n";
+  std::snprintf(line, sizeof line, header, "work", "density", "thr", "nnz/row", "sparse", "plain",
+                "regroup", "bf16", "densify", "dense", "speedup", "ideal", "peak MB", "peak MB",
+                "mem", "query MB", "query MB", "allocs", "backward", "bwd/", "bwd ctx", "ctx/");
   out << line;
-  std::snprintf(line, sizeof line, header, "", "", "", "", "ms", "ms", "ms", "ms", "ms", "", "",
-                "sparse", "dense", "ratio", "CSR", "dense", "fwd/bwd", "ms", "fwd", "ms", "fwd");
+  std::snprintf(line, sizeof line, header, "", "", "", "", "ms", "ms", "ms", "ms", "ms", "ms", "",
+                "", "sparse", "dense", "ratio", "CSR", "dense", "fwd/bwd", "ms", "fwd", "ms",
+                "fwd");
   out << line;
   for (const ConfigResult& r : results) {
     const std::int64_t sparse_peak = r.peak_bytes("forward/sparse");
@@ -1070,11 +1082,11 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
     const double backward_ms = r.ms("backward/sparse");
     const double context_backward_ms = r.ms("backward/sparse_saved_context");
     std::snprintf(line, sizeof line,
-                  "%-5s %7g %3d %7ld | %9s %9s %9s | %8s %9s | %6.2fx %6.2f | %8s %8s %6s | %8.2f "
-                  "%8.2f | %7s | %9s %6.2fx %9s "
-                  "%6.2fx\n",
+                  "%-5s %7g %3d %7ld | %9s %9s %9s %9s | %8s %9s | %6.2fx %6.2f | %8s %8s %6s | "
+                  "%8.2f %8.2f | %7s | %9s %6.2fx %9s %6.2fx\n",
                   r.shape.name.c_str(), r.density, r.threads, long(r.nonzeros_per_row),
                   milliseconds_text(r.ms("forward/sparse")).c_str(),
+                  milliseconds_text(r.ms("forward/sparse_plain")).c_str(),
                   milliseconds_text(r.ms("forward/sparse_regrouped")).c_str(),
                   milliseconds_text(r.ms("forward/sparse_bf16")).c_str(),
                   milliseconds_text(r.ms("densify/dense")).c_str(),
@@ -1089,7 +1101,9 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
   }
   out << "\nsparse = SparseDenseMHA::forward (project_first) with a Workspace and result kept "
          "between\n"
-         "calls; regroup = the same with sparse_regrouped\n"
+         "calls; plain = the plain forward(query, key, value, options): a new result per call, "
+         "the\n"
+         "layer's own cached workspace; regroup = the same as sparse with sparse_regrouped\n"
          "scores (\"-\": not timed where it costs more FLOPs than the dense layer); bf16 = the\n"
          "same as sparse with set_precision(bfloat16); dense =\n"
          "SparseQuery::to_dense + DenseMHA::forward, densify included (and shown alone); speedup "
@@ -1211,6 +1225,7 @@ void write_json(const std::string& path, const std::vector<ConfigResult>& result
     out << "     \"speedup\": " << json_number(r.speedup())
         << ", \"ideal_speedup\": " << json_number(r.flops.ideal_speedup()) << ",\n";
     out << "     \"forward_ms\": {\"sparse\": " << ms("forward/sparse")
+        << ", \"sparse_plain\": " << ms("forward/sparse_plain")
         << ", \"sparse_regrouped\": " << ms("forward/sparse_regrouped")
         << ", \"sparse_bfloat16\": " << ms("forward/sparse_bf16")
         << ", \"dense\": " << ms("forward/dense") << ", \"densify\": " << ms("densify/dense")

@@ -227,6 +227,35 @@ TEST(BFloat16Gemm, EmptyDepthGivesZeroOrLeavesC) {
   EXPECT_EQ(differing_bits(run_gemm(a, kernel, start, true), start), 0);
 }
 
+// A column bias is added in the first depth block's stores (both paths: the portable one sets C
+// to it and accumulates): bitwise C = bias in every row with the product accumulated onto it, on
+// the n edges, one and several depth blocks, and k = 0.
+TEST(BFloat16Gemm, ColumnBiasIsBitwiseTheBiasAccumulatedOnto) {
+  std::mt19937 rng(7350);
+  for (const GemmCase& c : gemm_cases()) {
+    SCOPED_TRACE(describe(c));
+    const FloatMatrix a = normal_matrix(c.m, c.k, rng), w = normal_matrix(c.k, c.n, rng);
+    const std::vector<float> bias = [&] {
+      const FloatMatrix row = normal_matrix(1, c.n, rng);
+      return std::vector<float>(row.data(), row.data() + c.n);  // exactly n entries
+    }();
+    const BFloat16Kernel kernel(w);
+    FloatMatrix onto(c.m, c.n);
+    for (Index i = 0; i < c.m; ++i) std::copy(bias.begin(), bias.end(), onto.row(i).data());
+    FloatMatrix fused = nan_matrix(c.m, c.n);
+    sdmha::detail::ScratchBuffer buffer;
+    buffer.reserve(sdmha::detail::gemm_bfloat16_workspace_size(c.m, c.n, c.k));
+    gemm_bfloat16(a, kernel, fused, false, buffer.view(), bias.data());
+    EXPECT_EQ(differing_bits(fused, run_gemm(a, kernel, onto, true)), 0);
+  }
+  const FloatMatrix empty_a(3, 0), empty_w(0, 4);
+  const std::vector<float> bias = {1.0f, -2.0f, 3.0f, 0.5f};
+  FloatMatrix fused = nan_matrix(3, 4), expected(3, 4);
+  for (Index i = 0; i < 3; ++i) std::copy(bias.begin(), bias.end(), expected.row(i).data());
+  gemm_bfloat16(empty_a, BFloat16Kernel(empty_w), fused, false, {}, bias.data());
+  EXPECT_EQ(differing_bits(fused, expected), 0) << "k = 0: C is the bias";
+}
+
 // The sums the vdpbf16ps path takes: k cut into depth blocks of `depth` (k alone decides it),
 // each summed from zero pair by pair (the odd row's product first, then the even row's: the SDM's
 // order within one vdpbf16ps lane) and then added to C, or stored for the first block without

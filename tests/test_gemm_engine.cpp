@@ -243,6 +243,44 @@ TEST(GemmEngine, PathsAreBitwiseEqual) {
   }
 }
 
+// A column bias b is added in the first depth block's stores: bitwise C = b in every row and the
+// product accumulated onto it (what the projections did before, with a pass of its own over C),
+// on every path (A packed by rows or columns or read in place, B in place or transposed), the n
+// edges, one and two depth blocks, k = 0; columns past n untouched, the bias read only to n.
+TEST(GemmEngine, ColumnBiasIsBitwiseTheBiasAccumulatedOnto) {
+  std::mt19937 rng(12);
+  for (int combination = 0; combination < 4; ++combination)
+    for (Index m : {Index(1), Index(13), Index(70)})
+      for (Index n : {Index(1), Index(17), Index(64), Index(100)})
+        for (Index k : {Index(0), Index(5), Index(300)}) {
+          const bool transpose_a = (combination & 1) != 0, transpose_b = (combination & 2) != 0;
+          SCOPED_TRACE(std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) +
+                       (transpose_a ? " At" : " A") + (transpose_b ? " Bt" : " B"));
+          const Stored a = transpose_a ? random_stored(k, m, 3, rng) : random_stored(m, k, 3, rng);
+          const Stored b = transpose_b ? random_stored(n, k, 5, rng) : random_stored(k, n, 5, rng);
+          const std::vector<float> bias = [&] {
+            std::vector<float> values(
+                static_cast<std::size_t>(n));  // exactly n: ASan sees a read past it
+            std::uniform_real_distribution<float> value(-1.0f, 1.0f);
+            for (float& v : values) v = value(rng);
+            return values;
+          }();
+          sdmha::RowMatrix<float> fused(m, n + 2), onto(m, n);
+          fused.setConstant(kPadding);
+          for (Index i = 0; i < m; ++i) std::copy(bias.begin(), bias.end(), onto.row(i).data());
+          std::vector<std::byte> scratch(gemm_avx512_workspace_size(m, n, k) + 64);
+          const sdmha::StageScratch view{scratch.data(), scratch.size()};
+          gemm_avx512(operand(a, transpose_a), operand(b, transpose_b),
+                      sdmha::MatrixRef<float>(fused.leftCols(n)), 0.75f, false, view, bias.data());
+          gemm_avx512(operand(a, transpose_a), operand(b, transpose_b),
+                      sdmha::MatrixRef<float>(onto), 0.75f, true, view);
+          const sdmha::RowMatrix<float> got = fused.leftCols(n);
+          EXPECT_EQ(std::memcmp(got.data(), onto.data(), sizeof(float) * std::size_t(m * n)), 0);
+          EXPECT_TRUE((fused.rightCols(2).array() == kPadding).all());
+          if (HasFailure()) return;
+        }
+}
+
 // Without enough scratch (none, or one byte short) it packs into memory of its own: same bits. A
 // scratch that is not 64-byte aligned works too (the engine only uses unaligned loads and stores).
 TEST(GemmEngine, TooLittleOrMisalignedScratchGivesTheSameResult) {
@@ -283,7 +321,31 @@ TEST(GemmEngine, PacksIntoTheGivenScratch) {
   EXPECT_LT(zero, Index(scratch.size()) / 2);
 }
 
-#else
+#endif
+
+// Eigen's path (double; and float without AVX-512) takes a column bias too: C = bias in every
+// row, then the product accumulated onto it.
+TEST(GemmEngine, ColumnBiasOnEigensPath) {
+  std::mt19937 rng(13);
+  std::uniform_real_distribution<double> value(-1.0, 1.0);
+  const Index m = 37, n = 21, k = 300;
+  sdmha::RowMatrix<double> a(m, k), b(k, n), c(m, n);
+  Eigen::RowVectorXd bias(n);
+  const auto fill = [&](auto& x) {
+    for (Index i = 0; i < x.size(); ++i) x.data()[i] = value(rng);
+  };
+  fill(a);
+  fill(b);
+  fill(bias);
+  c.setConstant(std::numeric_limits<double>::quiet_NaN());  // write-only
+  sdmha::detail::gemm<double>(sdmha::detail::as_operand<double>(a),
+                              sdmha::detail::as_operand<double>(b), sdmha::MatrixRef<double>(c),
+                              0.5, false, {}, bias.data());
+  const sdmha::RowMatrix<double> expected = (0.5 * a * b).rowwise() + bias;
+  EXPECT_LE((c - expected).cwiseAbs().maxCoeff(), 1e-12);
+}
+
+#if !defined(__AVX512F__)
 
 TEST(GemmEngine, NeedsAvx512) {
   GTEST_SKIP() << "sdmha/detail/gemm_avx512.hpp is compiled only with AVX-512F (e.g. -march=native "

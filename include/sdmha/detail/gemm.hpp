@@ -1,9 +1,10 @@
 // sdmha/detail/gemm.hpp — C (+)= α·A·B through Eigen's own GEMM, packing into the caller's scratch.
 //
-//   math:  C = α·op(A)·op(B) (+ C when accumulating), op = identity or transpose of a row-major
-//   view pre:   shapes agree (checked by the calling stage's can_implement); C does not alias A or
-//   B cost:  2·m·n·k flops in Eigen 3.4's blocked GEMM (gebp), the same kernel `C.noalias() = A*B`
-//   runs
+//   math:  C = α·op(A)·op(B) (+ C when accumulating, + 1·bᵀ given a column bias b), op =
+//          identity or transpose of a row-major view
+//   pre:   shapes agree (checked by the calling stage's can_implement); C aliases neither A nor B
+//   cost:  2·m·n·k flops in Eigen 3.4's blocked GEMM (gebp), the kernel `C.noalias() = A*B` runs
+//          (float with AVX-512: our own engine, gemm_avx512.hpp)
 //
 // Why not `C.noalias() = A * B`: for every product larger than a few dozen entries Eigen packs
 // A and B into blocks of kc×mc and kc×nc scalars, and places them on the heap whenever they exceed
@@ -132,19 +133,27 @@ void gemm_with_blocking(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>&
 // On a CPU built for with AVX-512F, float products go to our own engine (gemm_avx512.hpp: 88–93 %
 // of one core's FMA peak on the layer's shapes where Eigen's reaches about 60 %); double products,
 // and every product elsewhere, to Eigen's.
+// `column_bias` (n scalars, only when not accumulating) is added to every row of C: C = α·A·B +
+// 1·biasᵀ, bitwise as if C held the bias and the product were accumulated onto it (which is what
+// Eigen's path does; the AVX-512 engine adds it in its first stores instead of a pass over C).
 template <typename Scalar>
 void gemm(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>& b, MatrixRef<Scalar> c,
-          Scalar alpha, bool accumulate, StageScratch scratch) {
+          Scalar alpha, bool accumulate, StageScratch scratch,
+          const Scalar* column_bias = nullptr) {
   SDMHA_ASSERT(a.rows == c.rows() && b.cols == c.cols() && a.cols == b.rows);
+  SDMHA_ASSERT(column_bias == nullptr || !accumulate);
 #if defined(__AVX512F__)
   if constexpr (std::is_same<Scalar, float>::value) {
-    gemm_avx512(a, b, c, alpha, accumulate, scratch);
+    gemm_avx512(a, b, c, alpha, accumulate, scratch, column_bias);
     return;
   }
 #endif
   const Index m = c.rows(), n = c.cols(), k = a.cols;
   if (m == 0 || n == 0) return;
-  if (!accumulate) c.setZero();
+  if (column_bias != nullptr)
+    c.rowwise() = Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(column_bias, n);
+  else if (!accumulate)
+    c.setZero();
   if (k == 0) return;
   const GemmBlockSizes sizes = gemm_block_sizes<Scalar>(m, n, k);
   ScratchCarver carver(scratch);

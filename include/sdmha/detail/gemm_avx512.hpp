@@ -1,7 +1,8 @@
 // sdmha/detail/gemm_avx512.hpp — a register-blocked AVX-512 GEMM for float, packing into the
 // caller's scratch: the engine for detail::gemm<float> on CPUs with AVX-512F.
 //
-//   math:  C = α·op(A)·op(B) (+ C when accumulating), op(X) = X or Xᵀ of a row-major view
+//   math:  C = α·op(A)·op(B) (+ C when accumulating, + 1·bᵀ given a column bias b), op(X) = X or
+//          Xᵀ of a row-major view
 //   pre:   shapes agree; C (m × n, row-major, stride ≥ n) aliases neither A nor B; scratch of
 //          gemm_avx512_workspace_size(m, n, k) bytes (less: same result, in memory of its own)
 //   cost:  2·m·n·k flops in 14×32 or 6×64 micro-tiles, + one copy of A per depth block (none
@@ -270,8 +271,8 @@ struct Accumulators {
 // prefetches a line of each walk (the sources of the next panel of B and next block of A) to L2.
 template <int MR, int NV, ALayout L>
 void micro_kernel(Index depth, const float* a, Index lda, const float* b, Index ldb, float* c,
-                  Index ldc, float alpha, bool add, __mmask16 last, PrefetchWalk& next_b,
-                  PrefetchWalk& next_a) {
+                  Index ldc, float alpha, bool add, const float* bias, __mmask16 last,
+                  PrefetchWalk& next_b, PrefetchWalk& next_a) {
   // The tile of C is needed after the depth loop: start bringing it in now (for writing).
   const float* c_row = c;
 #pragma GCC unroll 1
@@ -331,6 +332,19 @@ void micro_kernel(Index depth, const float* a, Index lda, const float* b, Index 
         _mm512_mask_storeu_ps(
             row, mask, _mm512_fmadd_ps(t.acc[i][v], scale, _mm512_maskz_loadu_ps(mask, row)));
       }
+  } else if (bias != nullptr) {  // the same FMA as onto a C that holds the bias in every row
+    __m512 bias_vector[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      bias_vector[v] = _mm512_maskz_loadu_ps(v == NV - 1 ? last : __mmask16(0xFFFF), bias + 16 * v);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        const __mmask16 mask = v == NV - 1 ? last : __mmask16(0xFFFF);
+        _mm512_mask_storeu_ps(c + i * ldc + 16 * v, mask,
+                              _mm512_fmadd_ps(t.acc[i][v], scale, bias_vector[v]));
+      }
   } else {
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
@@ -343,7 +357,7 @@ void micro_kernel(Index depth, const float* a, Index lda, const float* b, Index 
 }
 
 using MicroKernel = void (*)(Index, const float*, Index, const float*, Index, float*, Index, float,
-                             bool, __mmask16, PrefetchWalk&, PrefetchWalk&);
+                             bool, const float*, __mmask16, PrefetchWalk&, PrefetchWalk&);
 
 template <ALayout L, int NV, int... Rows>
 constexpr std::array<MicroKernel, sizeof...(Rows)> kernel_row(std::integer_sequence<int, Rows...>) {
@@ -402,7 +416,8 @@ inline PrefetchWalk source_of_block(const View& a, Index i0, Index rows, Index p
 inline bool reads_a_in_place(const View& b, Index n) { return b.col_step == 1 && n <= kDirectNr; }
 
 inline void run(const View& a, const View& b, float* c, Index ldc, Index m, Index n, Index k,
-                float alpha, bool accumulate, float* block_a, float* block_b) {
+                float alpha, bool accumulate, const float* column_bias, float* block_a,
+                float* block_b) {
   const Index kc = depth_block(k), mc = row_block(m);
   const bool direct = reads_a_in_place(b, n), chunked_a = a.row_step != 1;
   const Index nr = direct ? kDirectNr : kNr, max_rows = direct ? kDirectMr : kMr;
@@ -442,6 +457,7 @@ inline void run(const View& a, const View& b, float* c, Index ldc, Index m, Inde
           panel_b = block_b;
           ldb = 16 * vectors;
         }
+        const float* bias = add || column_bias == nullptr ? nullptr : column_bias + jr;
         PrefetchWalk next_b;
         if (jr + nr < n)
           next_b = source_of_panel(b, pc, kb, jr + nr, n - jr - nr < nr ? n - jr - nr : nr);
@@ -453,19 +469,19 @@ inline void run(const View& a, const View& b, float* c, Index ldc, Index m, Inde
           if (direct && chunked_a)
             kDirectKernels<ALayout::kRows>[vectors - 1][h - 1](kb, a.at(ic + ir, pc), a.row_step,
                                                                panel_b, ldb, tile_c, ldc, alpha,
-                                                               add, last, next_b, next_a);
+                                                               add, bias, last, next_b, next_a);
           else if (direct)
             kDirectKernels<ALayout::kColumns>[vectors - 1][h - 1](kb, a.at(ic + ir, pc), a.col_step,
                                                                   panel_b, ldb, tile_c, ldc, alpha,
-                                                                  add, last, next_b, next_a);
+                                                                  add, bias, last, next_b, next_a);
           else if (chunked_a)
             kKernels<ALayout::kPackedChunks>[vectors - 1][h - 1](kb, block_a + ir * panel_a, 0,
                                                                  panel_b, ldb, tile_c, ldc, alpha,
-                                                                 add, last, next_b, next_a);
+                                                                 add, bias, last, next_b, next_a);
           else
             kKernels<ALayout::kPackedColumns>[vectors - 1][h - 1](kb, block_a + ir * panel_a, 0,
                                                                   panel_b, ldb, tile_c, ldc, alpha,
-                                                                  add, last, next_b, next_a);
+                                                                  add, bias, last, next_b, next_a);
           ir += h;
         }
       }
@@ -483,14 +499,21 @@ inline std::size_t gemm_avx512_workspace_size(Index m, Index n, Index k) {
 // C (m × n, row-major, any outer stride) = α·op(A)·op(B), or += when `accumulate`, packing in
 // `scratch` (at least gemm_avx512_workspace_size(m, n, k) bytes). With less, it packs into memory
 // of its own: the same result, with an allocation. Operand is detail::GemmOperand<float>.
+// `column_bias` (n floats, only when not accumulating) is added to every row of C, bitwise as if
+// C held it in every row and the product were accumulated onto it — in the first depth block's
+// stores, without a pass of its own over C.
 template <typename Operand>
 void gemm_avx512(const Operand& a, const Operand& b, MatrixRef<float> c, float alpha,
-                 bool accumulate, StageScratch scratch) {
+                 bool accumulate, StageScratch scratch, const float* column_bias = nullptr) {
   SDMHA_ASSERT(a.rows == c.rows() && b.cols == c.cols() && a.cols == b.rows);
+  SDMHA_ASSERT(column_bias == nullptr || !accumulate);
   const Index m = c.rows(), n = c.cols(), k = a.cols;
   if (m == 0 || n == 0) return;
   if (k == 0) {
-    if (!accumulate) c.setZero();
+    if (column_bias != nullptr)
+      c.rowwise() = Eigen::Map<const Eigen::Matrix<float, 1, Eigen::Dynamic>>(column_bias, n);
+    else if (!accumulate)
+      c.setZero();
     return;
   }
   const Index kc = avx512_gemm::depth_block(k);
@@ -510,7 +533,7 @@ void gemm_avx512(const Operand& a, const Operand& b, MatrixRef<float> c, float a
                         sizeof(float);
   }
   avx512_gemm::run(avx512_gemm::view_of(a), avx512_gemm::view_of(b), c.data(), c.outerStride(), m,
-                   n, k, alpha, accumulate, block_a, block_b);
+                   n, k, alpha, accumulate, column_bias, block_a, block_b);
 }
 
 #else

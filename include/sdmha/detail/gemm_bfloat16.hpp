@@ -1,7 +1,8 @@
 // sdmha/detail/gemm_bfloat16.hpp — C (+)= A·W with A rounded to bfloat16 on the fly and W a
 // bfloat16 kernel packed once in pairs of rows: the dense projections of the bfloat16 mode.
 //
-//   math:  C = bf16(A)·bf16(W) (+ C), each product exact, the sums in float32
+//   math:  C = bf16(A)·bf16(W) (+ C, or + 1·bᵀ given a column bias b), each product exact, the
+//          sums in float32
 //   pre:   A (m × k) float, row-major; W a BFloat16Kernel of a k × n float matrix; C (m × n,
 //          row-major) aliases neither; scratch of gemm_bfloat16_workspace_size(m, n, k) bytes
 //   cost:  m·n·k multiply-adds, 32 per vdpbf16ps (AVX512_BF16: twice float32's FMA rate), one
@@ -186,7 +187,7 @@ inline void pack_a(const float* a, Index lda, Index i0, Index rows, Index p0, In
 // at w + p·ldw; the last vector of each row of W and C goes under `last` (the n edge).
 template <int MR, int NV>
 void micro_kernel(Index pairs, const std::uint32_t* a, const std::uint32_t* w, Index ldw, float* c,
-                  Index ldc, bool add, __mmask16 last) {
+                  Index ldc, bool add, const float* bias, __mmask16 last) {
   const float* c_row = c;
 #pragma GCC unroll 1
   for (int i = 0; i < MR; ++i, c_row += ldc) {
@@ -221,14 +222,16 @@ void micro_kernel(Index pairs, const std::uint32_t* a, const std::uint32_t* w, I
     for (int v = 0; v < NV; ++v) {
       float* out = c + i * ldc + 16 * v;
       const __mmask16 mask = v == NV - 1 ? last : __mmask16(0xFFFF);
-      const __m512 sum =
-          add ? _mm512_add_ps(acc[i][v], _mm512_maskz_loadu_ps(mask, out)) : acc[i][v];
+      const __m512 sum = add ? _mm512_add_ps(acc[i][v], _mm512_maskz_loadu_ps(mask, out))
+                         : bias != nullptr
+                             ? _mm512_add_ps(acc[i][v], _mm512_maskz_loadu_ps(mask, bias + 16 * v))
+                             : acc[i][v];
       _mm512_mask_storeu_ps(out, mask, sum);
     }
 }
 
 using MicroKernel = void (*)(Index, const std::uint32_t*, const std::uint32_t*, Index, float*,
-                             Index, bool, __mmask16);
+                             Index, bool, const float*, __mmask16);
 
 template <int NV, int... Rows>
 constexpr std::array<MicroKernel, sizeof...(Rows)> kernel_row(std::integer_sequence<int, Rows...>) {
@@ -248,7 +251,8 @@ inline std::size_t workspace_bytes(Index m, Index k) {
 }
 
 inline void run(const float* a, Index lda, const std::uint32_t* w, Index ldw, float* c, Index ldc,
-                Index m, Index n, Index k, bool accumulate, std::uint32_t* block_a) {
+                Index m, Index n, Index k, bool accumulate, const float* column_bias,
+                std::uint32_t* block_a) {
   const Index kc = depth_block(k), mc = row_block(m);
   for (Index ic = 0; ic < m; ic += mc) {
     const Index mb = m - ic < mc ? m - ic : mc;
@@ -263,10 +267,11 @@ inline void run(const float* a, Index lda, const std::uint32_t* w, Index ldw, fl
         const Index width = n - jr < kNr ? n - jr : kNr;
         const Index vectors = (width + 15) / 16;
         const __mmask16 last = lanes(width - 16 * (vectors - 1));
+        const float* bias = add || column_bias == nullptr ? nullptr : column_bias + jr;
         for (Index t = 0, ir = 0; t < split.tiles; ++t) {
           const Index h = split.height(t);
           kKernels[vectors - 1][h - 1]((kb + 1) / 2, block_a + ir * row_pairs, w_block + jr, ldw,
-                                       c + (ic + ir) * ldc + jr, ldc, add, last);
+                                       c + (ic + ir) * ldc + jr, ldc, add, bias, last);
           ir += h;
         }
       }
@@ -291,11 +296,22 @@ inline std::size_t gemm_bfloat16_workspace_size(Index, Index, Index) { return 0;
 // C (m × n) = bf16(A)·W, or += when `accumulate`: vdpbf16ps where the build has AVX512_BF16,
 // the portable loop elsewhere. Packs A in `scratch` (at least gemm_bfloat16_workspace_size(m, n,
 // k) bytes; with less, in memory of its own: the same result, with an allocation).
+// `column_bias` (n floats, only when not accumulating) is added to every row of C, bitwise as if
+// C held it and the product were accumulated onto it, in the first depth block's stores.
 inline void gemm_bfloat16(const ConstMatrixRef<float>& a, const BFloat16Kernel& w,
-                          MatrixRef<float> c, bool accumulate, StageScratch scratch) {
+                          MatrixRef<float> c, bool accumulate, StageScratch scratch,
+                          const float* column_bias = nullptr) {
   SDMHA_ASSERT(a.rows() == c.rows() && a.cols() == w.rows() && w.cols() == c.cols());
+  SDMHA_ASSERT(column_bias == nullptr || !accumulate);
   const Index m = c.rows(), n = c.cols(), k = a.cols();
   if (m == 0 || n == 0) return;
+  if (column_bias != nullptr) {  // the portable path (and k = 0) accumulate onto it
+    if (k == 0 || !kHaveBFloat16Gemm) {
+      c.rowwise() = Eigen::Map<const Eigen::Matrix<float, 1, Eigen::Dynamic>>(column_bias, n);
+      accumulate = true;
+      column_bias = nullptr;
+    }
+  }
   if (k == 0) {
     if (!accumulate) c.setZero();
     return;
@@ -310,7 +326,7 @@ inline void gemm_bfloat16(const ConstMatrixRef<float>& a, const BFloat16Kernel& 
     block_a = own.get();
   }
   bf16_gemm::run(a.data(), a.outerStride(), w.pairs().data(), w.pairs().outerStride(), c.data(),
-                 c.outerStride(), m, n, k, accumulate, block_a);
+                 c.outerStride(), m, n, k, accumulate, column_bias, block_a);
 #else
   (void)scratch;
   gemm_bfloat16_portable(a, w, c, accumulate);

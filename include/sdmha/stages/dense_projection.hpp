@@ -91,19 +91,18 @@ struct DenseProjection {
                                args.kernel.rows());
   }
 
-  // The bias goes in first and the GEMM accumulates onto it: one pass over Y instead of two.
+  // The GEMM adds the bias in its first stores to Y: no pass of its own over Y.
   void operator()(const Arguments& args) const {
-    const bool has_bias = args.bias.size() != 0;
-    if (has_bias) args.output.rowwise() = args.bias.transpose();
+    const Scalar* bias = args.bias.size() != 0 ? args.bias.data() : nullptr;
     if constexpr (std::is_same<Scalar, float>::value)
       if (args.kernel_bfloat16 != nullptr) {
-        detail::gemm_bfloat16(args.input, *args.kernel_bfloat16, args.output, has_bias,
-                              args.workspace);
+        detail::gemm_bfloat16(args.input, *args.kernel_bfloat16, args.output, false, args.workspace,
+                              bias);
         return;
       }
     detail::gemm<Scalar>(detail::as_operand<Scalar>(args.input),
-                         detail::as_operand<Scalar>(args.kernel), args.output, Scalar(1), has_bias,
-                         args.workspace);
+                         detail::as_operand<Scalar>(args.kernel), args.output, Scalar(1), false,
+                         args.workspace, bias);
   }
 
   void backward(const KernelGradientArguments& args) const {
