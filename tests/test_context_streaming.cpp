@@ -15,6 +15,7 @@ namespace {
 using namespace sdmha_test;
 using sdmha::detail::ContextStreaming;
 using sdmha::detail::ContextStreamingHook;
+using sdmha::detail::kForwardQueryTile;
 using sdmha::detail::kKeyTile;
 
 template <typename T>
@@ -27,11 +28,11 @@ class ContextStreamingTest : public ::testing::Test {};
 TYPED_TEST_SUITE(ContextStreamingTest, ScalarTypes, );
 
 // Three whole key tiles and a ragged tail; two query tiles per (b, h) under a causal mask (one
-// otherwise).
-Shape streamed_shape() {
+// otherwise) at the default `steps`; past kForwardQueryTile, several either way.
+Shape streamed_shape(Index steps = 70) {
   Shape s;
   s.batch = 2;
-  s.steps = 70;
+  s.steps = steps;
   s.key_steps = 3 * kKeyTile + 37;
   s.query_dim = 24;
   s.key_in_dim = 10;
@@ -121,40 +122,44 @@ void apply_variant(int variant, const Shape& s, sdmha::AttentionOptions<Scalar>&
 
 constexpr int kVariants = 6;
 
-// Every variant, 1 and 2 threads, chunks of 1 and 2 key tiles: the sparse layer streamed equals
+// Every variant, 1 and 2 threads, chunks of 1 and 2 key tiles, one query tile or several (each
+// carrying its rows' online-softmax state from chunk to chunk): the sparse layer streamed equals
 // the sparse layer unstreamed, bit for bit.
 TYPED_TEST(ContextStreamingTest, SparseLayerStreamedEqualsUnstreamedBitwise) {
   using Scalar = TypeParam;
-  Shape shape = streamed_shape();
-  shape.random_mask = true;
-  shape.key_padding = true;
-  const auto c = make_case<Scalar>(shape, 21);
-  const sdmha::SparseDenseMHA<Scalar> whole(c.config, c.weights);
-  for (long tiles : {1L, 2L}) {
-    sdmha::SparseDenseMHA<Scalar> streamed(c.config, c.weights);
-    ContextStreamingHook::set(streamed, chunks_of<Scalar>(shape, tiles));
-    for (int variant = 0; variant < kVariants; ++variant) {
-      std::mt19937_64 generator(100 + variant);
-      VariantOptions<Scalar> owned;
-      auto options = c.options;
-      options.score_strategy = sdmha::ScoreStrategy::project_first;
-      apply_variant(variant, shape, options, owned, generator);
-      for (int threads : {1, 2}) {
-        SCOPED_TRACE(::testing::Message() << "variant " << variant << ", chunks of " << tiles
-                                          << " key tiles, " << threads << " threads");
-        options.num_threads = threads;
-        const auto expected = whole.forward(c.query(), c.key, c.value, options);
-        const auto got = streamed.forward(c.query(), c.key, c.value, options);
-        EXPECT_TRUE(bitwise_equal(got.output, expected.output));
-        EXPECT_EQ(got.dropout_seed, expected.dropout_seed);
+  for (Index steps : {Index(70), kForwardQueryTile + 44})
+    for (long tiles : {1L, 2L}) {
+      Shape shape = streamed_shape(steps);
+      shape.random_mask = true;
+      shape.key_padding = true;
+      const auto c = make_case<Scalar>(shape, 21);
+      const sdmha::SparseDenseMHA<Scalar> whole(c.config, c.weights);
+      sdmha::SparseDenseMHA<Scalar> streamed(c.config, c.weights);
+      ContextStreamingHook::set(streamed, chunks_of<Scalar>(shape, tiles));
+      for (int variant = 0; variant < kVariants; ++variant) {
+        std::mt19937_64 generator(100 + variant);
+        VariantOptions<Scalar> owned;
+        auto options = c.options;
+        options.score_strategy = sdmha::ScoreStrategy::project_first;
+        apply_variant(variant, shape, options, owned, generator);
+        for (int threads : {1, 2}) {
+          SCOPED_TRACE(::testing::Message()
+                       << "T = " << steps << ", variant " << variant << ", chunks of " << tiles
+                       << " key tiles, " << threads << " threads");
+          options.num_threads = threads;
+          const auto expected = whole.forward(c.query(), c.key, c.value, options);
+          const auto got = streamed.forward(c.query(), c.key, c.value, options);
+          EXPECT_TRUE(bitwise_equal(got.output, expected.output));
+          EXPECT_EQ(got.dropout_seed, expected.dropout_seed);
+        }
       }
     }
-  }
 }
 
+// The dense layer likewise, over several query tiles.
 TYPED_TEST(ContextStreamingTest, DenseLayerStreamedEqualsUnstreamedBitwise) {
   using Scalar = TypeParam;
-  Shape shape = streamed_shape();
+  Shape shape = streamed_shape(kForwardQueryTile + 44);
   shape.key_padding = true;
   const auto c = make_case<Scalar>(shape, 22);
   const sdmha::DenseMHA<Scalar> whole(c.config, c.weights);
