@@ -539,16 +539,20 @@ struct Case {
   std::string name() const { return stage + "/" + variant; }
 };
 
-// Every case of one problem at one thread count, in the order of case_names(). The regrouped
-// cases are left out where regrouped_is_timed() says they would cost more than the dense layer.
-std::vector<Case> make_cases(Problem& p, int threads) {
+sdmha::AttentionOptions<float> options_for(int threads, sdmha::ScoreStrategy strategy) {
+  sdmha::AttentionOptions<float> result;
+  result.num_threads = threads;
+  result.score_strategy = strategy;
+  return result;
+}
+
+// The whole layer's forward cases, in the order of case_names(). "dense" is what a user without
+// sdmha runs: densify, then the dense layer.
+void add_forward_cases(std::vector<Case>& cases, Problem& p, int threads) {
   const FlopCounts& f = p.flops;
   const double csr = csr_bytes(p.query), dense = dense_query_bytes(p.shape);
   auto options = [threads](sdmha::ScoreStrategy strategy) {
-    sdmha::AttentionOptions<float> result;
-    result.num_threads = threads;
-    result.score_strategy = strategy;
-    return result;
+    return options_for(threads, strategy);
   };
   auto check_forward = [&p] {
     return compare("forward output", as_matrix(p.forward_result.output), p.output);
@@ -559,10 +563,6 @@ std::vector<Case> make_cases(Problem& p, int threads) {
       p.forward_result = sdmha::AttentionResult<float>();
     };
   };
-  const bool regrouped = regrouped_is_timed(p.shape, p.density);
-  std::vector<Case> cases;
-
-  // The whole layer. "dense" is what a user without sdmha runs: densify, then the dense layer.
   cases.push_back({"forward", "sparse", f.sparse_total(), csr, 0, 0, fresh(p.sparse_workspace),
                    [&p, o = options(sdmha::ScoreStrategy::project_first)] {
                      p.sparse_layer.forward(p.query, p.key, p.value, o, p.sparse_workspace,
@@ -580,7 +580,7 @@ std::vector<Case> make_cases(Problem& p, int threads) {
                      p.forward_result = p.sparse_layer.forward(p.query, p.key, p.value, o);
                    },
                    check_forward});
-  if (regrouped)
+  if (regrouped_is_timed(p.shape, p.density))
     cases.push_back({"forward", "sparse_regrouped", f.sparse_total(), csr, 0, 0,
                      fresh(p.regrouped_workspace),
                      [&p, o = options(sdmha::ScoreStrategy::sparse_regrouped)] {
@@ -605,8 +605,14 @@ std::vector<Case> make_cases(Problem& p, int threads) {
                                            p.dense_workspace, p.forward_result);
                    },
                    check_forward});
-  // The training pass (it recomputes the forward it needs). Checked by an identity of the
-  // gradients: ∂loss/∂bo = Σ over rows of ∂loss/∂Y, and everything finite.
+}
+
+// The training pass (it recomputes the forward it needs), with and without the forward's
+// ProjectedContext. Checked by an identity of the gradients: ∂loss/∂bo = Σ over rows of ∂loss/∂Y,
+// and everything finite.
+void add_backward_cases(std::vector<Case>& cases, Problem& p, int threads) {
+  const double csr = csr_bytes(p.query);
+  const sdmha::AttentionOptions<float> o = options_for(threads, sdmha::ScoreStrategy::automatic);
   auto check_backward = [&p] {
     const auto& g = p.gradients;
     if (!g.query_kernel.allFinite() || !g.key_kernel.allFinite() || !g.value_kernel.allFinite() ||
@@ -620,7 +626,7 @@ std::vector<Case> make_cases(Problem& p, int threads) {
     p.gradients = sdmha::MhaGradients<float>();
   };
   cases.push_back({"backward", "sparse", 0, csr, 0, 0, fresh_backward,
-                   [&p, o = options(sdmha::ScoreStrategy::automatic)] {
+                   [&p, o] {
                      p.sparse_layer.backward(p.query, p.key, p.value, p.d_output, o,
                                              p.backward_workspace, p.gradients);
                    },
@@ -632,13 +638,19 @@ std::vector<Case> make_cases(Problem& p, int threads) {
                      p.saved_context = p.sparse_layer.project_context(p.key, p.value, threads);
                      fresh_backward();
                    },
-                   [&p, o = options(sdmha::ScoreStrategy::automatic)] {
+                   [&p, o] {
                      p.sparse_layer.backward(p.query, p.key, p.value, p.saved_context, p.d_output,
                                              o, p.backward_workspace, p.gradients);
                    },
                    check_backward});
+}
 
-  // Stage by stage, each walking the layer's own plan at this thread count (LayerPlan).
+// Stage by stage, each walking the layer's own plan at this thread count (LayerPlan), and the
+// plain Eigen GEMMs beside them.
+void add_stage_cases(std::vector<Case>& cases, Problem& p, int threads) {
+  const FlopCounts& f = p.flops;
+  const double csr = csr_bytes(p.query), dense = dense_query_bytes(p.shape);
+  const bool regrouped = regrouped_is_timed(p.shape, p.density);
   StagePlans& plans = p.plans(threads);
   LayerPlan* plan = plans.project_first.get();
   LayerPlan* regrouped_plan = plans.regrouped.get();
@@ -709,6 +721,15 @@ std::vector<Case> make_cases(Problem& p, int threads) {
   cases.push_back({"gemm", "eigen_attend_size", f.attend_values, 0, 0, 0, nullptr,
                    [&p, plan] { plain_attend_gemms(p, *plan, p.heads_out); },
                    [&p] { return compare("plain attend GEMMs", p.heads_out, p.heads); }});
+}
+
+// Every case of one problem at one thread count, in the order of case_names(). The regrouped
+// cases are left out where regrouped_is_timed() says they would cost more than the dense layer.
+std::vector<Case> make_cases(Problem& p, int threads) {
+  std::vector<Case> cases;
+  add_forward_cases(cases, p, threads);
+  add_backward_cases(cases, p, threads);
+  add_stage_cases(cases, p, threads);
   return cases;
 }
 
@@ -1037,6 +1058,53 @@ std::string megabytes(std::int64_t bytes) {
 // A time in ms, or "-" for a case that was not run.
 std::string milliseconds_text(double ms) { return std::isnan(ms) ? "-" : format("%.2f", ms); }
 
+// The stages alone: time (and GFLOP/s) of each, walking the layer's own plan of a forward call.
+void print_stage_table(std::ostream& out, const std::vector<ConfigResult>& results) {
+  char line[512];
+  out << "\nstages alone, ms (GFLOP/s), each walking the layer's own plan of a forward call:\n";
+  const char* stage_header =
+      "%-5s %7s %3s | %8s %14s %14s %14s | %14s %14s %14s | %7s %14s %14s | %14s %14s %14s\n";
+  std::snprintf(line, sizeof line, stage_header, "work", "density", "thr", "densify",
+                "q-proj sparse", "q-proj dense", "q-proj eigen", "k+v proj", "scores",
+                "scores regroup", "softmax", "attend values", "out proj", "GEMM k-proj",
+                "GEMM scores", "GEMM attend");
+  out << line;
+  for (const ConfigResult& r : results) {
+    auto cell = [&](const char* name) {
+      const double ms = r.ms(name);
+      const CaseResult* c = r.find(name);
+      if (std::isnan(ms) || c->flops <= 0) return milliseconds_text(ms);
+      char text[64];
+      std::snprintf(text, sizeof text, "%.2f (%.0f)", ms, c->flops / ms * 1e-6);
+      return std::string(text);
+    };
+    std::snprintf(
+        line, sizeof line, stage_header, r.shape.name.c_str(), format("%g", r.density).c_str(),
+        std::to_string(r.threads).c_str(), cell("densify/dense").c_str(),
+        cell("query_projection/sparse").c_str(), cell("query_projection/dense").c_str(),
+        cell("query_projection/eigen_csr").c_str(), cell("key_value_projection/shared").c_str(),
+        cell("scores/shared").c_str(), cell("scores/sparse_regrouped").c_str(),
+        cell("softmax/shared").c_str(), cell("attend_values/shared").c_str(),
+        cell("output_projection/shared").c_str(), cell("gemm/eigen").c_str(),
+        cell("gemm/eigen_scores_size").c_str(), cell("gemm/eigen_attend_size").c_str());
+    out << line;
+  }
+  out << "(scores regroup includes the query projection, which it replaces; softmax and densify do "
+         "no\n"
+         "counted FLOPs; k+v, scores, softmax, attend values and out proj are the same code for "
+         "both\n"
+         "paths. GEMM k-proj = one plain Eigen `C.noalias() = A * B` of the key projection's size "
+         "on one\n"
+         "thread; GEMM scores / attend = plain Eigen products of the score and attend stages' tile "
+         "sizes,\n"
+         "tile by tile: the yardsticks of the dense stages' GFLOP/s. Scores, softmax and attend "
+         "values\n"
+         "walk the plan forward makes when it returns the scores, probabilities stored; where S > "
+         "kKeyTile\n"
+         "(long) forward itself runs an online softmax over key tiles instead, timed only "
+         "whole.)\n";
+}
+
 void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
                    const Machine& machine, const AllocationCheck& allocation, int repetitions,
                    bool quick, const std::string& load_before, const std::string& load_after) {
@@ -1123,49 +1191,7 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
          "it recomputes the forward, K and V included); bwd ctx = the same given the\n"
          "ProjectedContext that the training step's forward made (only Q, P and A are\n"
          "recomputed); bwd/fwd and ctx/fwd = those / sparse.\n";
-
-  out << "\nstages alone, ms (GFLOP/s), each walking the layer's own plan of a forward call:\n";
-  const char* stage_header =
-      "%-5s %7s %3s | %8s %14s %14s %14s | %14s %14s %14s | %7s %14s %14s | %14s %14s %14s\n";
-  std::snprintf(line, sizeof line, stage_header, "work", "density", "thr", "densify",
-                "q-proj sparse", "q-proj dense", "q-proj eigen", "k+v proj", "scores",
-                "scores regroup", "softmax", "attend values", "out proj", "GEMM k-proj",
-                "GEMM scores", "GEMM attend");
-  out << line;
-  for (const ConfigResult& r : results) {
-    auto cell = [&](const char* name) {
-      const double ms = r.ms(name);
-      const CaseResult* c = r.find(name);
-      if (std::isnan(ms) || c->flops <= 0) return milliseconds_text(ms);
-      char text[64];
-      std::snprintf(text, sizeof text, "%.2f (%.0f)", ms, c->flops / ms * 1e-6);
-      return std::string(text);
-    };
-    std::snprintf(
-        line, sizeof line, stage_header, r.shape.name.c_str(), format("%g", r.density).c_str(),
-        std::to_string(r.threads).c_str(), cell("densify/dense").c_str(),
-        cell("query_projection/sparse").c_str(), cell("query_projection/dense").c_str(),
-        cell("query_projection/eigen_csr").c_str(), cell("key_value_projection/shared").c_str(),
-        cell("scores/shared").c_str(), cell("scores/sparse_regrouped").c_str(),
-        cell("softmax/shared").c_str(), cell("attend_values/shared").c_str(),
-        cell("output_projection/shared").c_str(), cell("gemm/eigen").c_str(),
-        cell("gemm/eigen_scores_size").c_str(), cell("gemm/eigen_attend_size").c_str());
-    out << line;
-  }
-  out << "(scores regroup includes the query projection, which it replaces; softmax and densify do "
-         "no\n"
-         "counted FLOPs; k+v, scores, softmax, attend values and out proj are the same code for "
-         "both\n"
-         "paths. GEMM k-proj = one plain Eigen `C.noalias() = A * B` of the key projection's size "
-         "on one\n"
-         "thread; GEMM scores / attend = plain Eigen products of the score and attend stages' tile "
-         "sizes,\n"
-         "tile by tile: the yardsticks of the dense stages' GFLOP/s. Scores, softmax and attend "
-         "values\n"
-         "walk the plan forward makes when it returns the scores, probabilities stored; where S > "
-         "kKeyTile\n"
-         "(long) forward itself runs an online softmax over key tiles instead, timed only "
-         "whole.)\n";
+  print_stage_table(out, results);
 }
 
 std::string json_string(const std::string& text) {
@@ -1184,6 +1210,31 @@ std::string json_number(double value) {
   text.precision(10);
   text << value;
   return text.str();
+}
+
+// One run's stage times per path; the shared stages are timed once and listed on every path.
+void write_json_stages(std::ostream& out, const ConfigResult& r) {
+  auto ms = [&](const char* name) { return json_number(r.ms(name)); };
+  out << "     \"stages_ms\": {\n"
+      << "       \"sparse\": {\"query_projection\": " << ms("query_projection/sparse")
+      << ", \"key_value_projection\": " << ms("key_value_projection/shared")
+      << ", \"scores\": " << ms("scores/shared") << ", \"softmax\": " << ms("softmax/shared")
+      << ", \"attend_values\": " << ms("attend_values/shared")
+      << ", \"output_projection\": " << ms("output_projection/shared") << "},\n"
+      << "       \"sparse_regrouped\": {\"scores_with_query_projection\": "
+      << ms("scores/sparse_regrouped")
+      << ", \"key_value_projection\": " << ms("key_value_projection/shared")
+      << ", \"softmax\": " << ms("softmax/shared")
+      << ", \"attend_values\": " << ms("attend_values/shared")
+      << ", \"output_projection\": " << ms("output_projection/shared") << "},\n"
+      << "       \"dense\": {\"densify\": " << ms("densify/dense")
+      << ", \"query_projection\": " << ms("query_projection/dense")
+      << ", \"key_value_projection\": " << ms("key_value_projection/shared")
+      << ", \"scores\": " << ms("scores/shared") << ", \"softmax\": " << ms("softmax/shared")
+      << ", \"attend_values\": " << ms("attend_values/shared")
+      << ", \"output_projection\": " << ms("output_projection/shared") << "},\n"
+      << "       \"reference\": {\"eigen_csr_query_projection\": "
+      << ms("query_projection/eigen_csr") << "}},\n";
 }
 
 void write_json(const std::string& path, const std::vector<ConfigResult>& results,
@@ -1235,27 +1286,7 @@ void write_json(const std::string& path, const std::vector<ConfigResult>& result
         << ", \"steady_state_allocations_per_call\": " << r.steady_allocations("forward/sparse")
         << ", \"steady_state_allocations_per_backward_call\": " << r.steady_backward_allocations()
         << ",\n";
-    // Stage times per path; the shared stages are timed once and listed on every path.
-    out << "     \"stages_ms\": {\n"
-        << "       \"sparse\": {\"query_projection\": " << ms("query_projection/sparse")
-        << ", \"key_value_projection\": " << ms("key_value_projection/shared")
-        << ", \"scores\": " << ms("scores/shared") << ", \"softmax\": " << ms("softmax/shared")
-        << ", \"attend_values\": " << ms("attend_values/shared")
-        << ", \"output_projection\": " << ms("output_projection/shared") << "},\n"
-        << "       \"sparse_regrouped\": {\"scores_with_query_projection\": "
-        << ms("scores/sparse_regrouped")
-        << ", \"key_value_projection\": " << ms("key_value_projection/shared")
-        << ", \"softmax\": " << ms("softmax/shared")
-        << ", \"attend_values\": " << ms("attend_values/shared")
-        << ", \"output_projection\": " << ms("output_projection/shared") << "},\n"
-        << "       \"dense\": {\"densify\": " << ms("densify/dense")
-        << ", \"query_projection\": " << ms("query_projection/dense")
-        << ", \"key_value_projection\": " << ms("key_value_projection/shared")
-        << ", \"scores\": " << ms("scores/shared") << ", \"softmax\": " << ms("softmax/shared")
-        << ", \"attend_values\": " << ms("attend_values/shared")
-        << ", \"output_projection\": " << ms("output_projection/shared") << "},\n"
-        << "       \"reference\": {\"eigen_csr_query_projection\": "
-        << ms("query_projection/eigen_csr") << "}},\n";
+    write_json_stages(out, r);
     auto peak = [&](const char* name) {
       const std::int64_t bytes = r.peak_bytes(name);
       return bytes < 0 ? std::string("null") : std::to_string(bytes);

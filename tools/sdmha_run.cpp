@@ -122,6 +122,34 @@ long long parse_integer(const std::string& flag, const std::string& text, long l
   return value;
 }
 
+// The paths a run needs (all given, none empty) and what they may be: --out a safetensors file,
+// not one of the inputs.
+void check_paths(const Arguments& arguments, const std::vector<std::string>& seen) {
+  for (const auto& [flag, path] :
+       {std::pair<const char*, const std::string*>{"--weights", &arguments.weights_path},
+        {"--inputs", &arguments.inputs_path},
+        {"--out", &arguments.output_path}}) {
+    if (std::find(seen.begin(), seen.end(), flag) == seen.end()) {
+      throw UsageError(std::string("missing ") + flag + " (see --help)");
+    }
+    if (path->empty()) throw UsageError(std::string(flag) + " is an empty path");
+  }
+  if (ends_with_ignoring_case(arguments.output_path, ".npy") ||
+      ends_with_ignoring_case(arguments.output_path, ".npz")) {
+    throw UsageError(
+        "--out '" + arguments.output_path +
+        "': sdmha-run writes safetensors only; expected a path not ending in .npy or .npz");
+  }
+  // The writer replaces --out atomically, which would replace an input file after reading it.
+  for (const std::string* input : {&arguments.weights_path, &arguments.inputs_path}) {
+    std::error_code error;
+    if (std::filesystem::equivalent(arguments.output_path, *input, error) && !error) {
+      throw UsageError("--out '" + arguments.output_path + "' is the input file '" + *input +
+                       "'; expected a new path");
+    }
+  }
+}
+
 Arguments parse_arguments(int argc, char** argv) {
   Arguments arguments;
   std::vector<std::string> seen;
@@ -194,31 +222,7 @@ Arguments parse_arguments(int argc, char** argv) {
     }
   }
   arguments.layer_options.use_causal_mask = causal;
-  if (arguments.help) return arguments;
-
-  for (const auto& [flag, path] :
-       {std::pair<const char*, const std::string*>{"--weights", &arguments.weights_path},
-        {"--inputs", &arguments.inputs_path},
-        {"--out", &arguments.output_path}}) {
-    if (std::find(seen.begin(), seen.end(), flag) == seen.end()) {
-      throw UsageError(std::string("missing ") + flag + " (see --help)");
-    }
-    if (path->empty()) throw UsageError(std::string(flag) + " is an empty path");
-  }
-  if (ends_with_ignoring_case(arguments.output_path, ".npy") ||
-      ends_with_ignoring_case(arguments.output_path, ".npz")) {
-    throw UsageError(
-        "--out '" + arguments.output_path +
-        "': sdmha-run writes safetensors only; expected a path not ending in .npy or .npz");
-  }
-  // The writer replaces --out atomically, which would replace an input file after reading it.
-  for (const std::string* input : {&arguments.weights_path, &arguments.inputs_path}) {
-    std::error_code error;
-    if (std::filesystem::equivalent(arguments.output_path, *input, error) && !error) {
-      throw UsageError("--out '" + arguments.output_path + "' is the input file '" + *input +
-                       "'; expected a new path");
-    }
-  }
+  if (!arguments.help) check_paths(arguments, seen);
   return arguments;
 }
 
