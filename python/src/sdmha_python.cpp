@@ -694,10 +694,9 @@ std::shared_ptr<PyLayer<Scalar>> make_layer(Index num_heads, Index key_dim, Inde
   return std::make_shared<PyLayer<Scalar>>(config, std::move(weights));
 }
 
+// Workspace_<dtype> and Context_<dtype>: the per-call memory and the projected K and V.
 template <typename Scalar>
-void bind_dtype(py::module_& m) {
-  const std::string suffix = std::string("_") + dtype_name<Scalar>();
-
+void bind_workspace_and_context(py::module_& m, const std::string& suffix) {
   py::class_<sdmha::Workspace<Scalar>>(
       m, ("Workspace" + suffix).c_str(),
       "Per-call memory and worker threads kept between calls (sdmha::Workspace). "
@@ -719,7 +718,11 @@ void bind_dtype(py::module_& m) {
                              [](const sdmha::ProjectedContext<Scalar>& c) { return c.key_steps; })
       .def_property_readonly(
           "dtype", [](const sdmha::ProjectedContext<Scalar>&) { return dtype_name<Scalar>(); });
+}
 
+// SparseQuery_<dtype>: the sparse query from CSR or COO arrays.
+template <typename Scalar>
+void bind_query(py::module_& m, const std::string& suffix) {
   py::class_<PyQuery<Scalar>, std::shared_ptr<PyQuery<Scalar>>>(
       m, ("SparseQuery" + suffix).c_str(),
       "The sparse query (B, T, Eq) as B*T CSR rows (sdmha::SparseQuery)")
@@ -754,7 +757,11 @@ void bind_dtype(py::module_& m) {
         return view<Scalar>(dense->data(), {q.query.batch(), q.query.steps(), q.query.features()},
                             owner_of(dense));
       });
+}
 
+// Layer_<dtype>: sdmha::SparseDenseMHA on NumPy arrays.
+template <typename Scalar>
+void bind_layer(py::module_& m, const std::string& suffix) {
   using L = PyLayer<Scalar>;
   py::class_<L, std::shared_ptr<L>>(
       m, ("Layer" + suffix).c_str(),
@@ -838,6 +845,15 @@ void bind_dtype(py::module_& m) {
           },
           py::arg("query"), py::arg("key_steps"), py::arg("use_causal_mask") = false,
           py::arg("requested") = "automatic", "the score strategy a call would use");
+}
+
+// Every class of one dtype, named with its suffix (Layer_float32, ...).
+template <typename Scalar>
+void bind_dtype(py::module_& m) {
+  const std::string suffix = std::string("_") + dtype_name<Scalar>();
+  bind_workspace_and_context<Scalar>(m, suffix);
+  bind_query<Scalar>(m, suffix);
+  bind_layer<Scalar>(m, suffix);
 }
 
 #if SDMHA_PYTHON_WITH_IO
@@ -959,14 +975,8 @@ py::dict load_inputs(const std::string& path) {
 
 }  // namespace
 
-PYBIND11_MODULE(_sdmha, m) {
-  m.doc() = "sdmha's SparseDenseMHA (multi-head attention with a sparse CSR query) on NumPy arrays";
-  m.attr("__version__") = std::to_string(SDMHA_VERSION_MAJOR) + "." +
-                          std::to_string(SDMHA_VERSION_MINOR) + "." +
-                          std::to_string(SDMHA_VERSION_PATCH);
-  m.attr("with_io") = bool(SDMHA_PYTHON_WITH_IO);
-  m.attr("with_keras_files") = bool(SDMHA_PYTHON_WITH_KERAS_FILES);
-
+// The exception classes (sdmha.Error and its subclasses) and the translation of sdmha's.
+void bind_errors(py::module_& m) {
   auto& e = python_errors;
   e.error =
       new_exception(m, "Error", PyExc_ValueError, "Bad input rejected by sdmha (sdmha::Error).");
@@ -1000,6 +1010,17 @@ PYBIND11_MODULE(_sdmha, m) {
       PyErr_SetString(python_errors.error, error.what());
     }
   });
+}
+
+PYBIND11_MODULE(_sdmha, m) {
+  m.doc() = "sdmha's SparseDenseMHA (multi-head attention with a sparse CSR query) on NumPy arrays";
+  m.attr("__version__") = std::to_string(SDMHA_VERSION_MAJOR) + "." +
+                          std::to_string(SDMHA_VERSION_MINOR) + "." +
+                          std::to_string(SDMHA_VERSION_PATCH);
+  m.attr("with_io") = bool(SDMHA_PYTHON_WITH_IO);
+  m.attr("with_keras_files") = bool(SDMHA_PYTHON_WITH_KERAS_FILES);
+
+  bind_errors(m);
 
   bind_dtype<float>(m);
   bind_dtype<double>(m);
