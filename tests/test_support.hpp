@@ -135,6 +135,47 @@ inline Shape random_small_shape(std::mt19937_64& generator) {
   return s;
 }
 
+// The case's sparse query, as COO (c.indices, c.values) and densely in float64 (p.query):
+// distinct columns per row, then optional duplicates and shuffling.
+template <typename Scalar>
+void fill_sparse_query(Case<Scalar>& c, const Shape& shape, Filler<Scalar>& fill,
+                       std::mt19937_64& generator) {
+  auto& p = c.problem;
+  std::vector<std::array<std::int64_t, 3>> coordinates;
+  std::vector<Scalar> values;
+  p.query.assign(static_cast<std::size_t>(p.batch * p.steps * p.query_dim), 0.0);
+  std::bernoulli_distribution empty_row(0.3), duplicate(0.25);
+  const long per_row = std::max(1L, std::lround(shape.density * double(p.query_dim)));
+  std::vector<std::int64_t> columns(static_cast<std::size_t>(p.query_dim));
+  for (long b = 0; b < p.batch; ++b)
+    for (long t = 0; t < p.steps; ++t) {
+      if (shape.empty_rows && empty_row(generator)) continue;
+      std::iota(columns.begin(), columns.end(), 0);
+      std::shuffle(columns.begin(), columns.end(), generator);
+      for (long k = 0; k < std::min(per_row, p.query_dim); ++k) {
+        const Scalar v = fill(-2.0, 2.0);
+        coordinates.push_back({b, t, columns[k]});
+        values.push_back(v);
+        p.query[(b * p.steps + t) * p.query_dim + columns[k]] += double(v);
+        if (shape.duplicates && duplicate(generator)) {
+          const Scalar extra = fill(-1.0, 1.0);
+          coordinates.push_back({b, t, columns[k]});
+          values.push_back(extra);
+          p.query[(b * p.steps + t) * p.query_dim + columns[k]] += double(extra);
+        }
+      }
+    }
+  std::vector<std::size_t> order(coordinates.size());
+  std::iota(order.begin(), order.end(), 0);
+  if (shape.shuffle) std::shuffle(order.begin(), order.end(), generator);
+  c.indices.resize(static_cast<Index>(order.size()), 3);
+  c.values.resize(static_cast<Index>(order.size()));
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    for (int axis = 0; axis < 3; ++axis) c.indices(Index(i), axis) = coordinates[order[i]][axis];
+    c.values[Index(i)] = values[order[i]];
+  }
+}
+
 template <typename Scalar>
 Case<Scalar> make_case(const Shape& shape, std::uint64_t seed) {
   std::mt19937_64 generator(seed);
@@ -186,40 +227,7 @@ Case<Scalar> make_case(const Shape& shape, std::uint64_t seed) {
   c.value.resize(p.batch, p.key_steps, p.value_in_dim);
   fill.fill(c.value.data(), p.value, long(c.value.size()), -1.0, 1.0);
 
-  // The sparse query: distinct columns per row, then optional duplicates and shuffling.
-  std::vector<std::array<std::int64_t, 3>> coordinates;
-  std::vector<Scalar> values;
-  p.query.assign(static_cast<std::size_t>(p.batch * p.steps * p.query_dim), 0.0);
-  std::bernoulli_distribution empty_row(0.3), duplicate(0.25);
-  const long per_row = std::max(1L, std::lround(shape.density * double(p.query_dim)));
-  std::vector<std::int64_t> columns(static_cast<std::size_t>(p.query_dim));
-  for (long b = 0; b < p.batch; ++b)
-    for (long t = 0; t < p.steps; ++t) {
-      if (shape.empty_rows && empty_row(generator)) continue;
-      std::iota(columns.begin(), columns.end(), 0);
-      std::shuffle(columns.begin(), columns.end(), generator);
-      for (long k = 0; k < std::min(per_row, p.query_dim); ++k) {
-        const Scalar v = fill(-2.0, 2.0);
-        coordinates.push_back({b, t, columns[k]});
-        values.push_back(v);
-        p.query[(b * p.steps + t) * p.query_dim + columns[k]] += double(v);
-        if (shape.duplicates && duplicate(generator)) {
-          const Scalar extra = fill(-1.0, 1.0);
-          coordinates.push_back({b, t, columns[k]});
-          values.push_back(extra);
-          p.query[(b * p.steps + t) * p.query_dim + columns[k]] += double(extra);
-        }
-      }
-    }
-  std::vector<std::size_t> order(coordinates.size());
-  std::iota(order.begin(), order.end(), 0);
-  if (shape.shuffle) std::shuffle(order.begin(), order.end(), generator);
-  c.indices.resize(static_cast<Index>(order.size()), 3);
-  c.values.resize(static_cast<Index>(order.size()));
-  for (std::size_t i = 0; i < order.size(); ++i) {
-    for (int axis = 0; axis < 3; ++axis) c.indices(Index(i), axis) = coordinates[order[i]][axis];
-    c.values[Index(i)] = values[order[i]];
-  }
+  fill_sparse_query(c, shape, fill, generator);
   if (shape.random_mask || shape.fully_blocked_rows) {
     c.use_mask(std::make_shared<Tensor3<bool>>(p.batch, p.steps, p.key_steps));
     std::bernoulli_distribution blocked(shape.random_mask ? 0.3 : 0.0), whole_row(0.25);
