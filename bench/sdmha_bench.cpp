@@ -569,7 +569,7 @@ void add_forward_cases(std::vector<Case>& cases, Problem& p, int threads) {
                                             p.forward_result);
                    },
                    check_forward});
-  // The call a user (and the harness) makes: no Workspace given, a new result each call.
+  // The call most users make: no Workspace given, a new result each call.
   // Its workspace is the layer's own cache, emptied before the checked call.
   cases.push_back({"forward", "sparse_plain", f.sparse_total(), csr, 0, 0,
                    [&p] {

@@ -4,7 +4,8 @@
 // in place, B read in place or transposed), outer strides wider than the rows, α ≠ 1, with and
 // without accumulation; entries of C outside the product and bytes past the scratch stay
 // untouched; results are deterministic and a row block of C is bit for bit the same rows of the
-// whole product. Without AVX-512F the engine is not compiled and the tests skip.
+// whole product; a column bias is bitwise the bias accumulated onto. Without AVX-512F the engine is
+// not compiled and its tests skip; the column bias on Eigen's path (double) runs everywhere.
 #include "test_support.hpp"
 
 #include <cstring>

@@ -973,8 +973,6 @@ py::dict load_inputs(const std::string& path) {
 }
 #endif
 
-}  // namespace
-
 // The exception classes (sdmha.Error and its subclasses) and the translation of sdmha's.
 void bind_errors(py::module_& m) {
   auto& e = python_errors;
@@ -1011,6 +1009,8 @@ void bind_errors(py::module_& m) {
     }
   });
 }
+
+}  // namespace
 
 PYBIND11_MODULE(_sdmha, m) {
   m.doc() = "sdmha's SparseDenseMHA (multi-head attention with a sparse CSR query) on NumPy arrays";

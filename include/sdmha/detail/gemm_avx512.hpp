@@ -265,7 +265,8 @@ struct Accumulators {
   }
 };
 
-// The micro-kernel: C[0:MR, 0:16·NV] = α·A·B (+ C when `add`) over `depth` steps, A as `L` says
+// The micro-kernel: C[0:MR, 0:16·NV] = α·A·B (+ C when `add`, else + the row `bias` when it is
+// not null, the tile's 16·NV columns of it) over `depth` steps, A as `L` says
 // (lda: in-place rows only), the rows of B 16·NV floats at b + p·ldb (packed or in place); the
 // last vector of each row of B and C goes under `last` (the n edge). Each depth step also
 // prefetches a line of each walk (the sources of the next panel of B and next block of A) to L2.

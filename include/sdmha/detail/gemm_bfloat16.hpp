@@ -184,7 +184,8 @@ inline void pack_a(const float* a, Index lda, Index i0, Index rows, Index p0, In
 }
 
 // C[0:MR, 0:16·NV] = (C +) Σ over `pairs` pair steps of A's packed panel times the pair rows of W
-// at w + p·ldw; the last vector of each row of W and C goes under `last` (the n edge).
+// at w + p·ldw, + the row `bias` (the tile's columns of it) when not `add` and it is not null;
+// the last vector of each row of W, C and the bias goes under `last` (the n edge).
 template <int MR, int NV>
 void micro_kernel(Index pairs, const std::uint32_t* a, const std::uint32_t* w, Index ldw, float* c,
                   Index ldc, bool add, const float* bias, __mmask16 last) {

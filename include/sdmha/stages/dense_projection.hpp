@@ -91,7 +91,8 @@ struct DenseProjection {
                                args.kernel.rows());
   }
 
-  // The GEMM adds the bias in its first stores to Y: no pass of its own over Y.
+  // The GEMM adds the bias: the AVX-512 engines in their first stores to Y (no pass of their own
+  // over it), Eigen's path by filling Y with it and accumulating onto it.
   void operator()(const Arguments& args) const {
     const Scalar* bias = args.bias.size() != 0 ? args.bias.data() : nullptr;
     if constexpr (std::is_same<Scalar, float>::value)
