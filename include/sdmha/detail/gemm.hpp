@@ -151,7 +151,7 @@ void gemm(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>& b, MatrixRef<
   const Index m = c.rows(), n = c.cols(), k = a.cols;
   if (m == 0 || n == 0) return;
   if (column_bias != nullptr)
-    c.rowwise() = Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(column_bias, n);
+    fill_rows_with<Scalar>(c, column_bias);
   else if (!accumulate)
     c.setZero();
   if (k == 0) return;

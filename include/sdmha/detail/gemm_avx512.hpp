@@ -57,6 +57,13 @@
 
 namespace sdmha::detail {
 
+// Every row of C set to `row` (c.cols() scalars): where a column bias goes when a GEMM's own
+// stores cannot add it (an empty depth, or a path that accumulates onto C).
+template <typename Scalar>
+void fill_rows_with(MatrixRef<Scalar> c, const Scalar* row) {
+  c.rowwise() = Eigen::Map<const Eigen::Matrix<Scalar, 1, Eigen::Dynamic>>(row, c.cols());
+}
+
 #if defined(__AVX512F__)
 
 inline constexpr bool kHaveAvx512Gemm = true;
@@ -512,7 +519,7 @@ void gemm_avx512(const Operand& a, const Operand& b, MatrixRef<float> c, float a
   if (m == 0 || n == 0) return;
   if (k == 0) {
     if (column_bias != nullptr)
-      c.rowwise() = Eigen::Map<const Eigen::Matrix<float, 1, Eigen::Dynamic>>(column_bias, n);
+      fill_rows_with<float>(c, column_bias);
     else if (!accumulate)
       c.setZero();
     return;

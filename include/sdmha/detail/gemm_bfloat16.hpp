@@ -306,12 +306,10 @@ inline void gemm_bfloat16(const ConstMatrixRef<float>& a, const BFloat16Kernel& 
   SDMHA_ASSERT(column_bias == nullptr || !accumulate);
   const Index m = c.rows(), n = c.cols(), k = a.cols();
   if (m == 0 || n == 0) return;
-  if (column_bias != nullptr) {  // the portable path (and k = 0) accumulate onto it
-    if (k == 0 || !kHaveBFloat16Gemm) {
-      c.rowwise() = Eigen::Map<const Eigen::Matrix<float, 1, Eigen::Dynamic>>(column_bias, n);
-      accumulate = true;
-      column_bias = nullptr;
-    }
+  if (column_bias != nullptr && (k == 0 || !kHaveBFloat16Gemm)) {  // accumulate onto it
+    fill_rows_with<float>(c, column_bias);
+    accumulate = true;
+    column_bias = nullptr;
   }
   if (k == 0) {
     if (!accumulate) c.setZero();
