@@ -15,6 +15,7 @@
 // The stage cases walk the layer's own plan of a forward call (detail::LayerInternals: its
 // attention items, row blocks, threads and per-worker scratch), never a split of their own.
 #include <benchmark/benchmark.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -42,6 +43,8 @@ namespace sdmha_bench {
 
 using Matrix = sdmha::RowMatrix<float>;
 using ConstMatrixMap = Eigen::Map<const Matrix>;
+// Keys in the order they are written, as bench/plot.py and a reader expect them.
+using Json = nlohmann::ordered_json;
 
 // A result agrees with its reference when max |result − reference| ≤ kRelativeTolerance ·
 // max |reference|: float32 sums of a few hundred to a few thousand terms, taken in different
@@ -1194,123 +1197,115 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
   print_stage_table(out, results);
 }
 
-std::string json_string(const std::string& text) {
-  std::string quoted = "\"";
-  for (char ch : text) {
-    if (ch == '"' || ch == '\\') quoted += '\\';
-    if (static_cast<unsigned char>(ch) < 0x20) continue;
-    quoted += ch;
-  }
-  return quoted + "\"";
-}
+// JSON has no NaN or infinity: a figure that was not measured (NaN) is written as null.
+Json json_number(double value) { return std::isfinite(value) ? Json(value) : Json(nullptr); }
 
-std::string json_number(double value) {
-  if (!std::isfinite(value)) return "null";
-  std::ostringstream text;
-  text.precision(10);
-  text << value;
-  return text.str();
-}
+// A byte count, or null where the heap was not counted (negative).
+Json json_bytes(std::int64_t bytes) { return bytes < 0 ? Json(nullptr) : Json(bytes); }
 
 // One run's stage times per path; the shared stages are timed once and listed on every path.
-void write_json_stages(std::ostream& out, const ConfigResult& r) {
+Json json_stages(const ConfigResult& r) {
   auto ms = [&](const char* name) { return json_number(r.ms(name)); };
-  out << "     \"stages_ms\": {\n"
-      << "       \"sparse\": {\"query_projection\": " << ms("query_projection/sparse")
-      << ", \"key_value_projection\": " << ms("key_value_projection/shared")
-      << ", \"scores\": " << ms("scores/shared") << ", \"softmax\": " << ms("softmax/shared")
-      << ", \"attend_values\": " << ms("attend_values/shared")
-      << ", \"output_projection\": " << ms("output_projection/shared") << "},\n"
-      << "       \"sparse_regrouped\": {\"scores_with_query_projection\": "
-      << ms("scores/sparse_regrouped")
-      << ", \"key_value_projection\": " << ms("key_value_projection/shared")
-      << ", \"softmax\": " << ms("softmax/shared")
-      << ", \"attend_values\": " << ms("attend_values/shared")
-      << ", \"output_projection\": " << ms("output_projection/shared") << "},\n"
-      << "       \"dense\": {\"densify\": " << ms("densify/dense")
-      << ", \"query_projection\": " << ms("query_projection/dense")
-      << ", \"key_value_projection\": " << ms("key_value_projection/shared")
-      << ", \"scores\": " << ms("scores/shared") << ", \"softmax\": " << ms("softmax/shared")
-      << ", \"attend_values\": " << ms("attend_values/shared")
-      << ", \"output_projection\": " << ms("output_projection/shared") << "},\n"
-      << "       \"reference\": {\"eigen_csr_query_projection\": "
-      << ms("query_projection/eigen_csr") << "}},\n";
+  // A path's own first stages, then the shared ones in pipeline order.
+  auto path = [&](Json stages, bool with_scores) {
+    stages["key_value_projection"] = ms("key_value_projection/shared");
+    if (with_scores) stages["scores"] = ms("scores/shared");
+    stages["softmax"] = ms("softmax/shared");
+    stages["attend_values"] = ms("attend_values/shared");
+    stages["output_projection"] = ms("output_projection/shared");
+    return stages;
+  };
+  Json stages;
+  stages["sparse"] = path({{"query_projection", ms("query_projection/sparse")}}, true);
+  stages["sparse_regrouped"] =
+      path({{"scores_with_query_projection", ms("scores/sparse_regrouped")}}, false);
+  stages["dense"] = path(
+      {{"densify", ms("densify/dense")}, {"query_projection", ms("query_projection/dense")}}, true);
+  stages["reference"] = {{"eigen_csr_query_projection", ms("query_projection/eigen_csr")}};
+  return stages;
+}
+
+Json json_flops(const ConfigResult& r) {
+  const auto& f = r.flops;
+  return {{"query_projection_dense", f.query_projection_dense},
+          {"query_projection_sparse", f.query_projection_sparse},
+          {"key_value_projection", f.key_value_projection},
+          {"scores", f.scores},
+          {"attend_values", f.attend_values},
+          {"output_projection", f.output_projection},
+          {"dense_total", f.dense_total()},
+          {"sparse_total", f.sparse_total()},
+          {"regrouped_scores_executed_estimate", regrouped_score_flops(r.shape, r.density)}};
+}
+
+Json json_cases(const ConfigResult& r) {
+  Json cases = Json::array();
+  for (const CaseResult& c : r.cases)
+    cases.push_back(
+        {{"name", c.name},
+         {"median_ms", json_number(c.median_ms)},
+         {"flops", c.flops},
+         {"gflops_per_s", json_number(c.median_ms > 0 ? c.flops / c.median_ms * 1e-6 : 0.0)},
+         {"peak_bytes", json_bytes(c.peak_bytes)},
+         {"steady_allocations", c.steady_allocations},
+         {"error", c.error}});
+  return cases;
+}
+
+// One configuration (workload, density, thread count): what bench/plot.py reads.
+Json json_run(const ConfigResult& r) {
+  const WorkloadShape& w = r.shape;
+  auto ms = [&](const char* name) { return json_number(r.ms(name)); };
+  Json run;
+  run["workload"] = w.name;
+  run["shape"] = {{"B", w.batch},        {"T", w.steps}, {"Eq", w.query_dim}, {"S", w.key_steps},
+                  {"Ek", w.context_dim}, {"H", w.heads}, {"Dk", w.head_dim},  {"O", w.output_dim}};
+  run["density"] = json_number(r.density);
+  run["nonzeros_per_row"] = r.nonzeros_per_row;
+  run["nnz"] = r.nonzeros;
+  run["threads"] = r.threads;
+  run["flops"] = json_flops(r);
+  run["speedup"] = json_number(r.speedup());
+  run["ideal_speedup"] = json_number(r.flops.ideal_speedup());
+  run["forward_ms"] = {{"sparse", ms("forward/sparse")},
+                       {"sparse_plain", ms("forward/sparse_plain")},
+                       {"sparse_regrouped", ms("forward/sparse_regrouped")},
+                       {"sparse_bfloat16", ms("forward/sparse_bf16")},
+                       {"dense", ms("forward/dense")},
+                       {"densify", ms("densify/dense")}};
+  run["backward_ms"] = ms("backward/sparse");
+  run["backward_saved_context_ms"] = ms("backward/sparse_saved_context");
+  run["steady_state_allocations_per_call"] = r.steady_allocations("forward/sparse");
+  run["steady_state_allocations_per_backward_call"] = r.steady_backward_allocations();
+  run["stages_ms"] = json_stages(r);
+  run["memory_bytes"] = {
+      {"sparse_peak", json_bytes(r.peak_bytes("forward/sparse"))},
+      {"sparse_regrouped_peak", json_bytes(r.peak_bytes("forward/sparse_regrouped"))},
+      {"dense_peak", json_bytes(r.peak_bytes("forward/dense"))},
+      {"query_csr", json_number(r.csr_bytes)},
+      {"query_dense", json_number(r.dense_bytes)}};
+  run["cases"] = json_cases(r);
+  return run;
 }
 
 void write_json(const std::string& path, const std::vector<ConfigResult>& results,
                 const Machine& machine, int repetitions, bool quick, const std::string& load_before,
                 const std::string& load_after) {
+  Json document;
+  document["machine"] = {{"cpu", machine.cpu},           {"cores", machine.cores},
+                         {"compiler", machine.compiler}, {"flags", machine.flags},
+                         {"eigen", machine.eigen},       {"line", machine.line()}};
+  document["load_average_before"] = load_before;
+  document["load_average_after"] = load_after;
+  document["quick"] = quick;
+  document["repetitions"] = repetitions;
+  document["statistic"] = "median";
+  document["runs"] = Json::array();
+  for (const ConfigResult& r : results) document["runs"].push_back(json_run(r));
   std::ofstream out(path);
   if (!out) throw std::runtime_error("cannot write " + path);
-  out << "{\n  \"machine\": {\"cpu\": " << json_string(machine.cpu)
-      << ", \"cores\": " << machine.cores << ", \"compiler\": " << json_string(machine.compiler)
-      << ", \"flags\": " << json_string(machine.flags)
-      << ", \"eigen\": " << json_string(machine.eigen)
-      << ", \"line\": " << json_string(machine.line()) << "},\n";
-  out << "  \"load_average_before\": " << json_string(load_before)
-      << ",\n  \"load_average_after\": " << json_string(load_after) << ",\n";
-  out << "  \"quick\": " << (quick ? "true" : "false") << ",\n  \"repetitions\": " << repetitions
-      << ",\n  \"statistic\": \"median\",\n  \"runs\": [\n";
-  for (std::size_t i = 0; i < results.size(); ++i) {
-    const ConfigResult& r = results[i];
-    const WorkloadShape& w = r.shape;
-    auto ms = [&](const char* name) { return json_number(r.ms(name)); };
-    out << "    {\"workload\": " << json_string(w.name) << ", \"shape\": {\"B\": " << w.batch
-        << ", \"T\": " << w.steps << ", \"Eq\": " << w.query_dim << ", \"S\": " << w.key_steps
-        << ", \"Ek\": " << w.context_dim << ", \"H\": " << w.heads << ", \"Dk\": " << w.head_dim
-        << ", \"O\": " << w.output_dim << "},\n";
-    out << "     \"density\": " << json_number(r.density)
-        << ", \"nonzeros_per_row\": " << r.nonzeros_per_row << ", \"nnz\": " << r.nonzeros
-        << ", \"threads\": " << r.threads << ",\n";
-    out << "     \"flops\": {\"query_projection_dense\": "
-        << json_number(r.flops.query_projection_dense)
-        << ", \"query_projection_sparse\": " << json_number(r.flops.query_projection_sparse)
-        << ", \"key_value_projection\": " << json_number(r.flops.key_value_projection)
-        << ", \"scores\": " << json_number(r.flops.scores)
-        << ", \"attend_values\": " << json_number(r.flops.attend_values)
-        << ", \"output_projection\": " << json_number(r.flops.output_projection)
-        << ", \"dense_total\": " << json_number(r.flops.dense_total())
-        << ", \"sparse_total\": " << json_number(r.flops.sparse_total())
-        << ", \"regrouped_scores_executed_estimate\": "
-        << json_number(regrouped_score_flops(w, r.density)) << "},\n";
-    out << "     \"speedup\": " << json_number(r.speedup())
-        << ", \"ideal_speedup\": " << json_number(r.flops.ideal_speedup()) << ",\n";
-    out << "     \"forward_ms\": {\"sparse\": " << ms("forward/sparse")
-        << ", \"sparse_plain\": " << ms("forward/sparse_plain")
-        << ", \"sparse_regrouped\": " << ms("forward/sparse_regrouped")
-        << ", \"sparse_bfloat16\": " << ms("forward/sparse_bf16")
-        << ", \"dense\": " << ms("forward/dense") << ", \"densify\": " << ms("densify/dense")
-        << "},\n";
-    out << "     \"backward_ms\": " << ms("backward/sparse")
-        << ", \"backward_saved_context_ms\": " << ms("backward/sparse_saved_context")
-        << ", \"steady_state_allocations_per_call\": " << r.steady_allocations("forward/sparse")
-        << ", \"steady_state_allocations_per_backward_call\": " << r.steady_backward_allocations()
-        << ",\n";
-    write_json_stages(out, r);
-    auto peak = [&](const char* name) {
-      const std::int64_t bytes = r.peak_bytes(name);
-      return bytes < 0 ? std::string("null") : std::to_string(bytes);
-    };
-    out << "     \"memory_bytes\": {\"sparse_peak\": " << peak("forward/sparse")
-        << ", \"sparse_regrouped_peak\": " << peak("forward/sparse_regrouped")
-        << ", \"dense_peak\": " << peak("forward/dense")
-        << ", \"query_csr\": " << json_number(r.csr_bytes)
-        << ", \"query_dense\": " << json_number(r.dense_bytes) << "},\n";
-    out << "     \"cases\": [";
-    for (std::size_t k = 0; k < r.cases.size(); ++k) {
-      const CaseResult& c = r.cases[k];
-      out << (k == 0 ? "\n" : ",\n") << "       {\"name\": " << json_string(c.name)
-          << ", \"median_ms\": " << json_number(c.median_ms)
-          << ", \"flops\": " << json_number(c.flops) << ", \"gflops_per_s\": "
-          << json_number(c.median_ms > 0 ? c.flops / c.median_ms * 1e-6 : 0.0)
-          << ", \"peak_bytes\": "
-          << (c.peak_bytes < 0 ? std::string("null") : std::to_string(c.peak_bytes))
-          << ", \"steady_allocations\": " << c.steady_allocations
-          << ", \"error\": " << json_string(c.error) << "}";
-    }
-    out << "]}" << (i + 1 < results.size() ? "," : "") << "\n";
-  }
-  out << "  ]\n}\n";
+  // Text the bench collected (the CPU's name, error messages) may not be valid UTF-8: replaced.
+  out << document.dump(2, ' ', false, Json::error_handler_t::replace) << "\n";
   if (!out) throw std::runtime_error("failed writing " + path);
 }
 
