@@ -115,7 +115,7 @@ def main():
     parser.add_argument("--threads", type=int, default=1, help="thread count of the stage bars")
     args = parser.parse_args()
 
-    data = json.loads(args.json.read_text())
+    data = json.loads(args.json.read_text(encoding="utf-8"))
     runs = data["runs"]
     workloads = workloads_in_order(runs)
     figure, axes = plt.subplots(2, len(workloads), figsize=(5.2 * len(workloads), 9.5), squeeze=False)

@@ -43,7 +43,8 @@ namespace sdmha_bench {
 
 using Matrix = sdmha::RowMatrix<float>;
 using ConstMatrixMap = Eigen::Map<const Matrix>;
-// Keys in the order they are written, as bench/plot.py and a reader expect them.
+// Keys in the order they are written (bench/plot.py looks them up by name; the order is for a
+// reader and for diffs between runs).
 using Json = nlohmann::ordered_json;
 
 // A result agrees with its reference when max |result − reference| ≤ kRelativeTolerance ·
@@ -1200,6 +1201,14 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
 // JSON has no NaN or infinity: a figure that was not measured (NaN) is written as null.
 Json json_number(double value) { return std::isfinite(value) ? Json(value) : Json(nullptr); }
 
+// A count held in a double (FLOPs, bytes): written as an integer when it is one (below 2^53),
+// as a number otherwise, null when not finite.
+Json json_count(double value) {
+  const bool whole =
+      std::isfinite(value) && value == std::floor(value) && std::fabs(value) < 0x1p53;
+  return whole ? Json(static_cast<std::int64_t>(value)) : json_number(value);
+}
+
 // A byte count, or null where the heap was not counted (negative).
 Json json_bytes(std::int64_t bytes) { return bytes < 0 ? Json(nullptr) : Json(bytes); }
 
@@ -1227,15 +1236,16 @@ Json json_stages(const ConfigResult& r) {
 
 Json json_flops(const ConfigResult& r) {
   const auto& f = r.flops;
-  return {{"query_projection_dense", f.query_projection_dense},
-          {"query_projection_sparse", f.query_projection_sparse},
-          {"key_value_projection", f.key_value_projection},
-          {"scores", f.scores},
-          {"attend_values", f.attend_values},
-          {"output_projection", f.output_projection},
-          {"dense_total", f.dense_total()},
-          {"sparse_total", f.sparse_total()},
-          {"regrouped_scores_executed_estimate", regrouped_score_flops(r.shape, r.density)}};
+  return {{"query_projection_dense", json_count(f.query_projection_dense)},
+          {"query_projection_sparse", json_count(f.query_projection_sparse)},
+          {"key_value_projection", json_count(f.key_value_projection)},
+          {"scores", json_count(f.scores)},
+          {"attend_values", json_count(f.attend_values)},
+          {"output_projection", json_count(f.output_projection)},
+          {"dense_total", json_count(f.dense_total())},
+          {"sparse_total", json_count(f.sparse_total())},
+          {"regrouped_scores_executed_estimate",
+           json_count(regrouped_score_flops(r.shape, r.density))}};
 }
 
 Json json_cases(const ConfigResult& r) {
@@ -1244,7 +1254,7 @@ Json json_cases(const ConfigResult& r) {
     cases.push_back(
         {{"name", c.name},
          {"median_ms", json_number(c.median_ms)},
-         {"flops", c.flops},
+         {"flops", json_count(c.flops)},
          {"gflops_per_s", json_number(c.median_ms > 0 ? c.flops / c.median_ms * 1e-6 : 0.0)},
          {"peak_bytes", json_bytes(c.peak_bytes)},
          {"steady_allocations", c.steady_allocations},
@@ -1252,7 +1262,7 @@ Json json_cases(const ConfigResult& r) {
   return cases;
 }
 
-// One configuration (workload, density, thread count): what bench/plot.py reads.
+// One configuration (workload, density, thread count); bench/plot.py reads some of it.
 Json json_run(const ConfigResult& r) {
   const WorkloadShape& w = r.shape;
   auto ms = [&](const char* name) { return json_number(r.ms(name)); };
@@ -1282,8 +1292,8 @@ Json json_run(const ConfigResult& r) {
       {"sparse_peak", json_bytes(r.peak_bytes("forward/sparse"))},
       {"sparse_regrouped_peak", json_bytes(r.peak_bytes("forward/sparse_regrouped"))},
       {"dense_peak", json_bytes(r.peak_bytes("forward/dense"))},
-      {"query_csr", json_number(r.csr_bytes)},
-      {"query_dense", json_number(r.dense_bytes)}};
+      {"query_csr", json_count(r.csr_bytes)},
+      {"query_dense", json_count(r.dense_bytes)}};
   run["cases"] = json_cases(r);
   return run;
 }
