@@ -5,7 +5,7 @@
 #   2. the threaded tests under ThreadSanitizer (clang), in build-tsan/;
 #   3. every libFuzzer target for SDMHA_FUZZ_SECONDS (default 60) over a copy of its seed corpus,
 #      in build-fuzz/.
-# Any sanitizer report, failed test or fuzzer finding fails the script. About 30 minutes on a
+# Any sanitizer report, failed test or fuzzer finding fails the script. About 38 minutes on a
 # 2-core machine from a cold compiler cache (tests/fuzz/README.md has the figures).
 #
 # SDMHA_HARDENING_STAGES picks stages for a local run, e.g. "tsan fuzz" (default: all three);
