@@ -45,9 +45,8 @@ done_banner() {
 # at -O0 through Eigen's expression templates would take most of CI's time. ASan's checks are
 # calls rather than inline code (-fsanitize-address-outline-instrumentation; the same checks):
 # on an AVX-512 machine (the tests build with -march=native) every test file instantiates the
-# AVX-512 GEMM's unrolled micro-kernels, whose inline checks clang 14 compiled for about 100 s
-# a file (16 s without AVX-512). Outlined, the stage took 1642 s instead of 2309 (the build
-# about 1360 s instead of 2160, the tests 280 s instead of 150). The
+# AVX-512 GEMM's unrolled micro-kernels, and clang 14 compiles their inline checks several times
+# slower than the calls, which made this build most of CI's time. The
 # consumer tests are left out: they configure and build other projects (without the sanitizer
 # flags) and test packaging, not memory safety.
 if wanted asan; then

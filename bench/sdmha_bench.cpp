@@ -1209,12 +1209,15 @@ Json json_count(double value) {
   return whole ? Json(static_cast<std::int64_t>(value)) : json_number(value);
 }
 
+// A case's median in ms, or null where it was not timed.
+Json json_ms(const ConfigResult& r, const char* name) { return json_number(r.ms(name)); }
+
 // A byte count, or null where the heap was not counted (negative).
 Json json_bytes(std::int64_t bytes) { return bytes < 0 ? Json(nullptr) : Json(bytes); }
 
 // One run's stage times per path; the shared stages are timed once and listed on every path.
 Json json_stages(const ConfigResult& r) {
-  auto ms = [&](const char* name) { return json_number(r.ms(name)); };
+  auto ms = [&](const char* name) { return json_ms(r, name); };
   // A path's own first stages, then the shared ones in pipeline order.
   auto path = [&](Json stages, bool with_scores) {
     stages["key_value_projection"] = ms("key_value_projection/shared");
@@ -1265,7 +1268,7 @@ Json json_cases(const ConfigResult& r) {
 // One configuration (workload, density, thread count); bench/plot.py reads some of it.
 Json json_run(const ConfigResult& r) {
   const WorkloadShape& w = r.shape;
-  auto ms = [&](const char* name) { return json_number(r.ms(name)); };
+  auto ms = [&](const char* name) { return json_ms(r, name); };
   Json run;
   run["workload"] = w.name;
   run["shape"] = {{"B", w.batch},        {"T", w.steps}, {"Eq", w.query_dim}, {"S", w.key_steps},
