@@ -248,5 +248,56 @@ TYPED_TEST(MaskedSoftmaxTest, ShiftedExponentialsOfInfinityNaNAndTinyArguments) 
   expect_special_exponentials<Scalar>(sdmha::detail::exponentiate_shifted_portable<Scalar>);
 }
 
+// detail::row_maximum, what every softmax row is shifted by: the largest entry for every length
+// (so the vector loop's four chains and its masked tail are all covered), wherever it sits, −∞
+// for an empty or fully blocked row. (With a NaN it is unspecified: ANaNScoreMakesItsRowNaN.)
+TYPED_TEST(MaskedSoftmaxTest, RowMaximumOfEveryLengthAndPlace) {
+  using Scalar = TypeParam;
+  std::mt19937 generator(23);
+  std::uniform_real_distribution<double> spread(-50.0, 50.0);
+  EXPECT_EQ(sdmha::detail::row_maximum<Scalar>(nullptr, 0), kMinusInfinity<Scalar>);
+  for (Index n = 1; n <= 200; ++n) {
+    std::vector<Scalar> x(static_cast<std::size_t>(n));
+    for (auto& value : x) value = Scalar(spread(generator));
+    for (Index place : {Index(0), n / 2, n - 1}) {
+      std::vector<Scalar> row = x;
+      row[std::size_t(place)] = Scalar(1000);
+      EXPECT_EQ(sdmha::detail::row_maximum(row.data(), n), Scalar(1000))
+          << "n " << n << ", place " << place;
+    }
+    EXPECT_EQ(sdmha::detail::row_maximum(x.data(), n), *std::max_element(x.begin(), x.end()))
+        << "n " << n;
+    std::vector<Scalar> blocked(static_cast<std::size_t>(n), kMinusInfinity<Scalar>);
+    EXPECT_EQ(sdmha::detail::row_maximum(blocked.data(), n), kMinusInfinity<Scalar>) << "n " << n;
+  }
+}
+
+// A NaN score makes its row NaN wherever it is: among finite scores, among blocked keys only
+// (where the row's maximum is −∞ and the row would otherwise be zeros or uniform), and between
+// finite scores and blocked keys after it (where a max chain that a NaN restarts sees only −∞),
+// under both policies.
+TYPED_TEST(MaskedSoftmaxTest, ANaNScoreMakesItsRowNaN) {
+  using Scalar = TypeParam;
+  constexpr Scalar nan = std::numeric_limits<Scalar>::quiet_NaN();
+  for (const auto policy : {sdmha::FullyMaskedRows::zeros, sdmha::FullyMaskedRows::uniform})
+    for (Index cols : {1, 3, 17, 70, 130}) {
+      sdmha::RowMatrix<Scalar> scores = sdmha::RowMatrix<Scalar>::Constant(4, cols, Scalar(0.5));
+      scores(0, cols - 1) = nan;
+      scores.row(1).setConstant(kMinusInfinity<Scalar>);
+      scores(1, cols / 2) = nan;
+      scores.row(2).tail(cols - cols / 2).setConstant(kMinusInfinity<Scalar>);
+      scores(2, cols / 2) = nan;
+      typename Softmax<Scalar>::Arguments args{{}, scores};
+      args.fully_masked_rows = policy;
+      Softmax<Scalar>::can_implement(args);
+      Softmax<Scalar>{}(args);
+      for (Index t = 0; t < 3; ++t)
+        for (Index s = 0; s < cols; ++s)
+          EXPECT_TRUE(std::isnan(scores(t, s))) << "cols " << cols << ", t " << t << ", s " << s;
+      for (Index s = 0; s < cols; ++s)
+        EXPECT_EQ(scores(3, s), Scalar(1) / Scalar(cols)) << "cols " << cols << ", s " << s;
+    }
+}
+
 }  // namespace
 }  // namespace sdmha_test

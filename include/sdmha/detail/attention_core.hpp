@@ -759,7 +759,7 @@ class AttentionCore {
     for (Index t = 0; t < scores.rows(); ++t) {
       auto row = scores.row(t).array();
       const Scalar previous = statistics(t, 0);
-      const Scalar maximum = std::max(previous, row.maxCoeff());
+      const Scalar maximum = std::max(previous, row_maximum(scores.row(t).data(), scores.cols()));
       if (maximum == minus_infinity) {  // nothing seen yet in this row (or a NaN max ignores)
         if (row.isNaN().any()) statistics(t, 1) = std::numeric_limits<Scalar>::quiet_NaN();
         row.setZero();

@@ -1,4 +1,5 @@
-// sdmha/detail/softmax_exp.hpp — the softmax's exponentials of one row, in place, and their sum.
+// sdmha/detail/softmax_exp.hpp — the softmax's exponentials of one row, in place, and their sum;
+// and the row's maximum they are shifted by.
 //
 //   math:  x[s] ← exp(x[s] − shift), then 0 wherever that is below the smallest normal number;
 //          returns Σ_s x[s] (NaN if any x[s] − shift is NaN: a NaN entry, or shift +∞ or NaN)
@@ -23,6 +24,7 @@
 // the more accurate too (the bounds tests/test_masked_softmax.cpp holds them to).
 #pragma once
 
+#include <algorithm>
 #include <limits>
 #include <type_traits>
 
@@ -82,6 +84,20 @@ inline float horizontal_sum(__m512 x) {
   return _mm_cvtss_f32(pairs) + _mm_cvtss_f32(_mm_shuffle_ps(pairs, pairs, 1));
 }
 
+// max(a, b) lane by lane (b where either is NaN), under a full mask: GCC 12 warns about the
+// plain form's undefined source once inlined, as for the shuffles below.
+inline __m512 maximum16(__m512 a, __m512 b) { return _mm512_maskz_max_ps(0xFFFF, a, b); }
+
+// The largest of the 16 lanes, by the same shuffles as horizontal_sum.
+inline float horizontal_maximum(__m512 x) {
+  const __m512 halves = maximum16(x, _mm512_maskz_shuffle_f32x4(0xFFFF, x, x, 0x4E));
+  const __m512 quarters =
+      maximum16(halves, _mm512_maskz_shuffle_f32x4(0xFFFF, halves, halves, 0xB1));
+  const __m128 quarter = _mm512_maskz_extractf32x4_ps(0xF, quarters, 0);
+  const __m128 pairs = _mm_max_ps(quarter, _mm_movehl_ps(quarter, quarter));
+  return std::max(_mm_cvtss_f32(pairs), _mm_cvtss_f32(_mm_shuffle_ps(pairs, pairs, 1)));
+}
+
 inline float exponentiate_shifted_avx512(float* x, Index n, float shift) {
   const __m512 shift_vector = _mm512_set1_ps(shift);
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
@@ -104,6 +120,36 @@ inline float exponentiate_shifted_avx512(float* x, Index n, float shift) {
   return horizontal_sum(_mm512_add_ps(sum0, sum1));
 }
 #endif
+
+// The largest of x[0, n), −∞ for n = 0: what a row is shifted by. With a NaN entry the result
+// is unspecified (NaN, or the largest of part of the row, −∞ included: a max chain restarts after
+// a NaN, as Eigen's maxCoeff's do), so a caller checks the rows whose maximum is −∞ for NaN; in
+// every other row the NaN reaches the exponentials and their sum.
+// Cost: one pass over x; with AVX-512 (float) four independent max chains, so that the pass
+// runs at the loads' rate rather than at one max per latency of the chain.
+template <typename Scalar>
+Scalar row_maximum(const Scalar* x, Index n) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same<Scalar, float>::value) {
+    const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512 m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
+    Index s = 0;
+    for (; s + 64 <= n; s += 64) {
+      m0 = maximum16(m0, _mm512_loadu_ps(x + s));
+      m1 = maximum16(m1, _mm512_loadu_ps(x + s + 16));
+      m2 = maximum16(m2, _mm512_loadu_ps(x + s + 32));
+      m3 = maximum16(m3, _mm512_loadu_ps(x + s + 48));
+    }
+    for (; s < n; s += 16) {
+      const __mmask16 lanes = n - s >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - s)) - 1u);
+      m0 = maximum16(m0, _mm512_mask_loadu_ps(lowest, lanes, x + s));
+    }
+    return horizontal_maximum(maximum16(maximum16(m0, m1), maximum16(m2, m3)));
+  }
+#endif
+  if (n == 0) return -std::numeric_limits<Scalar>::infinity();
+  return Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(x, n).maxCoeff();
+}
 
 // The contract at the top: the AVX-512 pass for float where compiled, else the portable one.
 template <typename Scalar>

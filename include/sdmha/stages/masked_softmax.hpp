@@ -3,7 +3,8 @@
 //
 //   math:  P[t, s] = exp(S[t, s] − m_t) / Σ_s' exp(S[t, s'] − m_t), m_t = max_s S[t, s];
 //          a row whose scores are all −∞ (every key blocked) gets P[t, ·] = 0 (Keras 3), or 1/keys
-//          with FullyMaskedRows::uniform
+//          with FullyMaskedRows::uniform; a NaN or +∞ score makes its row NaN (among blocked
+//          keys too)
 //   pre:   blocked positions hold −∞ (ScoreKernel's convention); S is rows × keys, all keys of its
 //   rows cost:  O(rows·keys) exponentials
 //
@@ -60,9 +61,11 @@ struct MaskedSoftmax {
     const Index columns = args.scores.cols();
     for (Index t = 0; t < args.scores.rows(); ++t) {
       auto row = args.scores.row(t).array();
-      const Scalar row_max = columns == 0 ? minus_infinity : row.maxCoeff();
+      const Scalar row_max = detail::row_maximum(args.scores.row(t).data(), columns);
       if (row_max == minus_infinity) {
-        if (args.fully_masked_rows == FullyMaskedRows::uniform && columns > 0)
+        if (row.isNaN().any())  // a NaN among blocked keys: the row is NaN, as everywhere else
+          row.setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+        else if (args.fully_masked_rows == FullyMaskedRows::uniform && columns > 0)
           row.setConstant(Scalar(1) / Scalar(columns));
         else
           row.setZero();
