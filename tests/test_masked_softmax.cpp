@@ -250,7 +250,7 @@ TYPED_TEST(MaskedSoftmaxTest, ShiftedExponentialsOfInfinityNaNAndTinyArguments) 
 
 // detail::row_maximum, what every softmax row is shifted by: the largest entry for every length
 // (so the vector loop's four chains and its masked tail are all covered), wherever it sits, −∞
-// for an empty or fully blocked row. (With a NaN it is unspecified: ANaNScoreMakesItsRowNaN.)
+// for an empty or fully blocked row, and NaN entries skipped (−∞ if every entry is NaN).
 TYPED_TEST(MaskedSoftmaxTest, RowMaximumOfEveryLengthAndPlace) {
   using Scalar = TypeParam;
   std::mt19937 generator(23);
@@ -269,33 +269,49 @@ TYPED_TEST(MaskedSoftmaxTest, RowMaximumOfEveryLengthAndPlace) {
         << "n " << n;
     std::vector<Scalar> blocked(static_cast<std::size_t>(n), kMinusInfinity<Scalar>);
     EXPECT_EQ(sdmha::detail::row_maximum(blocked.data(), n), kMinusInfinity<Scalar>) << "n " << n;
+    std::vector<Scalar> with_nan = x;  // NaN in every 5th entry from the third
+    for (Index s = n / 3; s < n; s += 5)
+      with_nan[std::size_t(s)] = std::numeric_limits<Scalar>::quiet_NaN();
+    Scalar largest = kMinusInfinity<Scalar>;
+    for (const Scalar value : with_nan)
+      if (!std::isnan(value)) largest = std::max(largest, value);
+    EXPECT_EQ(sdmha::detail::row_maximum(with_nan.data(), n), largest) << "n " << n;
+    std::vector<Scalar> all_nan(static_cast<std::size_t>(n),
+                                std::numeric_limits<Scalar>::quiet_NaN());
+    EXPECT_EQ(sdmha::detail::row_maximum(all_nan.data(), n), kMinusInfinity<Scalar>) << "n " << n;
   }
 }
 
-// A NaN score makes its row NaN wherever it is: among finite scores, among blocked keys only
-// (where the row's maximum is −∞ and the row would otherwise be zeros or uniform), and between
-// finite scores and blocked keys after it (where a max chain that a NaN restarts sees only −∞),
-// under both policies.
-TYPED_TEST(MaskedSoftmaxTest, ANaNScoreMakesItsRowNaN) {
+// A NaN or +∞ score makes its row NaN wherever it is: a NaN among finite scores, among blocked
+// keys only (where the row's maximum is −∞ and the row would otherwise be zeros or uniform) and
+// before blocked keys; +∞ alone and +∞ with a NaN; under both policies, for lengths within one
+// vector, across the four max chains and with a tail.
+TYPED_TEST(MaskedSoftmaxTest, ANaNOrPlusInfinityScoreMakesItsRowNaN) {
   using Scalar = TypeParam;
   constexpr Scalar nan = std::numeric_limits<Scalar>::quiet_NaN();
+  constexpr Scalar infinity = std::numeric_limits<Scalar>::infinity();
+  constexpr Index poisoned_rows = 5;
   for (const auto policy : {sdmha::FullyMaskedRows::zeros, sdmha::FullyMaskedRows::uniform})
     for (Index cols : {1, 3, 17, 70, 130}) {
-      sdmha::RowMatrix<Scalar> scores = sdmha::RowMatrix<Scalar>::Constant(4, cols, Scalar(0.5));
+      sdmha::RowMatrix<Scalar> scores =
+          sdmha::RowMatrix<Scalar>::Constant(poisoned_rows + 1, cols, Scalar(0.5));
       scores(0, cols - 1) = nan;
       scores.row(1).setConstant(kMinusInfinity<Scalar>);
       scores(1, cols / 2) = nan;
       scores.row(2).tail(cols - cols / 2).setConstant(kMinusInfinity<Scalar>);
       scores(2, cols / 2) = nan;
+      scores(3, cols / 2) = infinity;
+      scores(4, 0) = infinity;
+      scores(4, cols - 1) = nan;
       typename Softmax<Scalar>::Arguments args{{}, scores};
       args.fully_masked_rows = policy;
       Softmax<Scalar>::can_implement(args);
       Softmax<Scalar>{}(args);
-      for (Index t = 0; t < 3; ++t)
+      for (Index t = 0; t < poisoned_rows; ++t)
         for (Index s = 0; s < cols; ++s)
           EXPECT_TRUE(std::isnan(scores(t, s))) << "cols " << cols << ", t " << t << ", s " << s;
       for (Index s = 0; s < cols; ++s)
-        EXPECT_EQ(scores(3, s), Scalar(1) / Scalar(cols)) << "cols " << cols << ", s " << s;
+        EXPECT_EQ(scores(poisoned_rows, s), Scalar(1) / Scalar(cols)) << "cols " << cols;
     }
 }
 

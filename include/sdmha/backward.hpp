@@ -268,15 +268,15 @@ struct Backward {
   }
 
   // Under FullyMaskedRows::uniform, which rows of the tile's scores are −∞ throughout: their
-  // probabilities are the constant 1/S and pass no gradient to the scores. Null otherwise.
+  // probabilities are the constant 1/S and pass no gradient to the scores. (A row with a NaN
+  // is not one: its probabilities and gradients are NaN.) Null otherwise.
   template <typename Tile>
   static const char* mark_fully_masked_rows(const AttentionPlan& plan, const Tile& scores,
                                             WorkerBuffers<Scalar>& worker) {
     if (plan.fully_masked_rows != FullyMaskedRows::uniform) return nullptr;
     constexpr Scalar minus_infinity = -std::numeric_limits<Scalar>::infinity();
     for (Index t = 0; t < scores.rows(); ++t)
-      worker.row_flags[std::size_t(t)] =
-          scores.cols() == 0 || scores.row(t).maxCoeff() == minus_infinity;
+      worker.row_flags[std::size_t(t)] = (scores.row(t).array() == minus_infinity).all();
     return worker.row_flags.data();
   }
 

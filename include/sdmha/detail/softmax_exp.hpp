@@ -2,9 +2,11 @@
 // and the row's maximum they are shifted by.
 //
 //   math:  x[s] ← exp(x[s] − shift), then 0 wherever that is below the smallest normal number;
-//          returns Σ_s x[s] (NaN if any x[s] − shift is NaN: a NaN entry, or shift +∞ or NaN)
+//          returns Σ_s x[s] (NaN if any x[s] − shift is NaN: a NaN entry, or shift +∞ or NaN).
+//          row_maximum: max_s x[s] over the entries that are not NaN, −∞ if there is none
 //   pre:   x holds n scalars; shift ≥ every x[s] that is not NaN (the row's maximum)
-//   cost:  one pass over x: per 16 floats a range reduction, a degree-7 polynomial and a scale
+//   cost:  one pass over x: per 16 floats a range reduction, a degree-7 polynomial and a scale;
+//          row_maximum one more pass, one max per 16 floats
 //
 // The masked softmax and the online softmax of the fused attention both run their rows through
 // this, so both give the same probabilities. Flushing below the smallest normal is what makes a
@@ -25,6 +27,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <type_traits>
 
@@ -121,34 +124,37 @@ inline float exponentiate_shifted_avx512(float* x, Index n, float shift) {
 }
 #endif
 
-// The largest of x[0, n), −∞ for n = 0: what a row is shifted by. With a NaN entry the result
-// is unspecified (NaN, or the largest of part of the row, −∞ included: a max chain restarts after
-// a NaN, as Eigen's maxCoeff's do), so a caller checks the rows whose maximum is −∞ for NaN; in
-// every other row the NaN reaches the exponentials and their sum.
-// Cost: one pass over x; with AVX-512 (float) four independent max chains, so that the pass
-// runs at the loads' rate rather than at one max per latency of the chain.
+// The largest of x[0, n) that is not NaN, −∞ if there is none (n = 0, or every entry −∞ or
+// NaN): what a row is shifted by. A NaN entry is skipped here and reaches the exponentials and
+// their sum, which it makes NaN; a caller whose row maximum is −∞ checks the row for NaN itself.
+// With AVX-512 (float) four independent max chains, so that the pass runs at the loads' rate
+// rather than at one max per latency of a chain; vmaxps returns its second operand when either
+// is NaN, so with the chain second a NaN entry never enters it.
 template <typename Scalar>
 Scalar row_maximum(const Scalar* x, Index n) {
+  constexpr Scalar minus_infinity = -std::numeric_limits<Scalar>::infinity();
 #if defined(__AVX512F__)
   if constexpr (std::is_same<Scalar, float>::value) {
-    const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m512 lowest = _mm512_set1_ps(minus_infinity);
     __m512 m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
     Index s = 0;
     for (; s + 64 <= n; s += 64) {
-      m0 = maximum16(m0, _mm512_loadu_ps(x + s));
-      m1 = maximum16(m1, _mm512_loadu_ps(x + s + 16));
-      m2 = maximum16(m2, _mm512_loadu_ps(x + s + 32));
-      m3 = maximum16(m3, _mm512_loadu_ps(x + s + 48));
+      m0 = maximum16(_mm512_loadu_ps(x + s), m0);
+      m1 = maximum16(_mm512_loadu_ps(x + s + 16), m1);
+      m2 = maximum16(_mm512_loadu_ps(x + s + 32), m2);
+      m3 = maximum16(_mm512_loadu_ps(x + s + 48), m3);
     }
     for (; s < n; s += 16) {
       const __mmask16 lanes = n - s >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - s)) - 1u);
-      m0 = maximum16(m0, _mm512_mask_loadu_ps(lowest, lanes, x + s));
+      m0 = maximum16(_mm512_mask_loadu_ps(lowest, lanes, x + s), m0);
     }
     return horizontal_maximum(maximum16(maximum16(m0, m1), maximum16(m2, m3)));
   }
 #endif
-  if (n == 0) return -std::numeric_limits<Scalar>::infinity();
-  return Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(x, n).maxCoeff();
+  if (n == 0) return minus_infinity;
+  const Scalar maximum = Eigen::Map<const Eigen::Array<Scalar, Eigen::Dynamic, 1>>(x, n)
+                             .template maxCoeff<Eigen::PropagateNumbers>();
+  return std::isnan(maximum) ? minus_infinity : maximum;  // every entry NaN
 }
 
 // The contract at the top: the AVX-512 pass for float where compiled, else the portable one.

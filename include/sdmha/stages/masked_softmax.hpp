@@ -5,8 +5,9 @@
 //          a row whose scores are all −∞ (every key blocked) gets P[t, ·] = 0 (Keras 3), or 1/keys
 //          with FullyMaskedRows::uniform; a NaN or +∞ score makes its row NaN (among blocked
 //          keys too)
-//   pre:   blocked positions hold −∞ (ScoreKernel's convention); S is rows × keys, all keys of its
-//   rows cost:  O(rows·keys) exponentials
+//   pre:   blocked positions hold −∞ (ScoreKernel's convention); S is rows × keys, all keys of
+//          its rows
+//   cost:  O(rows·keys) exponentials
 //
 // Backward: dS = P ⊙ (dP − rowsum(P ⊙ dP)), exactly 0 wherever P = 0 (blocked entries, fully
 // blocked rows), in place of dP; 0 on the rows flagged fully blocked (the uniform policy's rows,
