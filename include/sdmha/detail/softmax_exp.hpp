@@ -75,30 +75,32 @@ inline __m512 exp_flushed_avx512(__m512 y) {
   return _mm512_maskz_mov_ps(keep, result);
 }
 
-// The 16 lanes' sum in the order of _mm512_reduce_add_ps (halves, quarters, then pairs), with
-// shuffles and an extract under full masks: GCC 12 warns about the plain forms' undefined sources
-// once inlined.
-inline float horizontal_sum(__m512 x) {
-  const __m512 halves = _mm512_add_ps(x, _mm512_maskz_shuffle_f32x4(0xFFFF, x, x, 0x4E));
-  const __m512 quarters =
-      _mm512_add_ps(halves, _mm512_maskz_shuffle_f32x4(0xFFFF, halves, halves, 0xB1));
-  const __m128 quarter = _mm512_maskz_extractf32x4_ps(0xF, quarters, 0);
-  const __m128 pairs = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter));
-  return _mm_cvtss_f32(pairs) + _mm_cvtss_f32(_mm_shuffle_ps(pairs, pairs, 1));
-}
-
 // max(a, b) lane by lane (b where either is NaN), under a full mask: GCC 12 warns about the
 // plain form's undefined source once inlined, as for the shuffles below.
 inline __m512 maximum16(__m512 a, __m512 b) { return _mm512_maskz_max_ps(0xFFFF, a, b); }
 
-// The largest of the 16 lanes, by the same shuffles as horizontal_sum.
-inline float horizontal_maximum(__m512 x) {
-  const __m512 halves = maximum16(x, _mm512_maskz_shuffle_f32x4(0xFFFF, x, x, 0x4E));
-  const __m512 quarters =
-      maximum16(halves, _mm512_maskz_shuffle_f32x4(0xFFFF, halves, halves, 0xB1));
+// The lanes' combinations horizontal_reduce takes: sums, and maxima.
+struct AddLanes {
+  __m512 operator()(__m512 a, __m512 b) const { return _mm512_add_ps(a, b); }
+  __m128 operator()(__m128 a, __m128 b) const { return _mm_add_ps(a, b); }
+  float operator()(float a, float b) const { return a + b; }
+};
+struct MaxLanes {
+  __m512 operator()(__m512 a, __m512 b) const { return maximum16(a, b); }
+  __m128 operator()(__m128 a, __m128 b) const { return _mm_max_ps(a, b); }
+  float operator()(float a, float b) const { return std::max(a, b); }
+};
+
+// The 16 lanes combined in the order of _mm512_reduce_add_ps (halves, quarters, then pairs),
+// with shuffles and an extract under full masks: GCC 12 warns about the plain forms' undefined
+// sources once inlined.
+template <typename Combine>
+inline float horizontal_reduce(__m512 x, Combine combine) {
+  const __m512 halves = combine(x, _mm512_maskz_shuffle_f32x4(0xFFFF, x, x, 0x4E));
+  const __m512 quarters = combine(halves, _mm512_maskz_shuffle_f32x4(0xFFFF, halves, halves, 0xB1));
   const __m128 quarter = _mm512_maskz_extractf32x4_ps(0xF, quarters, 0);
-  const __m128 pairs = _mm_max_ps(quarter, _mm_movehl_ps(quarter, quarter));
-  return std::max(_mm_cvtss_f32(pairs), _mm_cvtss_f32(_mm_shuffle_ps(pairs, pairs, 1)));
+  const __m128 pairs = combine(quarter, _mm_movehl_ps(quarter, quarter));
+  return combine(_mm_cvtss_f32(pairs), _mm_cvtss_f32(_mm_shuffle_ps(pairs, pairs, 1)));
 }
 
 inline float exponentiate_shifted_avx512(float* x, Index n, float shift) {
@@ -120,7 +122,7 @@ inline float exponentiate_shifted_avx512(float* x, Index n, float shift) {
     _mm512_mask_storeu_ps(x + s, lanes, e);
     sum0 = _mm512_add_ps(sum0, _mm512_maskz_mov_ps(lanes, e));
   }
-  return horizontal_sum(_mm512_add_ps(sum0, sum1));
+  return horizontal_reduce(_mm512_add_ps(sum0, sum1), AddLanes{});
 }
 #endif
 
@@ -148,7 +150,7 @@ Scalar row_maximum(const Scalar* x, Index n) {
       const __mmask16 lanes = n - s >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - s)) - 1u);
       m0 = maximum16(_mm512_mask_loadu_ps(lowest, lanes, x + s), m0);
     }
-    return horizontal_maximum(maximum16(maximum16(m0, m1), maximum16(m2, m3)));
+    return horizontal_reduce(maximum16(maximum16(m0, m1), maximum16(m2, m3)), MaxLanes{});
   }
 #endif
   if (n == 0) return minus_infinity;
