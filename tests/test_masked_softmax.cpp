@@ -248,6 +248,22 @@ TYPED_TEST(MaskedSoftmaxTest, ShiftedExponentialsOfInfinityNaNAndTinyArguments) 
   expect_special_exponentials<Scalar>(sdmha::detail::exponentiate_shifted_portable<Scalar>);
 }
 
+// The flush's edge in float: the float just above ln FLT_MIN gives a normal number on both paths,
+// the float below it exactly 0 (its exp is below FLT_MIN).
+TEST(ShiftedExponentials, FloatFlushEdgeIsTheSmallestNormal) {
+  const float edge = -87.3365402f, below = std::nextafter(edge, -100.0f);
+  for (auto exponentiate : {sdmha::detail::exponentiate_shifted<float>,
+                            sdmha::detail::exponentiate_shifted_portable<float>}) {
+    std::vector<float> x = {edge, below, edge + 1.0f, below};
+    exponentiate(x.data(), Index(x.size()), 0.0f);
+    EXPECT_GE(x[0], std::numeric_limits<float>::min());
+    EXPECT_NEAR(double(x[0]) / std::exp(double(edge)), 1.0, 1e-6);
+    EXPECT_EQ(x[1], 0.0f);
+    EXPECT_NEAR(double(x[2]) / std::exp(double(edge + 1.0f)), 1.0, 1e-6);
+    EXPECT_EQ(x[3], 0.0f);
+  }
+}
+
 // detail::row_maximum, what every softmax row is shifted by: the largest entry for every length
 // (so the vector loop's four chains and its masked tail are all covered), wherever it sits, −∞
 // for an empty or fully blocked row, and NaN entries skipped (−∞ if every entry is NaN).

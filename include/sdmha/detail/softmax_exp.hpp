@@ -1,11 +1,12 @@
 // sdmha/detail/softmax_exp.hpp — the softmax's exponentials of one row, in place, and their sum;
 // and the row's maximum they are shifted by.
 //
-//   math:  x[s] ← exp(x[s] − shift), then 0 wherever that is below the smallest normal number;
+//   math:  x[s] ← exp(x[s] − shift), then 0 wherever that is below the smallest normal number
+//          (float with AVX-512: below FLT_MIN·(1 + 5·10⁻⁶), decided on the argument);
 //          returns Σ_s x[s] (NaN if any x[s] − shift is NaN: a NaN entry, or shift +∞ or NaN).
 //          row_maximum: max_s x[s] over the entries that are not NaN, −∞ if there is none
 //   pre:   x holds n scalars; shift ≥ every x[s] that is not NaN (the row's maximum)
-//   cost:  one pass over x: per 16 floats a range reduction, a degree-7 polynomial and a scale;
+//   cost:  one pass over x: per 16 floats a range reduction, a degree-6 polynomial and a scale;
 //          row_maximum one more pass, one max per 16 floats
 //
 // The masked softmax and the online softmax of the fused attention both run their rows through
@@ -16,12 +17,15 @@
 // precision.
 //
 // float with AVX-512F: one pass, exp(y) = 2ⁿ·e^f with n = round(y·log₂e) and f = y − n·ln 2 in
-// two parts (Cody–Waite: n·ln2_hi is exact for |n| < 2¹⁵), so |f| ≤ ln 2 / 2 and e^f by its
-// Taylor polynomial of degree 7 (remainder |f|⁸/8! < 5.2e-9), summed as 1 + (f + f²·q(f)) so
-// that the last rounding is that of adding 1; 2ⁿ is applied by vscalefps (exact, or 0 on
-// underflow). Arguments below −104 (2ⁿ underflows to 0 there) are clamped to −104 first, keeping
-// NaN. Everywhere else (double, no AVX-512): Eigen's vectorised exp, a loop the compiler vectorises
-// for the flush, and Eigen's sum. Relative to exp, the AVX-512 exp errs by less than 1·ε and
+// two parts (Cody–Waite: n·ln2_hi is exact for |n| < 2¹⁵), so |f| ≤ ln 2 / 2 and e^f by a
+// polynomial of degree 6, 1 + (f + f²·q(f)) so that the last rounding is that of adding 1, with
+// q the weighted-minimax fit of (e^f − 1 − f)/f² (relative error of e^f below 4·10⁻⁹ with the
+// coefficients rounded to float, against 5.2·10⁻⁹ for the Taylor polynomial of degree 7, one
+// multiply-add more); 2ⁿ is applied by vscalefps, zeroing the lanes whose argument is below
+// −87.3365402 (the float just above ln FLT_MIN) in the same instruction. Arguments below −104
+// are clamped to −104 first, keeping NaN, so that −∞ reduces without an invalid operation
+// (∞ − ∞). Everywhere else (double, no AVX-512): Eigen's vectorised exp, a loop the compiler
+// vectorises for the flush, and Eigen's sum. Relative to exp, the AVX-512 exp errs by less than 1·ε and
 // without bias, Eigen 3.4's float exp by up to 3ε and upwards on average, so the AVX-512 path is
 // the more accurate too (the bounds tests/test_masked_softmax.cpp holds them to).
 #pragma once
@@ -53,26 +57,23 @@ Scalar exponentiate_shifted_portable(Scalar* x, Index n, Scalar shift) {
 #if defined(__AVX512F__)
 // exp(y) for 16 lanes as described above, flushed below the smallest normal to 0.
 inline __m512 exp_flushed_avx512(__m512 y) {
+  // Kept: arguments whose exp is a normal number (≥ FLT_MIN·(1 + 4.5e-6)), and NaN (unordered
+  // compares true).
+  const __mmask16 keep = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-87.3365402f), _CMP_NLT_UQ);
   const __m512 clamped = _mm512_max_ps(_mm512_set1_ps(-104.0f), y);  // 2nd operand: NaN kept
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped);
   f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-  // e^f = 1 + (f + f²·q(f)), q the Taylor coefficients 1/2! … 1/7! by Horner: the bracket is
-  // small (|·| < 0.42), so its rounding errors are small against the result's ulp, and adding
-  // the 1 last rounds once.
-  __m512 q = _mm512_set1_ps(1.0f / 5040.0f);
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f / 720.0f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f / 120.0f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f / 24.0f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f / 6.0f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0.5f));
+  // e^f = 1 + (f + f²·q(f)), q(f) of degree 4 by Horner: the bracket is small (|·| < 0.42), so
+  // its rounding errors are small against the result's ulp, and adding the 1 last rounds once.
+  __m512 q = _mm512_set1_ps(1.381461276e-3f);
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(8.368710056e-3f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(4.166838899e-2f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.666652113e-1f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(4.999999404e-1f));
   const __m512 p = _mm512_add_ps(_mm512_fmadd_ps(q, _mm512_mul_ps(f, f), f), _mm512_set1_ps(1.0f));
-  const __m512 result = _mm512_scalef_ps(p, n);
-  // Kept: results ≥ the smallest normal, and NaN (unordered compares true).
-  const __mmask16 keep =
-      _mm512_cmp_ps_mask(result, _mm512_set1_ps(std::numeric_limits<float>::min()), _CMP_NLT_UQ);
-  return _mm512_maskz_mov_ps(keep, result);
+  return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
 // max(a, b) lane by lane (b where either is NaN), under a full mask: GCC 12 warns about the
