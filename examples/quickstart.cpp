@@ -15,6 +15,7 @@ int main() {
   sdmha::MhaConfig config;
   config.num_heads = 8;
   config.key_dim = 64;
+  config.output_dim = 512;  // 0 (the default) is Keras' output_shape=None: the query's width
   auto weights = sdmha::MhaWeights<float>::glorot_uniform(config, /*query_dim=*/32768,
                                                           /*key_in_dim=*/512, /*value_in_dim=*/512,
                                                           /*seed=*/42);

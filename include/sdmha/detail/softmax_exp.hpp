@@ -25,9 +25,9 @@
 // −87.3365402 (the float just above ln FLT_MIN) in the same instruction. Arguments below −104
 // are clamped to −104 first, keeping NaN, so that −∞ reduces without an invalid operation
 // (∞ − ∞). Everywhere else (double, no AVX-512): Eigen's vectorised exp, a loop the compiler
-// vectorises for the flush, and Eigen's sum. Relative to exp, the AVX-512 exp errs by less than 1·ε and
-// without bias, Eigen 3.4's float exp by up to 3ε and upwards on average, so the AVX-512 path is
-// the more accurate too (the bounds tests/test_masked_softmax.cpp holds them to).
+// vectorises for the flush, and Eigen's sum. Relative to exp, the AVX-512 exp errs by less than 1·ε
+// and without bias, Eigen 3.4's float exp by up to 3ε and upwards on average, so the AVX-512 path
+// is the more accurate too (the bounds tests/test_masked_softmax.cpp holds them to).
 #pragma once
 
 #include <algorithm>
