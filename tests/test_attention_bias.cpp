@@ -875,20 +875,23 @@ TEST(ProjectedContextAppend, MismatchedBatchOrWidthIsShapeError) {
 // ---- non-finite biases, raw views, edge cases of append -------------------------------------
 
 // A NaN or +∞ bias makes its row NaN, as the softmax makes it, on the tiled path and on the
-// online-softmax path alike (S > kKeyTile, no returned scores); the other rows stay finite.
-TEST(AttentionBiasNonFinite, NanAndPlusInfinityPropagateOnEveryPath) {
+// online-softmax path alike (S > kKeyTile, no returned scores); the other rows stay finite. In
+// float too, whose rows go through the vectorised maximum and exponentials.
+template <typename Scalar>
+void expect_non_finite_bias_makes_its_row_nan() {
   for (const long key_steps : {7L, long(sdmha::detail::kKeyTile) + 40}) {
-    for (const double poison : {std::numeric_limits<double>::quiet_NaN(), kInfinity}) {
+    for (const Scalar poison :
+         {std::numeric_limits<Scalar>::quiet_NaN(), std::numeric_limits<Scalar>::infinity()}) {
       for (const long poisoned_key : {3L, key_steps - 2}) {
         Shape shape;
         shape.key_steps = key_steps;
-        auto c = make_case<double>(shape, 11000);
-        Tensor2<double> bias(c.shape.steps, key_steps);
+        auto c = make_case<Scalar>(shape, 11000);
+        Tensor2<Scalar> bias(c.shape.steps, key_steps);
         bias.setZero();
         bias(1, poisoned_key) = poison;
         c.options.attention_bias = bias;
         c.options.score_strategy = sdmha::ScoreStrategy::project_first;
-        const Layer layer(c.config, c.weights);
+        const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
         const auto result = layer.forward(c.query(), c.key, c.value, c.options);
         SCOPED_TRACE("S = " + std::to_string(key_steps) + ", bias " + std::to_string(poison) +
                      " at key " + std::to_string(poisoned_key));
@@ -899,6 +902,11 @@ TEST(AttentionBiasNonFinite, NanAndPlusInfinityPropagateOnEveryPath) {
       }
     }
   }
+}
+
+TEST(AttentionBiasNonFinite, NanAndPlusInfinityPropagateOnEveryPath) {
+  expect_non_finite_bias_makes_its_row_nan<double>();
+  expect_non_finite_bias_makes_its_row_nan<float>();
 }
 
 // A raw view's rank must agree with its dimensions: (T, S) with B' = 2 is a ShapeError.
