@@ -909,6 +909,52 @@ TEST(AttentionBiasNonFinite, NanAndPlusInfinityPropagateOnEveryPath) {
   expect_non_finite_bias_makes_its_row_nan<float>();
 }
 
+// A −∞ bias blocks its position as a mask does, also for a key row that is not finite: a NaN or
+// ±∞ key row whose every position has a −∞ bias changes neither the output nor any gradient
+// (against the same call with that row zero), on the tiled and the online-softmax path.
+template <typename Scalar>
+void expect_minus_infinity_bias_blocks_non_finite_keys() {
+  const Scalar tolerance = std::is_same<Scalar, float>::value ? Scalar(1e-5) : Scalar(1e-12);
+  for (const long key_steps : {7L, long(sdmha::detail::kKeyTile) + 40}) {
+    for (const Scalar poison :
+         {std::numeric_limits<Scalar>::quiet_NaN(), std::numeric_limits<Scalar>::infinity()}) {
+      Shape shape;
+      shape.key_steps = key_steps;
+      auto c = make_case<Scalar>(shape, 11050);
+      const long blocked_key = key_steps - 3;
+      Tensor2<Scalar> bias(c.shape.steps, key_steps);
+      bias.setConstant(Scalar(0.25));
+      for (long t = 0; t < c.shape.steps; ++t) bias(t, blocked_key) = -kInfinity;
+      c.options.attention_bias = bias;
+      auto zeroed = c.key, poisoned = c.key;
+      for (long e = 0; e < c.key.dimension(2); ++e) {
+        zeroed(0, blocked_key, e) = Scalar(0);
+        poisoned(0, blocked_key, e) = poison;
+      }
+      const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
+      SCOPED_TRACE("S = " + std::to_string(key_steps) + ", key row " + std::to_string(poison));
+      const auto expected = layer.forward(c.query(), zeroed, c.value, c.options);
+      const auto result = layer.forward(c.query(), poisoned, c.value, c.options);
+      const std::vector<double> expected_output(expected.output.data(),
+                                                expected.output.data() + expected.output.size());
+      EXPECT_TRUE(all_near(result.output.data(), expected_output, double(tolerance)));
+      const auto d_output = gradient_check::random_d_output(c, 3);
+      const auto g_expected = layer.backward(c.query(), zeroed, c.value, d_output, c.options);
+      const auto g = layer.backward(c.query(), poisoned, c.value, d_output, c.options);
+      EXPECT_TRUE(g.query_kernel.isApprox(g_expected.query_kernel, tolerance));
+      EXPECT_TRUE(g.key_kernel.isApprox(g_expected.key_kernel, tolerance));
+      EXPECT_TRUE(g.value_kernel.isApprox(g_expected.value_kernel, tolerance));
+      EXPECT_TRUE(g.output_kernel.isApprox(g_expected.output_kernel, tolerance));
+      EXPECT_TRUE(g.key_bias.isApprox(g_expected.key_bias, tolerance));
+    }
+  }
+}
+
+TEST(AttentionBiasNonFinite, MinusInfinityBiasBlocksANonFiniteKeyRow) {
+  expect_minus_infinity_bias_blocks_non_finite_keys<double>();
+  expect_minus_infinity_bias_blocks_non_finite_keys<float>();
+}
+
 // A raw view's rank must agree with its dimensions: (T, S) with B' = 2 is a ShapeError.
 TEST(AttentionBiasErrors, RawViewRankDisagreeingWithItsDimensions) {
   auto c = make_case<double>(Shape{}, 11100);  // B = 2, H = 2, T = 5, S = 7

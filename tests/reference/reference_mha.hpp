@@ -109,7 +109,8 @@ inline Result forward(const Problem& p) {
         double* probability = r.probabilities.data() + ((b * H + h) * T + t) * S;
         double row_max = minus_infinity;
         for (long s = 0; s < S; ++s) {
-          if (!allowed(p, b, h, t, s)) {
+          const double bias = bias_at(p, b, h, t, s);
+          if (!allowed(p, b, h, t, s) || bias == minus_infinity) {  // a −∞ bias blocks as a mask
             score[s] = minus_infinity;
             continue;
           }
@@ -117,7 +118,7 @@ inline Result forward(const Problem& p) {
           for (long d = 0; d < Dk; ++d)
             dot += (r.query[(b * T + t) * H * Dk + h * Dk + d] * scale) *
                    r.key[(b * S + s) * H * Dk + h * Dk + d];
-          dot += bias_at(p, b, h, t, s);  // −∞ blocks like a mask; NaN, +∞ propagate
+          dot += bias;  // NaN, +∞ propagate
           score[s] = dot;
           if (dot > row_max) row_max = dot;
         }

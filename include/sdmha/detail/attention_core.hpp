@@ -54,8 +54,10 @@ BatchMask item_mask(const AttentionItem& item, const AttentionOptions<Scalar>& o
   return mask;
 }
 
-// scores += the item's block of attention_bias, except where a score is −∞ (blocked: it stays
-// blocked). Cost O(rows·keys) when there is a bias.
+// scores += the item's block of attention_bias, where neither is −∞; −∞ where either is: a
+// blocked score stays blocked, and a −∞ bias blocks its position as a mask does, whatever the
+// score (a NaN or ±∞ score from a non-finite key row included, which the sum would make NaN).
+// Cost O(rows·keys) when there is a bias.
 template <typename Scalar, typename Tile>
 void add_attention_bias(const AttentionItem& item, const AttentionOptions<Scalar>& options,
                         Tile&& scores) {
@@ -66,7 +68,7 @@ void add_attention_bias(const AttentionItem& item, const AttentionOptions<Scalar
     const Scalar* bias_row = bias.at(item.batch, item.head, item.query_begin + t, item.key_begin);
     for (Index s = 0; s < scores.cols(); ++s) {
       Scalar& score = scores(t, s);
-      score = score == blocked ? blocked : score + bias_row[s];
+      score = score == blocked || bias_row[s] == blocked ? blocked : score + bias_row[s];
     }
   }
 }
