@@ -911,48 +911,68 @@ TEST(AttentionBiasNonFinite, NanAndPlusInfinityPropagateOnEveryPath) {
 
 // A −∞ bias blocks its position as a mask does, also for a key row that is not finite: a NaN or
 // ±∞ key row whose every position has a −∞ bias changes neither the output nor any gradient
-// (against the same call with that row zero), on the tiled and the online-softmax path.
+// (against the same call with that row zero), on the tiled and the online-softmax path, under
+// both fully-masked policies (query row 0 is blocked entirely by its bias).
 template <typename Scalar>
-void expect_minus_infinity_bias_blocks_non_finite_keys() {
-  const Scalar tolerance = std::is_same<Scalar, float>::value ? Scalar(1e-5) : Scalar(1e-12);
+std::vector<double> entries_of(const Scalar* data, Index size) {
+  return std::vector<double>(data, data + size);
+}
+
+template <typename Scalar>
+void expect_minus_infinity_bias_blocks_non_finite_keys(sdmha::FullyMaskedRows policy) {
+  const double tolerance = std::is_same<Scalar, float>::value ? 1e-5 : 1e-12;
+  constexpr Scalar inf = std::numeric_limits<Scalar>::infinity();
   for (const long key_steps : {7L, long(sdmha::detail::kKeyTile) + 40}) {
-    for (const Scalar poison :
-         {std::numeric_limits<Scalar>::quiet_NaN(), std::numeric_limits<Scalar>::infinity()}) {
+    for (const Scalar poison : {std::numeric_limits<Scalar>::quiet_NaN(), inf, -inf}) {
       Shape shape;
       shape.key_steps = key_steps;
       auto c = make_case<Scalar>(shape, 11050);
       const long blocked_key = key_steps - 3;
       Tensor2<Scalar> bias(c.shape.steps, key_steps);
       bias.setConstant(Scalar(0.25));
-      for (long t = 0; t < c.shape.steps; ++t) bias(t, blocked_key) = -kInfinity;
+      for (long t = 0; t < c.shape.steps; ++t) bias(t, blocked_key) = -inf;
+      for (long s = 0; s < key_steps; ++s) bias(0, s) = -inf;
       c.options.attention_bias = bias;
+      c.options.score_strategy = sdmha::ScoreStrategy::project_first;
+      c.options.fully_masked_rows = policy;
+      c.options.compute_bias_gradient = true;
       auto zeroed = c.key, poisoned = c.key;
       for (long e = 0; e < c.key.dimension(2); ++e) {
         zeroed(0, blocked_key, e) = Scalar(0);
         poisoned(0, blocked_key, e) = poison;
       }
       const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
-      SCOPED_TRACE("S = " + std::to_string(key_steps) + ", key row " + std::to_string(poison));
+      SCOPED_TRACE("S = " + std::to_string(key_steps) + ", key row " + std::to_string(poison) +
+                   ", " + sdmha::to_string(policy));
       const auto expected = layer.forward(c.query(), zeroed, c.value, c.options);
       const auto result = layer.forward(c.query(), poisoned, c.value, c.options);
-      const std::vector<double> expected_output(expected.output.data(),
-                                                expected.output.data() + expected.output.size());
-      EXPECT_TRUE(all_near(result.output.data(), expected_output, double(tolerance)));
+      EXPECT_TRUE(all_near(result.output.data(),
+                           entries_of(expected.output.data(), expected.output.size()), tolerance));
       const auto d_output = gradient_check::random_d_output(c, 3);
-      const auto g_expected = layer.backward(c.query(), zeroed, c.value, d_output, c.options);
-      const auto g = layer.backward(c.query(), poisoned, c.value, d_output, c.options);
-      EXPECT_TRUE(g.query_kernel.isApprox(g_expected.query_kernel, tolerance));
-      EXPECT_TRUE(g.key_kernel.isApprox(g_expected.key_kernel, tolerance));
-      EXPECT_TRUE(g.value_kernel.isApprox(g_expected.value_kernel, tolerance));
-      EXPECT_TRUE(g.output_kernel.isApprox(g_expected.output_kernel, tolerance));
-      EXPECT_TRUE(g.key_bias.isApprox(g_expected.key_bias, tolerance));
+      const auto want = layer.backward(c.query(), zeroed, c.value, d_output, c.options);
+      const auto got = layer.backward(c.query(), poisoned, c.value, d_output, c.options);
+      auto expect_same = [&](const auto& got_part, const auto& want_part, const char* name) {
+        EXPECT_TRUE(
+            all_near(got_part.data(), entries_of(want_part.data(), want_part.size()), tolerance))
+            << name;
+      };
+      expect_same(got.query_kernel, want.query_kernel, "query_kernel");
+      expect_same(got.key_kernel, want.key_kernel, "key_kernel");
+      expect_same(got.value_kernel, want.value_kernel, "value_kernel");
+      expect_same(got.output_kernel, want.output_kernel, "output_kernel");
+      expect_same(got.key_bias, want.key_bias, "key_bias");
+      expect_same(got.query_values, want.query_values, "query_values");
+      expect_same(got.key, want.key, "key");
+      expect_same(got.attention_bias, want.attention_bias, "attention_bias");
     }
   }
 }
 
 TEST(AttentionBiasNonFinite, MinusInfinityBiasBlocksANonFiniteKeyRow) {
-  expect_minus_infinity_bias_blocks_non_finite_keys<double>();
-  expect_minus_infinity_bias_blocks_non_finite_keys<float>();
+  for (const auto policy : {sdmha::FullyMaskedRows::zeros, sdmha::FullyMaskedRows::uniform}) {
+    expect_minus_infinity_bias_blocks_non_finite_keys<double>(policy);
+    expect_minus_infinity_bias_blocks_non_finite_keys<float>(policy);
+  }
 }
 
 // A raw view's rank must agree with its dimensions: (T, S) with B' = 2 is a ShapeError.

@@ -108,6 +108,7 @@ inline Result forward(const Problem& p) {
         double* score = r.scores.data() + ((b * H + h) * T + t) * S;
         double* probability = r.probabilities.data() + ((b * H + h) * T + t) * S;
         double row_max = minus_infinity;
+        bool has_nan = false;  // a NaN score makes its row NaN, as the library's softmax does
         for (long s = 0; s < S; ++s) {
           const double bias = bias_at(p, b, h, t, s);
           if (!allowed(p, b, h, t, s) || bias == minus_infinity) {  // a −∞ bias blocks as a mask
@@ -120,10 +121,13 @@ inline Result forward(const Problem& p) {
                    r.key[(b * S + s) * H * Dk + h * Dk + d];
           dot += bias;  // NaN, +∞ propagate
           score[s] = dot;
+          has_nan = has_nan || std::isnan(dot);
           if (dot > row_max) row_max = dot;
         }
-        if (row_max == minus_infinity && !p.uniform_fully_masked) continue;  // probabilities stay 0
-        if (row_max == minus_infinity) {
+        if (has_nan && row_max == minus_infinity) {  // only NaN besides blocked scores: NaN row
+          for (long s = 0; s < S; ++s) probability[s] = std::numeric_limits<double>::quiet_NaN();
+        } else if (row_max == minus_infinity) {
+          if (!p.uniform_fully_masked) continue;  // probabilities stay 0
           for (long s = 0; s < S; ++s) probability[s] = 1.0 / double(S);
         } else {
           double total = 0.0;
