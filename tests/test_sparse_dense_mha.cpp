@@ -255,6 +255,48 @@ TYPED_TEST(SparseDenseMhaTest, AutomaticStrategyFollowsTheCostModel) {
   check_layer(a, a.options, "few_features");
 }
 
+// The distinct features are counted (a pass over every stored value) only where the count can
+// change the choice: skipping it is right exactly when regrouped loses at every possible count.
+TEST(StrategyPlanning, CountsDistinctFeaturesOnlyWhereTheyCanChangeTheChoice) {
+  using sdmha::ScoreStrategy;
+  sdmha::detail::AttentionPlan plan;
+  plan.dims.num_heads = 8;
+  plan.dims.key_dim = 64;
+  plan.batch = 8;
+  plan.steps = 128;
+  plan.key_steps = 256;
+  const Index bow_nonzeros = 8 * 128 * 328;  // `bow` at 1 %: 328 stored values a row
+  EXPECT_FALSE(
+      sdmha::detail::counts_distinct_features(ScoreStrategy::automatic, plan, bow_nonzeros));
+  EXPECT_TRUE(
+      sdmha::detail::counts_distinct_features(ScoreStrategy::sparse_regrouped, plan, bow_nonzeros));
+  EXPECT_FALSE(sdmha::detail::counts_distinct_features(ScoreStrategy::project_first, plan, 1));
+  // `seed` at 1 %: 5 stored values a row, 128 keys; regrouped can win if the rows share features.
+  plan.batch = 32;
+  plan.key_steps = 128;
+  EXPECT_TRUE(
+      sdmha::detail::counts_distinct_features(ScoreStrategy::automatic, plan, 32 * 128 * 5));
+  for (const Index steps : {1, 16, 400})
+    for (const Index key_steps : {1, 50, 64, 2048})
+      for (const bool causal : {false, true})
+        for (const Index per_row : {1, 3, 40, 500}) {
+          plan.batch = 2;
+          plan.steps = steps;
+          plan.key_steps = key_steps;
+          plan.causal = causal;
+          const Index nonzeros = 2 * steps * per_row;
+          if (sdmha::detail::counts_distinct_features(ScoreStrategy::automatic, plan, nonzeros))
+            continue;
+          for (const Index distinct : {Index(0), per_row, nonzeros / 2, nonzeros}) {
+            plan.query.distinct_total = distinct;
+            EXPECT_EQ(sdmha::detail::choose_strategy(ScoreStrategy::automatic, plan, nonzeros),
+                      ScoreStrategy::project_first)
+                << "T " << steps << ", S " << key_steps << ", causal " << causal << ", " << per_row
+                << " a row, " << distinct << " distinct";
+          }
+        }
+}
+
 // ---- bad input: every check names the argument, the value and the expectation ----
 
 TYPED_TEST(SparseDenseMhaTest, RejectsInvalidConfiguration) {

@@ -221,7 +221,7 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
                 MhaGradients<Scalar>& gradients) const;
 
   // The score strategy that `requested` resolves to for this query and S key steps (see
-  // detail::choose_strategy for the cost model).
+  // detail::regrouped_is_cheaper for the cost model).
   ScoreStrategy resolve_strategy(ScoreStrategy requested, const Query& query, Index key_steps,
                                  bool causal) const {
     if (requested != ScoreStrategy::automatic) return requested;
@@ -233,7 +233,9 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
     plan.steps = query.steps();
     plan.key_steps = key_steps;
     plan.causal = causal;
-    plan.query = detail::query_statistics(query.csr(), query.batch(), query.steps(), true, marks);
+    const bool count_features = detail::counts_distinct_features(requested, plan, query.nonzeros());
+    plan.query =
+        detail::query_statistics(query.csr(), query.batch(), query.steps(), count_features, marks);
     return detail::choose_strategy(requested, plan, query.nonzeros());
   }
 
@@ -257,7 +259,7 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
         Core::check_options(where, dims, query.batch(), query.steps(), key_steps, options, pass);
     const ScoreStrategy requested =
         query_kernel_bfloat16_ != nullptr ? ScoreStrategy::project_first : options.score_strategy;
-    const bool count_features = requested != ScoreStrategy::project_first;
+    const bool count_features = detail::counts_distinct_features(requested, plan, query.nonzeros());
     plan.query = detail::query_statistics(query.csr(), query.batch(), query.steps(), count_features,
                                           buffers.feature_marks);
     plan.strategy = detail::choose_strategy(requested, plan, query.nonzeros());

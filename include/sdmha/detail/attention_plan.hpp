@@ -200,14 +200,13 @@ inline Index plan_context_chunk(const AttentionPlan& plan, std::size_t scalar_by
   return tiles * plan.key_tile;
 }
 
-// The score strategy for `requested`. The cost model counts, per call, project-first's
-// 2·nnz·H·Dk sparse flops plus 2·B·H·T·S·Dk GEMM flops (about half under a causal mask, whose
-// blocked key tiles are skipped) against regrouped's 2·H·Dk·S·Σ_b U_b GEMM flops plus
-// 2·nnz·H·S sparse flops. A sparse flop is weighted as kSparseFlopCost GEMM flops: it streams a
-// row of a dense operand per stored value instead of reusing registers and cache as a GEMM does.
-inline ScoreStrategy choose_strategy(ScoreStrategy requested, const AttentionPlan& plan,
-                                     Index nonzeros) {
-  if (requested != ScoreStrategy::automatic) return requested;
+// Whether regrouped scores cost less than project-first ones, given Σ_b U_b. The cost model
+// counts, per call, project-first's 2·nnz·H·Dk sparse flops plus 2·B·H·T·S·Dk GEMM flops (about
+// half under a causal mask, whose blocked key tiles are skipped) against regrouped's
+// 2·H·Dk·S·Σ_b U_b GEMM flops plus 2·nnz·H·S sparse flops. A sparse flop is weighted as
+// kSparseFlopCost GEMM flops: it streams a row of a dense operand per stored value instead of
+// reusing registers and cache as a GEMM does.
+inline bool regrouped_is_cheaper(const AttentionPlan& plan, Index nonzeros, Index distinct_total) {
   constexpr double kSparseFlopCost = 4.0;
   const double H = double(plan.dims.num_heads), Dk = double(plan.dims.key_dim);
   const double S = double(plan.key_steps), nnz = double(nonzeros);
@@ -215,8 +214,28 @@ inline ScoreStrategy choose_strategy(ScoreStrategy requested, const AttentionPla
   const double project_first =
       kSparseFlopCost * 2 * nnz * H * Dk + (plan.causal ? 0.5 : 1.0) * 2 * B * H * T * S * Dk;
   const double regrouped =
-      2 * H * Dk * S * double(plan.query.distinct_total) + kSparseFlopCost * 2 * nnz * H * S;
-  return regrouped < project_first ? ScoreStrategy::sparse_regrouped : ScoreStrategy::project_first;
+      2 * H * Dk * S * double(distinct_total) + kSparseFlopCost * 2 * nnz * H * S;
+  return regrouped < project_first;
+}
+
+// The score strategy for `requested`, by the cost model of regrouped_is_cheaper.
+inline ScoreStrategy choose_strategy(ScoreStrategy requested, const AttentionPlan& plan,
+                                     Index nonzeros) {
+  if (requested != ScoreStrategy::automatic) return requested;
+  return regrouped_is_cheaper(plan, nonzeros, plan.query.distinct_total)
+             ? ScoreStrategy::sparse_regrouped
+             : ScoreStrategy::project_first;
+}
+
+// Whether planning `requested` needs U_b counted (query_statistics with count_features, a pass
+// over every stored value with random accesses): regrouped sizes its tiles by them and automatic
+// weighs them, unless regrouped loses even at Σ_b U_b = 0, its least: when its sparse flops
+// alone outweigh project-first's whole cost, as with many stored values a row and S ≫ Dk.
+inline bool counts_distinct_features(ScoreStrategy requested, const AttentionPlan& plan,
+                                     Index nonzeros) {
+  if (requested == ScoreStrategy::project_first) return false;
+  if (requested == ScoreStrategy::sparse_regrouped) return true;
+  return regrouped_is_cheaper(plan, nonzeros, 0);
 }
 
 template <typename Scalar, typename StorageIndex>
