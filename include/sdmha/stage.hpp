@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "sdmha/config.hpp"
+#include "sdmha/errors.hpp"
 
 namespace sdmha {
 
@@ -95,6 +96,22 @@ struct DeclaresBackward<Stage, std::void_t<decltype(&Stage::backward)>>
 template <typename Stage>
 struct IsDifferentiable : std::integral_constant<bool, DeclaresDifferentiates<Stage>::value ||
                                                            DeclaresBackward<Stage>::value> {};
+
+// A projection stage's check of its Arguments::kernel_bfloat16 (null: none given): a bfloat16
+// copy of the kernel only serves a float stage, and only with the float kernel's shape.
+template <typename Scalar, typename RoundedKernel, typename Kernel>
+void check_kernel_bfloat16(const char* where, const RoundedKernel* kernel_bfloat16,
+                           const Kernel& kernel) {
+  if (kernel_bfloat16 == nullptr) return;
+  if (!std::is_same<Scalar, float>::value)
+    fail<ConfigError>(where,
+                      "kernel_bfloat16 is set for a double stage; expected none "
+                      "(bfloat16 kernels need Scalar = float)");
+  if (kernel_bfloat16->rows() != kernel.rows() || kernel_bfloat16->cols() != kernel.cols())
+    fail<ShapeError>(where, "kernel_bfloat16 is ", kernel_bfloat16->rows(), " x ",
+                     kernel_bfloat16->cols(), "; expected the kernel's ", kernel.rows(), " x ",
+                     kernel.cols());
+}
 
 }  // namespace detail
 }  // namespace sdmha

@@ -129,16 +129,7 @@ struct DenseProjection {
     if (args.output.rows() != args.input.rows() || args.output.cols() != args.kernel.cols())
       detail::fail<ShapeError>(where, "output is ", args.output.rows(), " x ", args.output.cols(),
                                "; expected ", args.input.rows(), " x ", args.kernel.cols());
-    if (args.kernel_bfloat16 == nullptr) return;
-    if (!std::is_same<Scalar, float>::value)
-      detail::fail<ConfigError>(where,
-                                "kernel_bfloat16 is set for a double stage; expected none "
-                                "(bfloat16 kernels need Scalar = float)");
-    if (args.kernel_bfloat16->rows() != args.kernel.rows() ||
-        args.kernel_bfloat16->cols() != args.kernel.cols())
-      detail::fail<ShapeError>(where, "kernel_bfloat16 is ", args.kernel_bfloat16->rows(), " x ",
-                               args.kernel_bfloat16->cols(), "; expected the kernel's ",
-                               args.kernel.rows(), " x ", args.kernel.cols());
+    detail::check_kernel_bfloat16<Scalar>(where, args.kernel_bfloat16, args.kernel);
   }
 };
 

@@ -37,7 +37,7 @@ struct SparseQueryProjection {
   using StorageIndexType = StorageIndex;
   using differentiates = SparseQueryProjection;
   using FeatureGroups = detail::FeatureGroups<Scalar, StorageIndex>;
-  using BFloat16Kernel = RowMatrix<Eigen::bfloat16>;
+  using RoundedKernel = RowMatrix<Eigen::bfloat16>;  // Wq rounded to bfloat16, row-major
 
   struct Arguments {
     CsrView<Scalar, StorageIndex> query;  // rows × Eq
@@ -46,7 +46,7 @@ struct SparseQueryProjection {
     mutable MatrixRef<Scalar> output;  // rows × N
     StageScratch workspace = {};       // workspace_size() bytes for this call's sizes
     // Wq rounded to bfloat16 (Eq × N), or null: the float kernel is read.
-    const BFloat16Kernel* kernel_bfloat16 = nullptr;
+    const RoundedKernel* kernel_bfloat16 = nullptr;
   };
 
   // Two register-blocked kernels (detail/csr_dense_product.hpp gives the reasons). By rows: a
@@ -81,16 +81,7 @@ struct SparseQueryProjection {
     if (args.output.rows() != args.query.rows || args.output.cols() != args.kernel.cols())
       detail::fail<ShapeError>(where, "output is ", args.output.rows(), " x ", args.output.cols(),
                                "; expected ", args.query.rows, " x ", args.kernel.cols());
-    if (args.kernel_bfloat16 == nullptr) return;
-    if (!std::is_same<Scalar, float>::value)
-      detail::fail<ConfigError>(where,
-                                "kernel_bfloat16 is given for a double layer; expected it "
-                                "empty (bfloat16 kernels need Scalar = float)");
-    if (args.kernel_bfloat16->rows() != args.kernel.rows() ||
-        args.kernel_bfloat16->cols() != args.kernel.cols())
-      detail::fail<ShapeError>(where, "kernel_bfloat16 is ", args.kernel_bfloat16->rows(), " x ",
-                               args.kernel_bfloat16->cols(), "; expected the kernel's ",
-                               args.kernel.rows(), " x ", args.kernel.cols());
+    detail::check_kernel_bfloat16<Scalar>(where, args.kernel_bfloat16, args.kernel);
   }
 
   // The by-row kernel writes Q with streaming stores when Wq fits in L2 (so that reading Wq does
