@@ -86,6 +86,48 @@ TEST(BFloat16QueryKernelTest, WideQueryKernelIsBitwiseAndThreadInvariant) {
   EXPECT_TRUE(all_near(single.output.data(), expected.output, relative_tolerance<float>()));
 }
 
+// The same wide kernel with each row's columns given in descending order (a view of the
+// caller's CSR arrays, not known sorted): the bfloat16 layer goes by feature over the CSC, and
+// is the float32 layer on the rounded Wq over the same arrays, bit for bit, and the reference.
+TEST(BFloat16QueryKernelTest, WideQueryKernelTakesRowsWithUnsortedColumns) {
+  Shape s;
+  s.batch = 2;
+  s.steps = 40;
+  s.key_steps = 9;
+  s.query_dim = 3000;
+  s.heads = 3;
+  s.key_dim = 64;  // N = 192: a panel and a partial one; Wq 2.3 MB, beyond the cache
+  s.density = 0.06;
+  const auto c = make_case<float>(s, 43);
+  const auto twin = with_rounded_query_kernel(c);
+  const auto sorted = c.query();
+  const auto& csr = sorted.csr();
+  std::vector<int> offsets(csr.row_offsets, csr.row_offsets + csr.rows + 1);
+  std::vector<int> columns(csr.column_indices, csr.column_indices + csr.nonzeros());
+  std::vector<float> values(csr.values, csr.values + csr.nonzeros());
+  for (Index r = 0; r < csr.rows; ++r) {
+    std::reverse(columns.begin() + offsets[std::size_t(r)],
+                 columns.begin() + offsets[std::size_t(r) + 1]);
+    std::reverse(values.begin() + offsets[std::size_t(r)],
+                 values.begin() + offsets[std::size_t(r) + 1]);
+  }
+  const auto query = sdmha::SparseQuery<float>::view_csr(
+      s.batch, s.steps, s.query_dim, offsets.data(), Index(offsets.size()), columns.data(),
+      values.data(), Index(values.size()));
+  ASSERT_FALSE(query.csr().sorted_columns);
+  ASSERT_GE(query.nonzeros(), 2 * s.query_dim);
+  Layer layer(c.config, c.weights);
+  layer.set_query_kernel_precision(sdmha::Precision::bfloat16);
+  const Layer twin_layer(twin.config, twin.weights);
+  auto options = c.options;
+  options.score_strategy = sdmha::ScoreStrategy::project_first;
+  const auto result = layer.forward(query, c.key, c.value, options);
+  expect_same_bits(result.output, twin_layer.forward(query, c.key, c.value, options).output,
+                   "against the float32 layer on the rounded Wq");
+  const auto expected = sdmha_reference::forward(twin.problem);
+  EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<float>()));
+}
+
 // Back to float32, the layer is the float32 layer again (bit for bit what it gave before).
 TEST(BFloat16QueryKernelTest, Float32PrecisionRestoresTheFloatLayer) {
   const auto c = make_case<float>(Shape{}, 51);

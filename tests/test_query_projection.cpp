@@ -656,8 +656,9 @@ using FloatProjection = sdmha::SparseQueryProjection<float>;
 struct RoundedKernel {
   BFloat16Matrix rounded;
   sdmha::RowMatrix<float> widened;
+  sdmha::detail::BFloat16Panels panels;  // the same rounding, by column panels
   explicit RoundedKernel(const sdmha::RowMatrix<float>& kernel)
-      : rounded(kernel.cast<Eigen::bfloat16>()), widened(rounded.cast<float>()) {}
+      : rounded(kernel.cast<Eigen::bfloat16>()), widened(rounded.cast<float>()), panels(kernel) {}
 };
 
 sdmha::RowMatrix<float> random_kernel(Index rows, Index columns, std::uint64_t seed) {
@@ -706,6 +707,115 @@ TEST(QueryProjectionBFloat16Test, IsTheFloatKernelOnTheRoundedWeightsBitForBit) 
   }
 }
 
+// The panels hold the rounding of every entry, panel after panel, the last one padded with zeros.
+TEST(QueryProjectionBFloat16Test, PanelsHoldTheRoundedKernelByColumnPanels) {
+  constexpr Index kColumns = sdmha::detail::kBFloat16PanelColumns;
+  for (const Index width : {Index(1), Index(100), kColumns, kColumns + 1, Index(300)}) {
+    const RoundedKernel kernel(random_kernel(7, width, 60 + std::uint64_t(width)));
+    const auto& panels = kernel.panels;
+    ASSERT_EQ(panels.rows(), 7);
+    ASSERT_EQ(panels.cols(), width);
+    ASSERT_EQ(panels.panel_count(), (width + kColumns - 1) / kColumns);
+    for (Index p = 0; p < panels.panel_count(); ++p) {
+      const Index expected_width = std::min(kColumns, width - p * kColumns);
+      ASSERT_EQ(panels.panel_width(p), expected_width);
+      for (Index r = 0; r < 7; ++r)
+        for (Index j = 0; j < kColumns; ++j) {
+          const Eigen::bfloat16 stored = panels.panel(p)[r * kColumns + j];
+          const Eigen::bfloat16 expected =
+              j < expected_width ? kernel.rounded(r, p * kColumns + j) : Eigen::bfloat16(0.0f);
+          ASSERT_EQ(Eigen::numext::bit_cast<std::uint16_t>(stored),
+                    Eigen::numext::bit_cast<std::uint16_t>(expected))
+              << "width " << width << ", panel " << p << ", row " << r << ", column " << j;
+        }
+    }
+    for (Index r = 0; r < 7; ++r)
+      for (Index j = 0; j < width; ++j) ASSERT_EQ(panels(r, j), kernel.widened(r, j));
+  }
+}
+
+// The three kernels over the panels (by rows, by feature, by feature blocks) are the float by-row
+// kernel on the widened rounding, bit for bit: panel tails, with and without bias, empty and full
+// rows, and more features than one block holds (the blocks and their prefetch of the next one,
+// across panels).
+TEST(QueryProjectionBFloat16Test, PanelKernelsAreTheFloatKernelOnTheRoundedWeightsBitForBit) {
+  struct Size {
+    Index rows, features, width;
+    std::vector<Index> row_sizes;
+  };
+  const std::vector<Size> sizes = {{9, 40, 1, {5, 0, 1, 40}},      {7, 64, 128, {3, 64, 0}},
+                                   {5, 33, 300, {33, 2}},          {4, 4096, 300, {90, 0, 17, 400}},
+                                   {3, 2100, 520, {200, 1, 2100}}, {6, 5000, 129, {0, 700, 3}}};
+  for (const Size& size : sizes) {
+    SCOPED_TRACE(::testing::Message()
+                 << size.rows << " x " << size.features << " x " << size.width);
+    const HandCsr<float> x(size.rows, size.features, size.row_sizes,
+                           170 + std::uint64_t(size.width));
+    sdmha::CsrView<float> sorted = x.view();
+    sorted.sorted_columns = true;  // HandCsr sorts each row's columns
+    const RoundedKernel kernel(random_kernel(size.features, size.width, 171));
+    const sdmha::Vector<float> bias = sdmha::Vector<float>::LinSpaced(size.width, -1.0f, 1.0f);
+    for (const float* bias_data : {static_cast<const float*>(nullptr), bias.data()}) {
+      sdmha::RowMatrix<float> widened(size.rows, size.width), by_rows(size.rows, size.width),
+          by_feature(size.rows, size.width), by_blocks(size.rows, size.width);
+      sdmha::detail::csr_dense_product(x.view(), kernel.widened.data(), size.width, bias_data,
+                                       widened.data(), size.width, size.width);
+      sdmha::detail::bfloat16_panels_product(x.view(), kernel.panels, bias_data, by_rows.data(),
+                                             size.width);
+      CarvedFeatureGroups<float> scratch(size.features, x.view().nonzeros());
+      sdmha::detail::bfloat16_panels_by_feature(x.view(), kernel.panels, bias_data,
+                                                by_feature.data(), size.width, scratch.groups);
+      std::vector<int> cursors(std::size_t(size.rows), -1);
+      sdmha::detail::bfloat16_panels_by_feature_blocks(
+          sorted, kernel.panels, bias_data, by_blocks.data(), size.width, cursors.data());
+      const std::size_t bytes = sizeof(float) * std::size_t(widened.size());
+      EXPECT_EQ(0, std::memcmp(by_rows.data(), widened.data(), bytes)) << "by rows";
+      EXPECT_EQ(0, std::memcmp(by_feature.data(), widened.data(), bytes)) << "by feature";
+      EXPECT_EQ(0, std::memcmp(by_blocks.data(), widened.data(), bytes)) << "by feature blocks";
+    }
+  }
+}
+
+// The stage over a kernel beyond the cache (by feature): rows known to be sorted go by feature
+// blocks, others over the CSC; either way the float stage's bits on the widened rounding, for
+// the same rows. Rows with unsorted columns not marked sorted give those bits too (the CSC adds
+// in ascending feature order, as the float stage does there).
+TEST(QueryProjectionBFloat16Test, StageBeyondTheCacheTakesSortedAndUnsortedRows) {
+  const Index rows = 24, features = 4096, width = 300;
+  const HandCsr<float> x(rows, features, {400, 0, 3, 1000}, 181);
+  ASSERT_TRUE(FloatProjection::kernel_beyond_cache(features, width));
+  ASSERT_GE(x.view().nonzeros(), 2 * features);
+  HandCsr<float> reversed = x;  // each row's columns in descending order
+  for (Index r = 0; r < rows; ++r) {
+    const auto first = std::size_t(x.offsets[std::size_t(r)]);
+    const auto last = std::size_t(x.offsets[std::size_t(r) + 1]);
+    std::reverse(reversed.columns.begin() + std::ptrdiff_t(first),
+                 reversed.columns.begin() + std::ptrdiff_t(last));
+    std::reverse(reversed.values.begin() + std::ptrdiff_t(first),
+                 reversed.values.begin() + std::ptrdiff_t(last));
+  }
+  const RoundedKernel kernel(random_kernel(features, width, 182));
+  const sdmha::Vector<float> bias = sdmha::Vector<float>::LinSpaced(width, -1.0f, 1.0f);
+  const StageWorkspace<float> workspace(features, width, x.view().nonzeros());
+  sdmha::CsrView<float> sorted = x.view();
+  sorted.sorted_columns = true;
+  for (const sdmha::CsrView<float>& view : {sorted, x.view(), reversed.view()}) {
+    SCOPED_TRACE(view.sorted_columns                       ? "sorted"
+                 : view.column_indices == x.columns.data() ? "sorted, not marked"
+                                                           : "unsorted");
+    sdmha::RowMatrix<float> output(rows, width), in_float(rows, width);
+    FloatProjection::Arguments args{view, kernel.widened, bias, output, workspace.view()};
+    args.kernel_bfloat16 = &kernel.panels;
+    FloatProjection::can_implement(args);
+    FloatProjection()(args);
+    FloatProjection()({view, kernel.widened, bias, in_float, workspace.view()});
+    EXPECT_EQ(
+        0, std::memcmp(output.data(), in_float.data(), sizeof(float) * std::size_t(rows * width)));
+    const auto expected = x.reference(kernel.widened.data(), width, bias.data(), width);
+    EXPECT_TRUE(all_near(output.data(), expected, relative_tolerance<float>()));
+  }
+}
+
 // Against the float64 product with the exact weights: rounding each weight to nearest bfloat16
 // (8 significant bits) moves it by at most 2⁻⁸ of itself, so |Q̃ − Q| ≤ 2⁻⁸·Σ|x·w| plus float32's
 // own summation error
@@ -720,7 +830,7 @@ TEST(QueryProjectionBFloat16Test, StageStaysWithinTheRoundingBoundOfTheExactProd
   sdmha::RowMatrix<float> output(rows, width), in_float(rows, width);
   const FloatProjection stage;
   FloatProjection::Arguments args{x.view(), exact, bias, output};
-  args.kernel_bfloat16 = &kernel.rounded;
+  args.kernel_bfloat16 = &kernel.panels;
   FloatProjection::can_implement(args);
   stage(args);
   stage({x.view(), exact, bias, in_float});
@@ -749,7 +859,7 @@ TEST(QueryProjectionBFloat16Test, CanImplementRejectsAMismatchedOrDoubleKernel) 
   const RoundedKernel wrong(random_kernel(20, 9, 93));
   sdmha::RowMatrix<float> output(3, 8);
   FloatProjection::Arguments args{x.view(), kernel, sdmha::Vector<float>(), output};
-  args.kernel_bfloat16 = &wrong.rounded;
+  args.kernel_bfloat16 = &wrong.panels;
   SDMHA_EXPECT_THROW_WITH(FloatProjection::can_implement(args), sdmha::ShapeError,
                           "kernel_bfloat16 is 20 x 9; expected the kernel's 20 x 8");
   const HandCsr<double> x64(3, 20, {4}, 94);
@@ -758,7 +868,7 @@ TEST(QueryProjectionBFloat16Test, CanImplementRejectsAMismatchedOrDoubleKernel) 
   sdmha::RowMatrix<double> output64(3, 8);
   sdmha::SparseQueryProjection<double>::Arguments args64{x64.view(), kernel64,
                                                          sdmha::Vector<double>(), output64};
-  args64.kernel_bfloat16 = &rounded.rounded;
+  args64.kernel_bfloat16 = &rounded.panels;
   SDMHA_EXPECT_THROW_WITH(sdmha::SparseQueryProjection<double>::can_implement(args64),
                           sdmha::ConfigError, "bfloat16 kernels need Scalar = float");
 }

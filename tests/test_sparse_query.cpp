@@ -323,6 +323,35 @@ TYPED_TEST(SparseQueryTest, ViewCsrReadsTheCallersArraysInPlace) {
   EXPECT_TRUE(all_near(query.to_dense().data(), expected, kExact));
 }
 
+// Validation records whether every row's columns are non-decreasing (the bfloat16 query
+// projection's feature-block kernel needs it): from_coo sorts; view_csr and from_eigen take rows
+// as they come, and one row out of order, or a view built by hand, is "not known sorted".
+TYPED_TEST(SparseQueryTest, ValidationRecordsWhetherRowsAreSorted) {
+  using Scalar = TypeParam;
+  const std::vector<int> offsets{0, 2, 2, 3, 5};
+  std::vector<int> columns{1, 4, 0, 2, 2};  // row 3 holds column 2 twice: still non-decreasing
+  const std::vector<Scalar> values{1, -2, 3, 0.5, -0.25};
+  auto view = [&] {
+    return Query<Scalar>::view_csr(2, 2, 6, offsets.data(), Index(offsets.size()), columns.data(),
+                                   values.data(), Index(values.size()));
+  };
+  EXPECT_TRUE(view().csr().sorted_columns);
+  EXPECT_TRUE(view().batch_rows(1).sorted_columns);
+  columns[4] = 1;  // row 3: 2, 1
+  EXPECT_FALSE(view().csr().sorted_columns);
+  columns[4] = 2;
+  columns[1] = 0;  // row 0: 1, 0
+  EXPECT_FALSE(view().csr().sorted_columns);
+  EXPECT_FALSE(sdmha::CsrView<Scalar>().sorted_columns);
+
+  const auto c = make_case<Scalar>(Shape{}, 17);
+  EXPECT_TRUE(c.query().csr().sorted_columns);  // from_coo
+  EigenSparse<Scalar> matrix = uncompressed_matrix(c, 2);
+  EXPECT_TRUE(Query<Scalar>::from_eigen(c.shape.batch, c.shape.steps, std::move(matrix))
+                  .csr()
+                  .sorted_columns);  // Eigen keeps each row's inner indices sorted
+}
+
 TYPED_TEST(SparseQueryTest, ViewCsrAcceptsNullArraysWhenNothingIsStored) {
   const std::vector<int> offsets(7, 0);
   const auto query = Query<TypeParam>::view_csr(2, 3, 4, offsets.data(), 7, nullptr, nullptr, 0);

@@ -100,7 +100,7 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
     } else {
       const auto& kernel = std::as_const(*this).weights().query_kernel;
       auto snapshot = std::make_shared<QueryKernelSnapshot>();
-      snapshot->rounded = kernel.template cast<Eigen::bfloat16>();
+      snapshot->rounded = detail::BFloat16Panels(kernel);
       snapshot->source = kernel.data();
       snapshot->weight_accesses = this->weight_accesses();
       query_kernel_bfloat16_ = std::move(snapshot);
@@ -372,10 +372,10 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
     this->project_first_scores(plan, item, projected_query, mask, key, scratch, scores);
   }
 
-  // Wq rounded to bfloat16, the float Wq it was rounded from (to see it replaced) and the count
-  // of write accesses to the weights at the time (to see them written).
+  // Wq rounded to bfloat16 (by column panels), the float Wq it was rounded from (to see it
+  // replaced) and the count of write accesses to the weights at the time (to see them written).
   struct QueryKernelSnapshot {
-    RowMatrix<Eigen::bfloat16> rounded;
+    detail::BFloat16Panels rounded;
     const Scalar* source = nullptr;
     std::uint64_t weight_accesses = 0;
   };

@@ -32,6 +32,9 @@ struct CsrView {
   const StorageIndex* row_nonzeros = nullptr;  // rows entries, or nullptr when compressed
   const StorageIndex* column_indices = nullptr;
   const Scalar* values = nullptr;
+  // Whether every row's columns are known to be non-decreasing: set by SparseQuery's validation
+  // (false when not known; kernels that need sorted rows then take another path).
+  bool sorted_columns = false;
 
   Index row_begin(Index row) const { return row_offsets[row]; }
   Index row_end(Index row) const {
@@ -173,6 +176,7 @@ class SparseQuery {
     }
     if (stored != entry_count) matrix.data().resize(stored);
     query.view_ = view_of(matrix);
+    query.view_.sorted_columns = true;  // sorted above, duplicates merged
     return query;
   }
 
@@ -300,9 +304,11 @@ class SparseQuery {
   }
 
   // Checks that every row lies inside [0, capacity) of the index and value arrays, that
-  // compressed offsets never decrease, and that every column is inside [0, cols).
-  static void validate_view(const char* where, const CsrView<Scalar, StorageIndex>& view,
+  // compressed offsets never decrease, and that every column is inside [0, cols); records
+  // whether every row's columns are sorted.
+  static void validate_view(const char* where, CsrView<Scalar, StorageIndex>& view,
                             Index capacity) {
+    bool sorted = true;
     for (Index row = 0; row < view.rows; ++row) {
       const Index begin = view.row_offsets[row];
       const Index end = view.row_nonzeros == nullptr ? Index(view.row_offsets[row + 1])
@@ -315,8 +321,10 @@ class SparseQuery {
         if (column < 0 || column >= view.cols)
           detail::fail<IndexError>(where, "row ", row, " has column index ", column,
                                    " at position ", k, "; expected 0 <= column < ", view.cols);
+        sorted = sorted && (k == begin || view.column_indices[k - 1] <= view.column_indices[k]);
       }
     }
+    view.sorted_columns = sorted;
   }
 
   Index batch_ = 0;

@@ -265,6 +265,9 @@ void csr_bfloat16_product(const CsrView<float, StorageIndex>& x, const Eigen::bf
         csr_bfloat16_row_panel<kPanelPackets>(x.column_indices, x.values, begin, end, weight,
                                               weight_stride, bias, output_row, column,
                                               prefetch_lines);
+      for (; column + 8 * packet_size <= columns; column += 8 * packet_size, prefetch_lines = 0)
+        csr_bfloat16_row_panel<8>(x.column_indices, x.values, begin, end, weight, weight_stride,
+                                  bias, output_row, column, prefetch_lines);
       for (; column + packet_size <= columns; column += packet_size, prefetch_lines = 0)
         csr_bfloat16_row_panel<1>(x.column_indices, x.values, begin, end, weight, weight_stride,
                                   bias, output_row, column, prefetch_lines);
@@ -478,6 +481,46 @@ void scatter_panel_by_feature(const FeatureGroups<Scalar, StorageIndex>& groups,
   }
 }
 
+// Y's rows [0, rows) × columns [0, columns) set to b (or zero when `bias` is null).
+template <typename Scalar>
+void fill_rows_with_bias(Index rows, const Scalar* bias, Scalar* output, Index output_stride,
+                         Index columns) {
+  for (Index row = 0; row < rows; ++row) {
+    Scalar* output_row = output + row * output_stride;
+    for (Index j = 0; j < columns; ++j) output_row[j] = bias != nullptr ? bias[j] : Scalar(0);
+  }
+}
+
+// Y(:, 0:columns) += X·W(:, 0:columns) over X's CSC `groups`: the by-feature passes, one per
+// column panel, then the scalar tail.
+template <typename Scalar, typename StorageIndex, typename Weight>
+void scatter_columns_by_feature(const FeatureGroups<Scalar, StorageIndex>& groups,
+                                const Weight* weight, Index weight_stride, Scalar* output,
+                                Index output_stride, Index columns) {
+  Index column = 0;
+  if constexpr (PacketOf<Scalar>::vectorized) {
+    constexpr Index packet_size = PacketOf<Scalar>::size;
+    constexpr Index panel = kFeaturePanelPackets * packet_size;
+    for (; column + panel <= columns; column += panel)
+      scatter_panel_by_feature<kFeaturePanelPackets>(groups, weight, weight_stride, output,
+                                                     output_stride, column);
+    for (; column + packet_size <= columns; column += packet_size)
+      scatter_panel_by_feature<1>(groups, weight, weight_stride, output, output_stride, column);
+  }
+  if (column == columns) return;
+  const StorageIndex* offsets = groups.feature_offsets;
+  const auto* entries = groups.entries;
+  for (Index i = 0; i < groups.used_count; ++i) {
+    const Index feature = groups.used_features[i];
+    const Weight* weight_row = weight + feature * weight_stride;
+    for (Index k = offsets[feature]; k < offsets[feature + 1]; ++k) {
+      Scalar* out = output + Index(entries[k].row) * output_stride;
+      const Scalar value = entries[k].value;
+      for (Index j = column; j < columns; ++j) out[j] += value * static_cast<Scalar>(weight_row[j]);
+    }
+  }
+}
+
 // Y = X·W + b by features (see the top of the file), with the caller's scratch. Requires
 // by_feature_fits(x). W (Weight) is Scalar, or bfloat16 widened exactly (Scalar = float): then
 // the result is bitwise that of W widened to float, for half of W's stream. Column panels go in the
@@ -491,32 +534,8 @@ void csr_dense_product_by_feature(const CsrView<Scalar, StorageIndex>& x, const 
                                   FeatureGroups<Scalar, StorageIndex>& scratch) {
   SDMHA_ASSERT(by_feature_fits(x));
   build_feature_groups(x, scratch);
-  for (Index row = 0; row < x.rows; ++row) {
-    Scalar* output_row = output + row * output_stride;
-    for (Index j = 0; j < columns; ++j) output_row[j] = bias != nullptr ? bias[j] : Scalar(0);
-  }
-  Index column = 0;
-  if constexpr (PacketOf<Scalar>::vectorized) {
-    constexpr Index packet_size = PacketOf<Scalar>::size;
-    constexpr Index panel = kFeaturePanelPackets * packet_size;
-    for (; column + panel <= columns; column += panel)
-      scatter_panel_by_feature<kFeaturePanelPackets>(scratch, weight, weight_stride, output,
-                                                     output_stride, column);
-    for (; column + packet_size <= columns; column += packet_size)
-      scatter_panel_by_feature<1>(scratch, weight, weight_stride, output, output_stride, column);
-  }
-  if (column == columns) return;
-  const StorageIndex* offsets = scratch.feature_offsets;
-  const auto* entries = scratch.entries;
-  for (Index i = 0; i < scratch.used_count; ++i) {
-    const Index feature = scratch.used_features[i];
-    const Weight* weight_row = weight + feature * weight_stride;
-    for (Index k = offsets[feature]; k < offsets[feature + 1]; ++k) {
-      Scalar* out = output + Index(entries[k].row) * output_stride;
-      const Scalar value = entries[k].value;
-      for (Index j = column; j < columns; ++j) out[j] += value * static_cast<Scalar>(weight_row[j]);
-    }
-  }
+  fill_rows_with_bias(x.rows, bias, output, output_stride, columns);
+  scatter_columns_by_feature(scratch, weight, weight_stride, output, output_stride, columns);
 }
 
 }  // namespace sdmha::detail

@@ -7,7 +7,9 @@
 //
 // With `kernel_bfloat16` given (float only), the products read that copy of Wq instead: each
 // entry rounded to bfloat16 and widened exactly, products and sums in float32, so Q is bitwise
-// the float kernel's result on the rounded Wq, for half of Wq's memory traffic.
+// the float kernel's result on the rounded Wq, for half of Wq's memory traffic. The copy is
+// stored by column panels (detail/bfloat16_panels.hpp); beyond L2 and with sorted rows it is read
+// by feature blocks, each row's output panel held in registers across a block.
 //
 // Backward, given dQ:
 //   dWq = Xᵀ·dQ                               (KernelGradientArguments; 2·nnz·N flops)
@@ -24,6 +26,7 @@
 #include <type_traits>
 
 #include "sdmha/config.hpp"
+#include "sdmha/detail/bfloat16_panels.hpp"
 #include "sdmha/detail/csr_dense_product.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/sparse_query.hpp"
@@ -37,7 +40,7 @@ struct SparseQueryProjection {
   using StorageIndexType = StorageIndex;
   using differentiates = SparseQueryProjection;
   using FeatureGroups = detail::FeatureGroups<Scalar, StorageIndex>;
-  using RoundedKernel = RowMatrix<Eigen::bfloat16>;  // Wq rounded to bfloat16, row-major
+  using RoundedKernel = detail::BFloat16Panels;  // Wq rounded to bfloat16, by column panels
 
   struct Arguments {
     CsrView<Scalar, StorageIndex> query;  // rows × Eq
@@ -63,11 +66,13 @@ struct SparseQueryProjection {
            args.query.nonzeros() >= 2 * args.query.cols && detail::by_feature_fits(args.query);
   }
 
-  // The by-feature kernel's CSC of one block: sizes.features (Eq), sizes.output_width (N),
-  // sizes.nonzeros (the fullest block's stored values).
+  // The by-feature kernel's CSC of one block, or the feature-block kernel's row cursors:
+  // sizes.features (Eq), sizes.output_width (N), sizes.nonzeros (the fullest block's stored
+  // values), sizes.rows (its rows).
   static std::size_t workspace_size(const TileSizes& sizes) {
     if (!kernel_beyond_cache(sizes.features, sizes.output_width)) return 0;
-    return FeatureGroups::bytes(sizes.features, sizes.nonzeros, false);
+    return std::max(FeatureGroups::bytes(sizes.features, sizes.nonzeros, false),
+                    detail::array_bytes<StorageIndex>(sizes.rows));
   }
 
   static void can_implement(const Arguments& args) {
@@ -96,11 +101,11 @@ struct SparseQueryProjection {
   void operator()(const Arguments& args) const {
     if constexpr (std::is_same<Scalar, float>::value) {
       if (args.kernel_bfloat16 != nullptr) {
-        project(args, args.kernel_bfloat16->data(), args.kernel_bfloat16->cols());
+        project_bfloat16(args, *args.kernel_bfloat16);
         return;
       }
     }
-    project(args, args.kernel.data(), args.kernel.outerStride());
+    project(args);
   }
 
   // ---- backward -------------------------------------------------------------------------------
@@ -191,29 +196,51 @@ struct SparseQueryProjection {
   }
 
  private:
-  // Q = X·W + b with W = the float kernel or its bfloat16 rounding (`Weight`), by features when
-  // by_feature(args) and the workspace holds the CSC, by rows otherwise: the same sums in the
-  // same order either way.
-  template <typename Weight>
-  static void project(const Arguments& args, const Weight* kernel, Index kernel_stride) {
+  // Q = X·Wq + b, by features when by_feature(args) and the workspace holds the CSC, by rows
+  // otherwise: the same sums in the same order either way.
+  static void project(const Arguments& args) {
     const Scalar* bias = args.bias.size() != 0 ? args.bias.data() : nullptr;
     if (by_feature(args)) {
       detail::ScratchCarver carver(args.workspace);
       FeatureGroups groups =
           FeatureGroups::carve(carver, args.query.cols, args.query.nonzeros(), false);
       if (groups.fits(args.query.cols, args.query.nonzeros(), false)) {
-        detail::csr_dense_product_by_feature(args.query, kernel, kernel_stride, bias,
-                                             args.output.data(), args.output.outerStride(),
-                                             args.kernel.cols(), groups);
+        detail::csr_dense_product_by_feature(args.query, args.kernel.data(),
+                                             args.kernel.outerStride(), bias, args.output.data(),
+                                             args.output.outerStride(), args.kernel.cols(), groups);
         return;
       }
     }
-    if constexpr (std::is_same<Weight, Scalar>::value)
-      detail::csr_dense_product(args.query, kernel, kernel_stride, bias, args.output.data(),
-                                args.output.outerStride(), args.kernel.cols(), stream_output(args));
-    else
-      detail::csr_bfloat16_product(args.query, kernel, kernel_stride, bias, args.output.data(),
-                                   args.output.outerStride(), args.kernel.cols());
+    detail::csr_dense_product(args.query, args.kernel.data(), args.kernel.outerStride(), bias,
+                              args.output.data(), args.output.outerStride(), args.kernel.cols(),
+                              stream_output(args));
+  }
+
+  // The same over the rounded Wq: by feature blocks when by_feature(args) and the rows are known
+  // to be sorted (cursors in the workspace), by feature over the CSC when they are not, else by
+  // rows. The same sums in the same order for sorted rows.
+  static void project_bfloat16(const Arguments& args, const RoundedKernel& kernel) {
+    const Scalar* bias = args.bias.size() != 0 ? args.bias.data() : nullptr;
+    Scalar* output = args.output.data();
+    const Index stride = args.output.outerStride();
+    if (by_feature(args)) {
+      detail::ScratchCarver carver(args.workspace);
+      if (args.query.sorted_columns) {
+        StorageIndex* cursors = carver.take<StorageIndex>(args.query.rows);
+        if (cursors != nullptr || args.query.rows == 0) {
+          detail::bfloat16_panels_by_feature_blocks(args.query, kernel, bias, output, stride,
+                                                    cursors);
+          return;
+        }
+      }
+      FeatureGroups groups =
+          FeatureGroups::carve(carver, args.query.cols, args.query.nonzeros(), false);
+      if (groups.fits(args.query.cols, args.query.nonzeros(), false)) {
+        detail::bfloat16_panels_by_feature(args.query, kernel, bias, output, stride, groups);
+        return;
+      }
+    }
+    detail::bfloat16_panels_product(args.query, kernel, bias, output, stride);
   }
 
   static void check_feature_range(const char* where, Index features, Index first, Index count) {
