@@ -816,6 +816,100 @@ TEST(QueryProjectionBFloat16Test, StageBeyondTheCacheTakesSortedAndUnsortedRows)
   }
 }
 
+// Which path the stage took, seen where the paths differ: rows in descending order marked sorted
+// (a lie only a test tells) go by feature blocks, which add in CSR order, the by-row kernel's
+// order, where the CSC would add in ascending feature order. The blocks kernel is exact for any
+// order (its cursors only move forward); the mark only picks it.
+TEST(QueryProjectionBFloat16Test, StageTakesFeatureBlocksForRowsMarkedSorted) {
+  const Index rows = 24, features = 4096, width = 300;
+  HandCsr<float> x(rows, features, {400, 0, 3, 1000}, 191);
+  for (Index r = 0; r < rows; ++r) {
+    const auto first = std::ptrdiff_t(x.offsets[std::size_t(r)]);
+    const auto last = std::ptrdiff_t(x.offsets[std::size_t(r) + 1]);
+    std::reverse(x.columns.begin() + first, x.columns.begin() + last);
+    std::reverse(x.values.begin() + first, x.values.begin() + last);
+  }
+  const RoundedKernel kernel(random_kernel(features, width, 192));
+  const sdmha::Vector<float> bias = sdmha::Vector<float>::LinSpaced(width, -1.0f, 1.0f);
+  const StageWorkspace<float> workspace(features, width, x.view().nonzeros());
+  sdmha::CsrView<float> marked = x.view();
+  marked.sorted_columns = true;
+  sdmha::RowMatrix<float> output(rows, width), by_rows(rows, width), over_csc(rows, width);
+  FloatProjection::Arguments args{marked, kernel.widened, bias, output, workspace.view()};
+  args.kernel_bfloat16 = &kernel.panels;
+  FloatProjection()(args);
+  sdmha::detail::csr_dense_product(x.view(), kernel.widened.data(), width, bias.data(),
+                                   by_rows.data(), width, width);
+  FloatProjection()({x.view(), kernel.widened, bias, over_csc, workspace.view()});
+  const std::size_t bytes = sizeof(float) * std::size_t(rows * width);
+  EXPECT_EQ(0, std::memcmp(output.data(), by_rows.data(), bytes)) << "not by feature blocks";
+  EXPECT_NE(0, std::memcmp(output.data(), over_csc.data(), bytes)) << "orders not told apart";
+}
+
+// The feature-block kernel on views other than HandCsr's plain one: an uncompressed view (row
+// counts apart, slack between rows), rows viewed from the middle (offsets not starting at 0), a
+// column repeated within a row, 64-bit indices (the scalar count); and no rows at all, with a
+// null output. Each time csr_dense_product's bits on the widened rounding.
+TEST(QueryProjectionBFloat16Test, FeatureBlocksTakeUncompressedMiddleRepeatedAndWideIndexRows) {
+  const Index features = 2500, width = 140, rows = 5;
+  // Row r holds entries [starts[r], starts[r] + counts[r]); the slack in between is garbage.
+  const std::vector<std::int64_t> starts{0, 700, 710, 1500, 1501, 2300};
+  const std::vector<std::int64_t> counts{600, 3, 0, 1, 700};
+  std::vector<std::int64_t> columns(2300, 999999);  // out of range: read only if slack were
+  std::vector<float> values(2300, std::numeric_limits<float>::quiet_NaN());
+  std::mt19937_64 generator(201);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  for (Index r = 0; r < rows; ++r) {
+    std::vector<std::int64_t> chosen;
+    for (std::int64_t k = 0; k < counts[std::size_t(r)]; ++k)
+      chosen.push_back(std::int64_t(generator() % std::uint64_t(features)));
+    std::sort(chosen.begin(), chosen.end());  // repeats kept: a column may come twice
+    for (std::size_t k = 0; k < chosen.size(); ++k) {
+      columns[std::size_t(starts[std::size_t(r)]) + k] = chosen[k];
+      values[std::size_t(starts[std::size_t(r)]) + k] = uniform(generator);
+    }
+  }
+  sdmha::CsrView<float, std::int64_t> uncompressed{rows,          features,       starts.data(),
+                                                   counts.data(), columns.data(), values.data()};
+  uncompressed.sorted_columns = true;
+  const RoundedKernel kernel(random_kernel(features, width, 202));
+  const sdmha::Vector<float> bias = sdmha::Vector<float>::LinSpaced(width, -1.0f, 1.0f);
+  for (const auto& view :
+       {uncompressed, uncompressed.middle_rows(1, 4), uncompressed.middle_rows(3, 2)}) {
+    SCOPED_TRACE(::testing::Message() << view.rows << " rows from offset " << view.row_offsets[0]);
+    sdmha::RowMatrix<float> expected(view.rows, width), output(view.rows, width);
+    sdmha::detail::csr_dense_product(view, kernel.widened.data(), width, bias.data(),
+                                     expected.data(), width, width);
+    std::vector<std::int64_t> cursors(std::size_t(view.rows), -1);
+    sdmha::detail::bfloat16_panels_by_feature_blocks(view, kernel.panels, bias.data(),
+                                                     output.data(), width, cursors.data());
+    EXPECT_EQ(0, std::memcmp(output.data(), expected.data(),
+                             sizeof(float) * std::size_t(expected.size())));
+  }
+  const auto none = uncompressed.middle_rows(2, 0);
+  sdmha::detail::bfloat16_panels_by_feature_blocks(none, kernel.panels, bias.data(),
+                                                   static_cast<float*>(nullptr), width,
+                                                   static_cast<std::int64_t*>(nullptr));
+  sdmha::detail::bfloat16_panels_product(none, kernel.panels, bias.data(),
+                                         static_cast<float*>(nullptr), width);
+}
+
+// No query rows through the stage with the bfloat16 kernel: an empty output (null data), nothing
+// written, nothing offset from null.
+TEST(QueryProjectionBFloat16Test, StageTakesNoRows) {
+  const Index features = 4096, width = 300;
+  const HandCsr<float> x(0, features, {1}, 211);
+  const RoundedKernel kernel(random_kernel(features, width, 212));
+  const sdmha::Vector<float> bias = sdmha::Vector<float>::Ones(width);
+  sdmha::RowMatrix<float> output(0, width);
+  const StageWorkspace<float> workspace(features, width, 0);
+  FloatProjection::Arguments args{x.view(), kernel.widened, bias, output, workspace.view()};
+  args.kernel_bfloat16 = &kernel.panels;
+  FloatProjection::can_implement(args);
+  FloatProjection()(args);
+  EXPECT_EQ(output.size(), 0);
+}
+
 // Against the float64 product with the exact weights: rounding each weight to nearest bfloat16
 // (8 significant bits) moves it by at most 2⁻⁸ of itself, so |Q̃ − Q| ≤ 2⁻⁸·Σ|x·w| plus float32's
 // own summation error

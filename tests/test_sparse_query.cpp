@@ -350,6 +350,17 @@ TYPED_TEST(SparseQueryTest, ValidationRecordsWhetherRowsAreSorted) {
   EXPECT_TRUE(Query<Scalar>::from_eigen(c.shape.batch, c.shape.steps, std::move(matrix))
                   .csr()
                   .sorted_columns);  // Eigen keeps each row's inner indices sorted
+  // A compressed Eigen matrix whose arrays were written out of order by hand.
+  EigenSparse<Scalar> by_hand(2, 6);
+  by_hand.resizeNonZeros(3);
+  by_hand.outerIndexPtr()[0] = 0;
+  by_hand.outerIndexPtr()[1] = 2;
+  by_hand.outerIndexPtr()[2] = 3;
+  by_hand.innerIndexPtr()[0] = 4;
+  by_hand.innerIndexPtr()[1] = 1;
+  by_hand.innerIndexPtr()[2] = 0;
+  std::fill(by_hand.valuePtr(), by_hand.valuePtr() + 3, Scalar(1));
+  EXPECT_FALSE(Query<Scalar>::from_eigen(1, 2, std::move(by_hand)).csr().sorted_columns);
 }
 
 TYPED_TEST(SparseQueryTest, ViewCsrAcceptsNullArraysWhenNothingIsStored) {

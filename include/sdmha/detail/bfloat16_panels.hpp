@@ -4,13 +4,15 @@
 //   Y(r, :) = b + Σ_{k in row r} x_k · W̃(col_k, :),  W̃ = W rounded to nearest bfloat16, widened
 //
 // Layout (BFloat16Panels): panel p holds columns [p·C, p·C + C) of every row of W, row after row
-// (C = kBFloat16PanelColumns; the last panel padded with zeros). One panel of a block of
-// consecutive features is then one contiguous run of memory, which the by-feature-blocks kernel
-// reads as a stream; a row's panel is still contiguous for the other two kernels.
+// (C = kBFloat16PanelColumns; the last panel padded with zeros, so the copy holds
+// Eq·C·⌈N/C⌉ entries). One panel of a block of consecutive features is then one contiguous run
+// of memory, which the by-feature-blocks kernel reads as a stream; a row's panel is still
+// contiguous for the other two kernels.
 //
-// Three kernels, each adding a row's values in its CSR order with one FMA per entry and packet
-// (so all three give the same bits for rows with sorted columns, and those of
-// csr_dense_product on W̃):
+// Three kernels, each adding one term per entry and output column, as csr_dense_product does on
+// W̃ (an FMA per packet, the columns past the last full packet with the same scalar loop). By
+// rows and by feature blocks take a row's values in CSR order, by feature in ascending feature
+// order: all three give csr_dense_product's bits on W̃ for rows with sorted columns.
 // - by rows (bfloat16_panels_product): csr_bfloat16_product on each panel.
 // - by feature (bfloat16_panels_by_feature): X's CSC, each feature's panel row held in registers
 //   and added into the rows that use it (the output panel read and written per stored value).
@@ -21,6 +23,9 @@
 //   stored value. While the rows go through one block, the next one is prefetched a slice per
 //   row: fetched on demand, its lines would come from memory in the random order of the rows'
 //   features. Each row keeps a cursor into its stored values (caller's scratch, one index a row).
+//   The cursor only moves forward and the last block's bound is Eq, so every entry is added once,
+//   in CSR order, whatever the order of a row's columns; sorted rows are what make each block's
+//   entries a row's next ones (locality) and the order the by-feature kernel's (bits).
 #pragma once
 
 #include <algorithm>
@@ -81,6 +86,7 @@ class BFloat16Panels {
 template <typename StorageIndex>
 void bfloat16_panels_product(const CsrView<float, StorageIndex>& x, const BFloat16Panels& weight,
                              const float* bias, float* output, Index output_stride) {
+  if (x.rows == 0) return;  // the output may be empty (null): no panel offsets into it
   for (Index p = 0; p < weight.panel_count(); ++p) {
     const Index first = p * kBFloat16PanelColumns;
     csr_bfloat16_product(x, weight.panel(p), kBFloat16PanelColumns,
@@ -92,10 +98,11 @@ void bfloat16_panels_product(const CsrView<float, StorageIndex>& x, const BFloat
 // By feature: Y = X·W̃ + b over X's CSC, built once into `scratch` (carved for X's sizes).
 // Requires by_feature_fits(x).
 template <typename StorageIndex>
-void bfloat16_panels_by_feature(const CsrView<float, StorageIndex>& x,
-                                const BFloat16Panels& weight, const float* bias, float* output,
-                                Index output_stride, FeatureGroups<float, StorageIndex>& scratch) {
+void bfloat16_panels_by_feature(const CsrView<float, StorageIndex>& x, const BFloat16Panels& weight,
+                                const float* bias, float* output, Index output_stride,
+                                FeatureGroups<float, StorageIndex>& scratch) {
   SDMHA_ASSERT(by_feature_fits(x));
+  if (x.rows == 0) return;
   build_feature_groups(x, scratch);
   fill_rows_with_bias(x.rows, bias, output, output_stride, weight.cols());
   for (Index p = 0; p < weight.panel_count(); ++p)
@@ -146,8 +153,7 @@ EIGEN_ALWAYS_INLINE void add_row_to_panel(const StorageIndex* columns, const flo
       const Eigen::bfloat16* row = panel + Index(columns[k]) * kBFloat16PanelColumns;
       const Packet value = pset1<Packet>(values[k]);
       for (int q = 0; q < packets; ++q)
-        accumulator[q] =
-            pmadd(value, load_widened<Packet>(row + q * packet_size), accumulator[q]);
+        accumulator[q] = pmadd(value, load_widened<Packet>(row + q * packet_size), accumulator[q]);
     }
     for (int q = 0; q < packets; ++q) pstoreu(out + q * packet_size, accumulator[q]);
   } else {
@@ -156,6 +162,25 @@ EIGEN_ALWAYS_INLINE void add_row_to_panel(const StorageIndex* columns, const flo
       for (Index j = 0; j < kBFloat16PanelColumns; ++j)
         out[j] += values[k] * static_cast<float>(row[j]);
     }
+  }
+}
+
+// The same for the last panel, `width` < kBFloat16PanelColumns columns wide: its full packets
+// through a full-width copy (the padding of W̃ is zero), the columns past them with the scalar
+// loop of the other kernels' tails (whether the compiler fuses it is then the same for all).
+template <typename StorageIndex>
+void add_row_to_narrow_panel(const StorageIndex* columns, const float* values, Index begin,
+                             Index end, const Eigen::bfloat16* panel, Index width, float* out) {
+  constexpr Index packet_size = PacketOf<float>::vectorized ? PacketOf<float>::size : 1;
+  const Index packed = width / packet_size * packet_size;
+  alignas(64) float row_panel[kBFloat16PanelColumns] = {};
+  std::copy(out, out + packed, row_panel);
+  add_row_to_panel(columns, values, begin, end, panel, row_panel);
+  std::copy(row_panel, row_panel + packed, out);
+  for (Index k = begin; k < end; ++k) {
+    const Eigen::bfloat16* row = panel + Index(columns[k]) * kBFloat16PanelColumns;
+    const float value = values[k];
+    for (Index j = packed; j < width; ++j) out[j] += value * static_cast<float>(row[j]);
   }
 }
 
@@ -178,11 +203,8 @@ void add_feature_block(const CsrView<float, StorageIndex>& x, const Eigen::bfloa
     float* out = output + row * output_stride;
     if (width == kBFloat16PanelColumns) {
       add_row_to_panel(x.column_indices, x.values, begin, begin + count, panel, out);
-    } else {  // the last panel, narrower: through a full-width copy (its padding W̃ is zero)
-      alignas(64) float row_panel[kBFloat16PanelColumns] = {};
-      std::copy(out, out + width, row_panel);
-      add_row_to_panel(x.column_indices, x.values, begin, begin + count, panel, row_panel);
-      std::copy(row_panel, row_panel + width, out);
+    } else {
+      add_row_to_narrow_panel(x.column_indices, x.values, begin, begin + count, panel, width, out);
     }
   }
 }
@@ -193,8 +215,8 @@ void add_feature_block(const CsrView<float, StorageIndex>& x, const Eigen::bfloa
 template <typename StorageIndex>
 void bfloat16_panels_by_feature_blocks(const CsrView<float, StorageIndex>& x,
                                        const BFloat16Panels& weight, const float* bias,
-                                       float* output, Index output_stride,
-                                       StorageIndex* cursors) {
+                                       float* output, Index output_stride, StorageIndex* cursors) {
+  if (x.rows == 0) return;
   fill_rows_with_bias(x.rows, bias, output, output_stride, weight.cols());
   constexpr Index row_bytes = kBFloat16PanelColumns * Index(sizeof(Eigen::bfloat16));
   constexpr Index block_features = kFeatureBlockBytes / row_bytes;
