@@ -1,7 +1,9 @@
 // sdmha/detail/bfloat16_panels.hpp — the query kernel rounded to bfloat16 and stored by column
 // panels, and Y = X·W̃ + b over it for X in CSR.
 //
-//   Y(r, :) = b + Σ_{k in row r} x_k · W̃(col_k, :),  W̃ = W rounded to nearest bfloat16, widened
+//   math:  Y(r, :) = b + Σ_{k in row r} x_k · W̃(col_k, :),  W̃ = W rounded to nearest bfloat16
+//   pre:   X validated (columns in [0, Eq)); W̃ has Eq rows and N columns; Y is rows × N
+//   cost:  2·nnz(X)·N flops, reading 2·N bytes of W̃ per stored value (from L2 by feature blocks)
 //
 // Layout (BFloat16Panels): panel p holds columns [p·C, p·C + C) of every row of W, row after row
 // (C = kBFloat16PanelColumns; the last panel padded with zeros, so the copy holds
@@ -29,7 +31,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cstring>
 
 #include "sdmha/config.hpp"
 #include "sdmha/detail/csr_dense_product.hpp"
