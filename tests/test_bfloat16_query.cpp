@@ -28,6 +28,22 @@ void expect_same_bits(const Tensor3<float>& a, const Tensor3<float>& b, const ch
   EXPECT_EQ(0, std::memcmp(a.data(), b.data(), sizeof(float) * std::size_t(a.size()))) << what;
 }
 
+// The bfloat16 `layer` (the case's weights) projecting first over `query` (the case's entries,
+// in any storage): bit for bit the float32 layer on the rounded Wq, and the float64 reference on
+// it within float32's tolerance.
+void expect_the_float_layer_on_the_rounded_kernel(const Case<float>& c, const Layer& layer,
+                                                  const sdmha::SparseQuery<float>& query) {
+  const auto twin = with_rounded_query_kernel(c);
+  const Layer twin_layer(twin.config, twin.weights);
+  auto options = c.options;
+  options.score_strategy = sdmha::ScoreStrategy::project_first;
+  const auto result = layer.forward(query, c.key, c.value, options);
+  expect_same_bits(result.output, twin_layer.forward(query, c.key, c.value, options).output,
+                   "against the float32 layer on the rounded Wq");
+  const auto expected = sdmha_reference::forward(twin.problem);
+  EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<float>()));
+}
+
 // Over the named shapes (every mask, empty and fully blocked rows, no bias, T ≠ S, …): the
 // bfloat16 forward equals the float32 forward on the rounded Wq bit for bit, and the float64
 // reference on it within float32's tolerance.
@@ -36,19 +52,10 @@ TEST(BFloat16QueryKernelTest, IsTheFloatLayerOnTheRoundedQueryKernel) {
   for (const auto& variant : variants()) {
     SCOPED_TRACE(variant.name);
     const auto c = make_case<float>(variant.shape, seed++);
-    const auto twin = with_rounded_query_kernel(c);
     Layer layer(c.config, c.weights);
     layer.set_query_kernel_precision(sdmha::Precision::bfloat16);
     EXPECT_EQ(layer.query_kernel_precision(), sdmha::Precision::bfloat16);
-    const Layer twin_layer(twin.config, twin.weights);
-    const auto query = c.query();
-    auto options = c.options;
-    options.score_strategy = sdmha::ScoreStrategy::project_first;
-    const auto result = layer.forward(query, c.key, c.value, options);
-    expect_same_bits(result.output, twin_layer.forward(query, c.key, c.value, options).output,
-                     "against the float32 layer on the rounded Wq");
-    const auto expected = sdmha_reference::forward(twin.problem);
-    EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<float>()));
+    expect_the_float_layer_on_the_rounded_kernel(c, layer, c.query());
   }
 }
 
@@ -99,7 +106,6 @@ TEST(BFloat16QueryKernelTest, WideQueryKernelTakesRowsWithUnsortedColumns) {
   s.key_dim = 64;  // N = 192: a panel and a partial one; Wq 2.3 MB, beyond the cache
   s.density = 0.06;
   const auto c = make_case<float>(s, 43);
-  const auto twin = with_rounded_query_kernel(c);
   const auto sorted = c.query();
   const auto& csr = sorted.csr();
   std::vector<int> offsets(csr.row_offsets, csr.row_offsets + csr.rows + 1);
@@ -118,14 +124,7 @@ TEST(BFloat16QueryKernelTest, WideQueryKernelTakesRowsWithUnsortedColumns) {
   ASSERT_GE(query.nonzeros(), 2 * s.query_dim);
   Layer layer(c.config, c.weights);
   layer.set_query_kernel_precision(sdmha::Precision::bfloat16);
-  const Layer twin_layer(twin.config, twin.weights);
-  auto options = c.options;
-  options.score_strategy = sdmha::ScoreStrategy::project_first;
-  const auto result = layer.forward(query, c.key, c.value, options);
-  expect_same_bits(result.output, twin_layer.forward(query, c.key, c.value, options).output,
-                   "against the float32 layer on the rounded Wq");
-  const auto expected = sdmha_reference::forward(twin.problem);
-  EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<float>()));
+  expect_the_float_layer_on_the_rounded_kernel(c, layer, query);
 }
 
 // Back to float32, the layer is the float32 layer again (bit for bit what it gave before).

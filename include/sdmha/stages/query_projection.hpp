@@ -196,10 +196,14 @@ struct SparseQueryProjection {
   }
 
  private:
+  static const Scalar* bias_of(const Arguments& args) {
+    return args.bias.size() != 0 ? args.bias.data() : nullptr;
+  }
+
   // Q = X·Wq + b, by features when by_feature(args) and the workspace holds the CSC, by rows
   // otherwise: the same sums in the same order either way.
   static void project(const Arguments& args) {
-    const Scalar* bias = args.bias.size() != 0 ? args.bias.data() : nullptr;
+    const Scalar* bias = bias_of(args);
     if (by_feature(args)) {
       detail::ScratchCarver carver(args.workspace);
       FeatureGroups groups =
@@ -220,14 +224,14 @@ struct SparseQueryProjection {
   // to be sorted (cursors in the workspace), by feature over the CSC when they are not, else by
   // rows. The same sums in the same order for sorted rows.
   static void project_bfloat16(const Arguments& args, const RoundedKernel& kernel) {
-    const Scalar* bias = args.bias.size() != 0 ? args.bias.data() : nullptr;
+    const Scalar* bias = bias_of(args);
     Scalar* output = args.output.data();
     const Index stride = args.output.outerStride();
     if (by_feature(args)) {
       detail::ScratchCarver carver(args.workspace);
       if (args.query.sorted_columns) {
         StorageIndex* cursors = carver.take<StorageIndex>(args.query.rows);
-        if (cursors != nullptr || args.query.rows == 0) {
+        if (cursors != nullptr) {
           detail::bfloat16_panels_by_feature_blocks(args.query, kernel, bias, output, stride,
                                                     cursors);
           return;
