@@ -1,7 +1,9 @@
 // Tests of sdmha/stages/attend_values.hpp: AttendValues (P·V_h into head h's columns) against a
 // naive loop, the reference's heads, non-finite value rows that only zero probabilities reach,
-// and its can_implement checks.
+// and its can_implement checks; with bfloat16_operands, the products of the rounded operands.
 #include "test_support.hpp"
+
+#include <cstring>
 
 namespace sdmha_test {
 namespace {
@@ -66,10 +68,12 @@ sdmha::RowMatrix<Scalar> random_values(Index rows, Index cols, std::uint64_t see
 
 template <typename Scalar>
 sdmha::RowMatrix<Scalar> attend(const sdmha::RowMatrix<Scalar>& probabilities,
-                                const sdmha::RowMatrix<Scalar>& value) {
+                                const sdmha::RowMatrix<Scalar>& value,
+                                bool bfloat16_operands = false) {
   sdmha::RowMatrix<Scalar> output =
       sdmha::RowMatrix<Scalar>::Constant(probabilities.rows(), value.cols(), Scalar(-1));
   typename Attend<Scalar>::Arguments args{{}, probabilities, value, output};
+  args.bfloat16_operands = bfloat16_operands;
   Attend<Scalar>::can_implement(args);
   Attend<Scalar>{}(args);
   return output;
@@ -152,6 +156,55 @@ TYPED_TEST(AttendValuesTest, NonFiniteValueRowsWithZeroProbabilityDoNotReachTheO
       }
     }
   for (Index t = 1; t < T; ++t) EXPECT_TRUE(output.row(t).allFinite()) << "row " << t;
+}
+
+// With bfloat16_operands, A = bf16(P)·bf16(V): within float32's summation error of the float64
+// sum of the rounded operands' products, onto C when multiply() accumulates; non-finite value
+// rows take the float path that skips zero probabilities (the same bits as without the flag);
+// a double stage refuses the flag.
+TEST(AttendValuesBFloat16, OutputIsTheRoundedOperandsProducts) {
+  std::uint64_t seed = 950;
+  auto rounded = [](float x) { return double(float(Eigen::bfloat16(x))); };
+  for (auto dims : std::vector<std::array<Index, 3>>{
+           {1, 1, 1}, {5, 7, 4}, {9, 3, 11}, {6, 40, 8}, {30, 65, 33}, {3, 0, 5}, {0, 4, 3}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "T " << dims[0] << ", S " << dims[1] << ", Dv " << dims[2]);
+    const auto probabilities = random_probabilities<float>(dims[0], dims[1], seed++, 1);
+    const auto value = random_values<float>(dims[1], dims[2], seed++);
+    const auto start = random_values<float>(dims[0], dims[2], seed++);
+    const auto output = attend(probabilities, value, true);
+    sdmha::RowMatrix<float> accumulated = start;
+    typename Attend<float>::Arguments args{{}, probabilities, value, accumulated};
+    args.bfloat16_operands = true;
+    Attend<float>::multiply(args, true);
+    for (Index t = 0; t < dims[0]; ++t)
+      for (Index d = 0; d < dims[2]; ++d) {
+        double sum = 0.0, magnitude = 0.0;
+        for (Index s = 0; s < dims[1]; ++s) {
+          const double term = rounded(probabilities(t, s)) * rounded(value(s, d));
+          sum += term;
+          magnitude += std::abs(term);
+        }
+        const double bound = (dims[1] + 1) * 0x1p-24 * magnitude;
+        EXPECT_LE(std::abs(double(output(t, d)) - sum), bound) << t << ", " << d;
+        EXPECT_LE(std::abs(double(accumulated(t, d)) - (double(start(t, d)) + sum)),
+                  bound + (dims[1] + 1) * 0x1p-24 * std::abs(double(start(t, d))))
+            << t << ", " << d;
+      }
+  }
+  auto probabilities = random_probabilities<float>(4, 6, 960);
+  auto value = random_values<float>(6, 3, 961);
+  probabilities.col(2).setZero();
+  value.row(2).setConstant(std::numeric_limits<float>::quiet_NaN());
+  const auto skipped = attend(probabilities, value, true);
+  EXPECT_TRUE(skipped.allFinite());
+  EXPECT_EQ(std::memcmp(skipped.data(), attend(probabilities, value).data(),
+                        sizeof(float) * std::size_t(skipped.size())),
+            0);
+  const auto p64 = random_probabilities<double>(2, 3, 962);
+  const auto v64 = random_values<double>(3, 2, 963);
+  SDMHA_EXPECT_THROW_WITH(attend(p64, v64, true), sdmha::ConfigError,
+                          "bfloat16_operands is set for a double stage");
 }
 
 TYPED_TEST(AttendValuesTest, WritesOnlyItsHeadsColumnsOfALargerMatrix) {

@@ -1,10 +1,14 @@
 // Tests of SparseDenseMHA::set_precision: with every kernel in bfloat16 the key and value
 // projections (ProjectedContext) are bitwise the bias plus detail::gemm_bfloat16 of the inputs
-// on the rounded kernels, the forward agrees with the float64 reference within bfloat16's
-// tolerance, is bitwise invariant to the thread count and to streaming K and V, and equals its
-// own forward over a ProjectedContext; the snapshot's staleness, the backward and double layers
-// are refused with clear errors, and float32 restores the float layer.
+// on the rounded kernels, the forward is the float64 model of the bfloat16 mode (operands of the
+// projections, the scores and P·V rounded) and agrees with the unrounded float64 reference
+// within bfloat16's tolerance, is bitwise invariant to the thread count and to streaming K and
+// V, and equals its own forward over a ProjectedContext; the snapshot's staleness, the backward and
+// double layers are refused with clear errors, and float32 restores the float layer.
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "test_support.hpp"
 
@@ -83,6 +87,55 @@ TEST(BFloat16LayerTest, AgreesWithTheReferenceAndIsThreadInvariant) {
     EXPECT_TRUE(same_bits(single.output, layer.forward(query, c.key, c.value, options).output));
     const auto context = layer.project_context(c.key, c.value);
     EXPECT_TRUE(same_bits(single.output, layer.forward(query, context, options).output));
+  }
+}
+
+double largest_difference(const float* got, const std::vector<double>& expected) {
+  double largest = 0.0;
+  for (std::size_t i = 0; i < expected.size(); ++i)
+    largest = std::max(largest, std::abs(double(got[i]) - expected[i]));
+  return largest;
+}
+double largest_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  double largest = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) largest = std::max(largest, std::abs(a[i] - b[i]));
+  return largest;
+}
+
+// The forward is the bfloat16 mode's model: the float64 reference with the kernels, the
+// projections' inputs, scale·q and k in the scores and p and v in P·V rounded to bfloat16. The
+// model whose scores and P·V keep their operands unrounded is 8 times as far from it at least:
+// a forward that did not round them (or rounded other things) would be close to that one
+// instead. What remains is float32's sums, and the rare operand that float32 and float64 round
+// to neighbouring bfloat16 values. One key tile (S ≤ kKeyTile): P is normalised as the model's.
+TEST(BFloat16LayerTest, ComputesTheRoundedModel) {
+  Shape wide;
+  wide.batch = 2;
+  wide.steps = 24;
+  wide.key_steps = 40;
+  wide.query_dim = 64;
+  wide.key_in_dim = 32;
+  wide.value_in_dim = 24;
+  wide.heads = 2;
+  wide.key_dim = 16;
+  wide.value_dim = 8;
+  wide.output_dim = 12;
+  wide.random_mask = true;
+  std::uint64_t seed = 460;
+  for (const Shape& shape : {Shape{}, wide}) {
+    const auto c = make_case<float>(shape, seed++);
+    Layer layer(c.config, c.weights);
+    layer.set_precision(sdmha::Precision::bfloat16);
+    const auto result = layer.forward(c.query(), c.key, c.value, c.options);
+    auto model = c.problem;
+    model.bfloat16_projections = true;
+    auto float_attention = model;
+    model.bfloat16_attention = true;
+    const auto expected = sdmha_reference::forward(model).output;
+    const double error = largest_difference(result.output.data(), expected);
+    const double separation =
+        largest_difference(expected, sdmha_reference::forward(float_attention).output);
+    EXPECT_LT(error, separation / 8) << "error " << error << ", separation " << separation;
   }
 }
 

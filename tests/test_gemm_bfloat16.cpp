@@ -6,7 +6,10 @@
 // engine (it really rounds); both the vdpbf16ps path and the portable loop take the sums of each
 // depth block added to C, bit for bit; a row block of C is bitwise the same rows of a larger
 // product, with or without scratch and on strided operands; the projections add the bias and read
-// the bfloat16 kernel, and can_implement refuses a wrong one.
+// the bfloat16 kernel, and can_implement refuses a wrong one. With both operands rounded
+// (gemm_bfloat16_operands, the scores and P·V of the bfloat16 mode), the pair packers agree with
+// their portable forms and the kernel's layout, and the product is the kernel product of the
+// rounded operands.
 #include "test_support.hpp"
 
 #include <cstring>
@@ -387,6 +390,80 @@ void check_double_stage_refuses_a_bfloat16_kernel() {
   DoubleMatrix y(5, 4);
   const typename Stage::Arguments args{x, w64, no_bias, y, {}, &kernel};
   SDMHA_EXPECT_THROW_WITH(Stage::can_implement(args), sdmha::ConfigError, "kernel_bfloat16");
+}
+
+// ---- both operands rounded: the scores and P·V of the bfloat16 mode --------------------------
+
+// pack_row_pairs and pack_column_pairs (vcvtneps2bf16 where the build has it) give the portable
+// forms' bits on normal-range values, on strided sources and odd sizes around the 16-row and
+// 32-column steps; the row form is BFloat16Kernel's layout, and the column form packs Mᵀ as
+// the row form does.
+TEST(BFloat16Operands, PackersAreThePortableFormsAndTheKernelLayout) {
+  using namespace sdmha::detail;
+  std::mt19937 rng(7900);
+  for (const auto& [rows, cols] : std::vector<std::pair<Index, Index>>{
+           {1, 1}, {2, 3}, {7, 16}, {16, 32}, {17, 33}, {40, 64}, {33, 50}, {128, 5}}) {
+    SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(cols));
+    const FloatMatrix source = normal_matrix(rows, cols + 3, rng);
+    const auto m = source.leftCols(cols);  // leading dimension cols + 3
+    const Index row_pairs = (rows + 1) / 2, column_pairs = (cols + 1) / 2;
+    std::vector<std::uint32_t> fast(std::size_t(row_pairs * (cols + 1)), 7u), portable = fast;
+    pack_row_pairs(m.data(), m.outerStride(), rows, cols, fast.data(), cols + 1);
+    pack_row_pairs_portable(m.data(), m.outerStride(), rows, cols, portable.data(), cols + 1);
+    EXPECT_EQ(fast, portable);
+    const BFloat16Kernel kernel{FloatMatrix(m)};
+    for (Index p = 0; p < row_pairs; ++p)
+      for (Index j = 0; j < cols; ++j)
+        EXPECT_EQ(fast[std::size_t(p * (cols + 1) + j)], kernel.pairs()(p, j));
+    EXPECT_EQ(fast[std::size_t(cols)], 7u);  // the stride's slack is not written
+
+    std::vector<std::uint32_t> columns(std::size_t(column_pairs * (rows + 2)), 7u),
+        columns_portable = columns;
+    pack_column_pairs(m.data(), m.outerStride(), rows, cols, columns.data(), rows + 2);
+    pack_column_pairs_portable(m.data(), m.outerStride(), rows, cols, columns_portable.data(),
+                               rows + 2);
+    EXPECT_EQ(columns, columns_portable);
+    const BFloat16Kernel transposed_kernel{FloatMatrix(m.transpose())};
+    for (Index p = 0; p < column_pairs; ++p)
+      for (Index s = 0; s < rows; ++s)
+        EXPECT_EQ(columns[std::size_t(p * (rows + 2) + s)], transposed_kernel.pairs()(p, s));
+  }
+}
+
+// C (+)= bf16(scale·A)·bf16(op(B)): bitwise gemm_bfloat16 of scale·A on BFloat16Kernel(op(B)),
+// with the planned scratch or none; within float32's summation error of the float64 product of
+// the rounded operands, and within the bfloat16 bound of the unrounded one.
+TEST(BFloat16Operands, ProductIsTheKernelProductOfTheRoundedOperands) {
+  using namespace sdmha::detail;
+  std::mt19937 rng(7910);
+  for (const GemmCase& c : gemm_cases()) {
+    for (const bool transpose : {false, true}) {
+      SCOPED_TRACE(describe(c) + (transpose ? " B transposed" : ""));
+      const float scale = 0.37f;
+      const FloatMatrix a = normal_matrix(c.m, c.k, rng), start = normal_matrix(c.m, c.n, rng);
+      const FloatMatrix b = transpose ? normal_matrix(c.n, c.k, rng) : normal_matrix(c.k, c.n, rng);
+      const FloatMatrix op_b = transpose ? FloatMatrix(b.transpose()) : b;
+      FloatMatrix c_planned = start, c_unplanned = start;
+      ScratchBuffer buffer;
+      buffer.reserve(gemm_bfloat16_operands_workspace_size(c.m, c.n, c.k));
+      gemm_bfloat16_operands(a, b, transpose, c_planned, c.accumulate, buffer.view(), scale);
+      gemm_bfloat16_operands(a, b, transpose, c_unplanned, c.accumulate, {}, scale);
+      const FloatMatrix scaled_a = a * scale;
+      const FloatMatrix expected = run_gemm(scaled_a, BFloat16Kernel(op_b), start, c.accumulate);
+      EXPECT_EQ(differing_bits(c_planned, expected), 0);
+      EXPECT_EQ(differing_bits(c_unplanned, expected), 0);
+      double worst = 0.0;
+      const FloatMatrix* c0 = c.accumulate ? &start : nullptr;
+      EXPECT_EQ(entries_outside(c_planned, reference_product(scaled_a, op_b, c0, true),
+                                (c.k + 1) * kSumRounding, &worst),
+                0)
+          << "worst " << worst;
+      EXPECT_EQ(entries_outside(c_planned, reference_product(scaled_a, op_b, c0, false),
+                                kProductRounding + 1.0 / 65536 + (c.k + 1) * kSumRounding, &worst),
+                0)
+          << "worst " << worst;
+    }
+  }
 }
 
 TEST(DenseProjectionBFloat16, OutputIsBiasPlusTheBFloat16Product) {

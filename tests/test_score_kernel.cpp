@@ -1,7 +1,8 @@
 // Tests of sdmha/stages/score_kernel.hpp: ScoreKernel's two forms against the reference's scaled,
 // masked scores of every (batch, head): project-first on the projected query block, and the
 // regrouped form from batch b's CSR rows, the head's kernel columns and its bias slice. Blocked
-// entries must be exactly −∞, even when the key row there is not finite.
+// entries must be exactly −∞, even when the key row there is not finite. With bfloat16_operands,
+// the project-first scores are the float64 products of the rounded operands.
 #include "test_support.hpp"
 
 namespace sdmha_test {
@@ -67,7 +68,7 @@ struct ScoreProblem {
     return matrix.block(empty ? 0 : row, empty ? 0 : column, rows, columns);
   }
 
-  sdmha::RowMatrix<Scalar> project_first(Index b, Index h) const {
+  sdmha::RowMatrix<Scalar> project_first(Index b, Index h, bool bfloat16_operands = false) const {
     sdmha::RowMatrix<Scalar> scores(T(), S());
     typename Kernel<Scalar>::Arguments args{
         sdmha::TilePosition{b, h, 0, 0},
@@ -76,6 +77,7 @@ struct ScoreProblem {
         scale(),
         mask(b),
         scores};
+    args.bfloat16_operands = bfloat16_operands;
     Kernel<Scalar>::can_implement(args);
     Kernel<Scalar>{}(args);
     return scores;
@@ -276,6 +278,50 @@ TYPED_TEST(ScoreKernelTest, BlockedEntriesAreMinusInfinityEvenOverNonFiniteKeys)
       EXPECT_TRUE(scores_match(problem.regrouped(b, h), problem.expected_scores(b, h),
                                relative_tolerance<TypeParam>()));
     }
+}
+
+// With bfloat16_operands, S = bf16(scale·Q)·bf16(K)ᵀ: each score within float32's summation
+// error of the float64 sum of the rounded operands' products (scale·q formed in float, as the
+// stage does), blocked entries exactly −∞ even over NaN and ±∞ keys; a double stage refuses it.
+TEST(ScoreKernelBFloat16, ScoresAreTheRoundedOperandsProducts) {
+  std::uint64_t seed = 780;
+  for (const auto& [name, shape] : score_shapes()) {
+    SCOPED_TRACE(name);
+    ScoreProblem<float> problem(shape, seed++);
+    const Index T = problem.T(), S = problem.S(), Dk = problem.Dk();
+    if (T > 0 && S > 0) problem.projected_key.row(0).setConstant(NAN);  // key step 0 of b = 0
+    for (Index b = 0; b < shape.batch; ++b)
+      for (Index h = 0; h < shape.heads; ++h) {
+        SCOPED_TRACE(::testing::Message() << "b " << b << ", h " << h);
+        const auto scores = problem.project_first(b, h, true);
+        const double* reference = problem.expected_scores(b, h);
+        for (Index t = 0; t < T; ++t)
+          for (Index s = 0; s < S; ++s) {
+            if (reference[t * S + s] == -std::numeric_limits<double>::infinity()) {
+              EXPECT_EQ(scores(t, s), -std::numeric_limits<float>::infinity());
+              continue;
+            }
+            double sum = 0.0, magnitude = 0.0;
+            for (Index d = 0; d < Dk; ++d) {
+              const float q = problem.scale() * problem.projected_query(b * T + t, h * Dk + d);
+              const double term =
+                  double(float(Eigen::bfloat16(q))) *
+                  double(float(Eigen::bfloat16(problem.projected_key(b * S + s, h * Dk + d))));
+              sum += term;
+              magnitude += std::abs(term);
+            }
+            if (std::isnan(sum)) {
+              EXPECT_TRUE(std::isnan(scores(t, s))) << t << ", " << s;
+              continue;
+            }
+            EXPECT_LE(std::abs(double(scores(t, s)) - sum), (Dk + 1) * 0x1p-24 * magnitude)
+                << t << ", " << s;
+          }
+      }
+  }
+  ScoreProblem<double> problem(Shape{}, 790);
+  SDMHA_EXPECT_THROW_WITH(problem.project_first(0, 0, true), sdmha::ConfigError,
+                          "bfloat16_operands is set for a double stage");
 }
 
 TYPED_TEST(ScoreKernelTest, TheScaleIsTheCallersArgument) {

@@ -286,7 +286,8 @@ struct Backward {
                      const AttentionOptions<Scalar>& options, StageScratch stage, Buffers& buffers,
                      MatrixRef<Scalar> out) {
     layer.tile_scores(plan, item, query, buffers.projected_query,
-                      item_mask(item, options, plan.steps, plan.key_steps), key, stage, out);
+                      item_mask(item, options, plan.steps, plan.key_steps), key, false, stage,
+                      out);  // the backward differentiates float32
     add_attention_bias(item, options, out);
   }
 

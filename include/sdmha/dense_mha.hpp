@@ -89,9 +89,10 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
     Core::project_rows(plan, query_projection_, detail::kQueryProjectionRowBlock, query.as_matrix(),
                        weights.query_kernel, weights.query_bias, projected_query, buffers);
     auto scores = [&](const detail::AttentionItem& item, const BatchMask& mask,
-                      const ConstMatrixRef<Scalar>& key_tile, StageScratch scratch,
-                      MatrixRef<Scalar> tile) {
-      this->project_first_scores(plan, item, projected_query, mask, key_tile, scratch, tile);
+                      const ConstMatrixRef<Scalar>& key_tile, bool bfloat16_operands,
+                      StageScratch scratch, MatrixRef<Scalar> tile) {
+      this->project_first_scores(plan, item, projected_query, mask, key_tile, bfloat16_operands,
+                                 scratch, tile);
     };
     if (plan.context_chunk > 0)
       this->attend_streamed(plan, key, value, options, scores, buffers, result);

@@ -116,8 +116,10 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
   // now; the key, the value and the concatenated heads are rounded as their projections read
   // them, and those projections run on bfloat16 dot products with float32 sums (vdpbf16ps where
   // the CPU has AVX512_BF16: twice float32's rate). Each term x·w of a projection then carries a
-  // relative error of at most 2⁻⁷ (2⁻⁸ from each operand); the scores, the softmax and P·V stay
-  // float32. Snapshot semantics, refusals and the backward as for set_query_kernel_precision;
+  // relative error of at most 2⁻⁷ (2⁻⁸ from each operand). The scores and P·V round their
+  // operands too (scale·Q and K, P and V; stages' bfloat16_operands) and run on the same dot
+  // products; the softmax stays float32. Snapshot semantics, refusals and the backward as for
+  // set_query_kernel_precision;
   // Precision::float32 drops every copy. precision() is bfloat16 only after
   // set_precision(Precision::bfloat16).
   void set_precision(Precision precision) {
@@ -335,9 +337,10 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
            AttentionResult<Scalar>& result, const Context&... context) const {
     if (!plan.regrouped()) project_query(plan, query, buffers, buffers.projected_query);
     auto scores = [&](const detail::AttentionItem& item, const BatchMask& mask,
-                      const ConstMatrixRef<Scalar>& key, StageScratch scratch,
-                      MatrixRef<Scalar> tile) {
-      tile_scores(plan, item, query, buffers.projected_query, mask, key, scratch, tile);
+                      const ConstMatrixRef<Scalar>& key, bool bfloat16_operands,
+                      StageScratch scratch, MatrixRef<Scalar> tile) {
+      tile_scores(plan, item, query, buffers.projected_query, mask, key, bfloat16_operands, scratch,
+                  tile);
     };
     if constexpr (sizeof...(Context) == 1)
       this->attend(plan, context..., options, scores, buffers, result);
@@ -346,11 +349,12 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
   }
 
   // The masked scores of one tile by the plan's strategy, before the attention bias: from X's
-  // CSR rows (regrouped) or from the tile's block of Q (`projected_query`, B·T × H·Dk).
+  // CSR rows (regrouped) or from the tile's block of Q (`projected_query`, B·T × H·Dk), Q and K
+  // rounded to bfloat16 when `bfloat16_operands` (the bfloat16 mode, which projects first).
   void tile_scores(const detail::AttentionPlan& plan, const detail::AttentionItem& item,
                    const Query& query, const RowMatrix<Scalar>& projected_query,
-                   const BatchMask& mask, const ConstMatrixRef<Scalar>& key, StageScratch scratch,
-                   MatrixRef<Scalar> scores) const {
+                   const BatchMask& mask, const ConstMatrixRef<Scalar>& key, bool bfloat16_operands,
+                   StageScratch scratch, MatrixRef<Scalar> scores) const {
     const Index T = plan.steps, Dk = plan.dims.key_dim;
     const Scalar scale = Scalar(plan.scale);
     if (plan.regrouped()) {
@@ -369,7 +373,8 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
       this->score_kernel_(args);
       return;
     }
-    this->project_first_scores(plan, item, projected_query, mask, key, scratch, scores);
+    this->project_first_scores(plan, item, projected_query, mask, key, bfloat16_operands, scratch,
+                               scores);
   }
 
   // Wq rounded to bfloat16 (by column panels), the float Wq it was rounded from (to see it

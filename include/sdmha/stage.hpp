@@ -113,5 +113,14 @@ void check_kernel_bfloat16(const char* where, const RoundedKernel* kernel_bfloat
                      kernel.cols());
 }
 
+// A stage asked to round its operands to bfloat16 (`bfloat16_operands`) must be a float stage.
+template <typename Scalar>
+void check_bfloat16_operands(const char* where, bool bfloat16_operands) {
+  if (bfloat16_operands && !std::is_same<Scalar, float>::value)
+    fail<ConfigError>(where,
+                      "bfloat16_operands is set for a double stage; expected false (bfloat16 "
+                      "operands need Scalar = float)");
+}
+
 }  // namespace detail
 }  // namespace sdmha

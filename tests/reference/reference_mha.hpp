@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -37,7 +38,26 @@ struct Problem {
   long causal_offset = 0;             // causal: s <= t + causal_offset (bottom-right: S − T)
   double scale = 0.0;                 // the scores' factor; 0 means 1/sqrt(key_dim)
   bool uniform_fully_masked = false;  // a row with every key blocked: 1/S on every key
+  // A model of sdmha's bfloat16 mode: operands rounded (round_to_bfloat16) where they meet their
+  // products. bfloat16_projections: the four kernels, and the key, the value and the heads as
+  // inputs of their projections (not the query's values); bfloat16_attention: scale·q and k in
+  // the scores, p and v in the heads.
+  bool bfloat16_projections = false, bfloat16_attention = false;
 };
+
+// x as a float, then rounded to the nearest bfloat16 (8 significant bits, ties to even), as a
+// double; NaN stays NaN and ±∞ stays ±∞.
+inline double round_to_bfloat16(double x) {
+  float value = static_cast<float>(x);
+  if (std::isnan(value)) return x;
+  std::uint32_t bits = 0;
+  std::memcpy(&bits, &value, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);  // half of the dropped part, plus one on a tie to odd
+  bits &= 0xFFFF0000u;
+  std::memcpy(&value, &bits, sizeof bits);
+  return value;
+}
+inline double rounded_if(bool round, double x) { return round ? round_to_bfloat16(x) : x; }
 
 struct Result {
   std::vector<double> query;          // projected, B·T·H·Dk
@@ -49,15 +69,18 @@ struct Result {
   std::vector<double> output;         // B·T·O
 };
 
-// rows × in  ·  in × out  (+ bias)
+// rows × in  ·  in × out  (+ bias), the input's and the kernel's entries rounded if asked
 inline std::vector<double> project(const std::vector<double>& input, long rows, long in,
                                    const std::vector<double>& kernel,
-                                   const std::vector<double>& bias, long out) {
+                                   const std::vector<double>& bias, long out,
+                                   bool round_input = false, bool round_kernel = false) {
   std::vector<double> result(static_cast<std::size_t>(rows * out), 0.0);
   for (long r = 0; r < rows; ++r)
     for (long o = 0; o < out; ++o) {
       double sum = bias.empty() ? 0.0 : bias[o];
-      for (long i = 0; i < in; ++i) sum += input[r * in + i] * kernel[i * out + o];
+      for (long i = 0; i < in; ++i)
+        sum += rounded_if(round_input, input[r * in + i]) *
+               rounded_if(round_kernel, kernel[i * out + o]);
       result[r * out + o] = sum;
     }
   return result;
@@ -94,9 +117,12 @@ inline Result forward(const Problem& p) {
   const long B = p.batch, T = p.steps, S = p.key_steps, H = p.heads, Dk = p.key_dim,
              Dv = p.value_dim, O = p.output_dim;
   Result r;
-  r.query = project(p.query, B * T, p.query_dim, p.query_kernel, p.query_bias, H * Dk);
-  r.key = project(p.key, B * S, p.key_in_dim, p.key_kernel, p.key_bias, H * Dk);
-  r.value = project(p.value, B * S, p.value_in_dim, p.value_kernel, p.value_bias, H * Dv);
+  const bool round = p.bfloat16_projections, round_attention = p.bfloat16_attention;
+  r.query =
+      project(p.query, B * T, p.query_dim, p.query_kernel, p.query_bias, H * Dk, false, round);
+  r.key = project(p.key, B * S, p.key_in_dim, p.key_kernel, p.key_bias, H * Dk, round, round);
+  r.value =
+      project(p.value, B * S, p.value_in_dim, p.value_kernel, p.value_bias, H * Dv, round, round);
   const double scale = p.scale != 0.0 ? p.scale : 1.0 / std::sqrt(double(Dk));
   const double minus_infinity = -std::numeric_limits<double>::infinity();
   r.scores.assign(static_cast<std::size_t>(B * H * T * S), 0.0);
@@ -117,8 +143,8 @@ inline Result forward(const Problem& p) {
           }
           double dot = 0.0;
           for (long d = 0; d < Dk; ++d)
-            dot += (r.query[(b * T + t) * H * Dk + h * Dk + d] * scale) *
-                   r.key[(b * S + s) * H * Dk + h * Dk + d];
+            dot += rounded_if(round_attention, r.query[(b * T + t) * H * Dk + h * Dk + d] * scale) *
+                   rounded_if(round_attention, r.key[(b * S + s) * H * Dk + h * Dk + d]);
           dot += bias;  // NaN, +∞ propagate
           score[s] = dot;
           has_nan = has_nan || std::isnan(dot);
@@ -141,11 +167,12 @@ inline Result forward(const Problem& p) {
           double sum = 0.0;
           for (long s = 0; s < S; ++s)
             if (probability[s] != 0.0)
-              sum += probability[s] * r.value[(b * S + s) * H * Dv + h * Dv + d];
+              sum += rounded_if(round_attention, probability[s]) *
+                     rounded_if(round_attention, r.value[(b * S + s) * H * Dv + h * Dv + d]);
           r.heads[(b * T + t) * H * Dv + h * Dv + d] = sum;
         }
       }
-  r.output = project(r.heads, B * T, H * Dv, p.output_kernel, p.output_bias, O);
+  r.output = project(r.heads, B * T, H * Dv, p.output_kernel, p.output_bias, O, round, round);
   return r;
 }
 

@@ -114,6 +114,15 @@ struct reads_bfloat16_kernel<
     Stage, std::void_t<decltype(std::declval<typename Stage::Arguments&>().kernel_bfloat16)>>
     : std::true_type {};
 
+// Whether a stage's Arguments can ask for its operands rounded to bfloat16
+// (`bfloat16_operands`): the score and attend-values stages of the bfloat16 mode.
+template <typename Stage, typename = void>
+struct reads_bfloat16_operands : std::false_type {};
+template <typename Stage>
+struct reads_bfloat16_operands<
+    Stage, std::void_t<decltype(std::declval<typename Stage::Arguments&>().bfloat16_operands)>>
+    : std::true_type {};
+
 template <typename Scalar, typename ScoreKernelT, typename SoftmaxT, typename AttendValuesT,
           typename OutputProjectionT, typename ContextProjectionT>
 class AttentionCore {
@@ -252,6 +261,13 @@ class AttentionCore {
     }
   }
   bool dense_kernels_bfloat16() const { return dense_bfloat16_ != nullptr; }
+  // Whether the scores and P·V round their operands (Q, K, P, V) to bfloat16: in the bfloat16
+  // mode, when the score and attend-values stages both can.
+  bool attends_in_bfloat16() const {
+    return dense_bfloat16_ != nullptr && std::is_same<Scalar, float>::value &&
+           reads_bfloat16_operands<ScoreKernel>::value &&
+           reads_bfloat16_operands<AttendValues>::value;
+  }
   std::uint64_t weight_accesses() const { return weight_accesses_; }
 
   // The bfloat16 copies must be those of the current kernels, in a forward pass.
@@ -492,9 +508,9 @@ class AttentionCore {
   };
 
   // The shared body of forward: for every attention item of the plan, the scores (from
-  // `compute_scores(item, mask, key_tile, scratch, scores)`), the softmax, dropout and P·V into
-  // the heads, then the output projection. K and V are `context`'s. Scratch comes from
-  // `buffers`, the output goes to `result` (both resized only when shapes change).
+  // `compute_scores(item, mask, key_tile, bfloat16_operands, scratch, scores)`), the softmax,
+  // dropout and P·V into the heads, then the output projection. K and V are `context`'s. Scratch
+  // comes from `buffers`, the output goes to `result` (both resized only when shapes change).
   template <typename ComputeScores>
   void attend(const AttentionPlan& plan, const ProjectedContext<Scalar>& context,
               const AttentionOptions<Scalar>& options, ComputeScores&& compute_scores,
@@ -633,6 +649,21 @@ class AttentionCore {
                         tile.key_begin / plan.key_tile;
     return buffers.value_is_finite[std::size_t(index)] != 0;
   }
+  // The Arguments of an attend-values Stage for a tile: P, its V, the heads' rows, V's finiteness
+  // and whether P and V are rounded to bfloat16.
+  template <typename Stage, typename Probabilities, typename Heads>
+  typename Stage::Arguments values_arguments(const AttentionPlan& plan, const AttentionItem& tile,
+                                             Probabilities& probabilities,
+                                             const ConstMatrixRef<Scalar>& value, Heads& heads,
+                                             const CallBuffers<Scalar>& buffers,
+                                             StageScratch scratch) const {
+    typename Stage::Arguments args{
+        tile.position(), probabilities, value, heads, value_is_finite(plan, buffers, tile),
+        scratch};
+    if constexpr (reads_bfloat16_operands<Stage>::value)
+      args.bfloat16_operands = attends_in_bfloat16();
+    return args;
+  }
 
   template <typename ComputeScores>
   void attend_item(const AttentionPlan& plan, const AttentionItem& item,
@@ -657,7 +688,7 @@ class AttentionCore {
     compute_scores(
         item, item_mask(item, options, T, S),
         ConstMatrixRef<Scalar>(context.keys.block(b * S + item.key_begin, h * Dk, keys, Dk)),
-        scratch, MatrixRef<Scalar>(scores));
+        attends_in_bfloat16(), scratch, MatrixRef<Scalar>(scores));
     add_attention_bias(item, options, scores);
     typename Softmax::Arguments softmax_args{position, scores, scratch, plan.fully_masked_rows};
     Softmax::can_implement(softmax_args);
@@ -669,13 +700,10 @@ class AttentionCore {
         keep_scores ? as_tile(worker.tile(1, rows, keys, plan.tile_entries)) : scores;
     if (keep_scores) probabilities = scores;
     dropout.apply(probabilities, b, h, item.query_begin, item.key_begin);
-    typename AttendValues::Arguments values_args{
-        position,
-        probabilities,
-        context.values.block(b * S + item.key_begin, h * Dv, keys, Dv),
-        heads,
-        value_is_finite(plan, buffers, item),
-        scratch};
+    const auto values_args = values_arguments<AttendValues>(
+        plan, item, probabilities,
+        ConstMatrixRef<Scalar>(context.values.block(b * S + item.key_begin, h * Dv, keys, Dv)),
+        heads, buffers, scratch);
     AttendValues::can_implement(values_args);
     attend_values_(values_args);
   }
@@ -737,18 +765,18 @@ class AttentionCore {
     const StageScratch scratch = worker.stage.view();
     compute_scores(tile, item_mask(tile, options, T, S),
                    ConstMatrixRef<Scalar>(context.keys.block(key_row, h * Dk, tile.key_steps, Dk)),
-                   scratch, MatrixRef<Scalar>(scores));
+                   attends_in_bfloat16(), scratch, MatrixRef<Scalar>(scores));
     add_attention_bias(tile, options, scores);
     online_softmax_update(scores, statistics, heads);
     plan.dropout().apply(scores, tile.batch, h, tile.query_begin, tile.key_begin);
-    typename sdmha::AttendValues<Scalar>::Arguments values_args{
-        tile.position(),
-        scores,
-        context.values.block(key_row, h * Dv, tile.key_steps, Dv),
-        heads,
-        value_is_finite(plan, buffers, tile),
-        scratch};
-    accumulate_values(values_args);
+    // heads += P_j·V_j: the default stage's product, accumulating.
+    using DefaultAttendValues = sdmha::AttendValues<Scalar>;
+    DefaultAttendValues::multiply(
+        values_arguments<DefaultAttendValues>(
+            plan, tile, scores,
+            ConstMatrixRef<Scalar>(context.values.block(key_row, h * Dv, tile.key_steps, Dv)),
+            heads, buffers, scratch),
+        true);
   }
 
   // One key tile of the online softmax: scores → unnormalised probabilities exp(S − m'), with
@@ -776,22 +804,6 @@ class AttentionCore {
     }
   }
 
-  // heads += P_j·V_j: AttendValues' product, accumulating (a zero probability never meets a
-  // non-finite value row).
-  static void accumulate_values(const typename sdmha::AttendValues<Scalar>::Arguments& args) {
-    if (args.value_is_finite.value_or(true)) {
-      gemm<Scalar>(as_operand<Scalar>(args.probabilities), as_operand<Scalar>(args.value),
-                   args.output, Scalar(1), true, args.workspace);
-      return;
-    }
-    for (Index t = 0; t < args.probabilities.rows(); ++t)
-      for (Index s = 0; s < args.probabilities.cols(); ++s) {
-        const Scalar probability = args.probabilities(t, s);
-        if (probability != Scalar(0))
-          args.output.row(t).noalias() += probability * args.value.row(s);
-      }
-  }
-
   // The item's block of the returned (B, H, T, S) probabilities; keys beyond the item's are 0.
   static Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>> scores_in_result(
       const AttentionPlan& plan, const AttentionItem& item, AttentionResult<Scalar>& result) {
@@ -816,8 +828,8 @@ class AttentionCore {
   // dense baseline.
   void project_first_scores(const AttentionPlan& plan, const AttentionItem& item,
                             const RowMatrix<Scalar>& projected_query, const BatchMask& mask,
-                            const ConstMatrixRef<Scalar>& key, StageScratch scratch,
-                            MatrixRef<Scalar> scores) const {
+                            const ConstMatrixRef<Scalar>& key, bool bfloat16_operands,
+                            StageScratch scratch, MatrixRef<Scalar> scores) const {
     const Index Dk = plan.dims.key_dim;
     typename ScoreKernel::Arguments args{
         item.position(),
@@ -828,6 +840,8 @@ class AttentionCore {
         mask,
         scores,
         scratch};
+    if constexpr (reads_bfloat16_operands<ScoreKernel>::value)
+      args.bfloat16_operands = bfloat16_operands;
     ScoreKernel::can_implement(args);
     score_kernel_(args);
   }

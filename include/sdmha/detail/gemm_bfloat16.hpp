@@ -1,5 +1,6 @@
 // sdmha/detail/gemm_bfloat16.hpp — C (+)= A·W with A rounded to bfloat16 on the fly and W a
-// bfloat16 kernel packed once in pairs of rows: the dense projections of the bfloat16 mode.
+// bfloat16 kernel packed once in pairs of rows: the dense projections of the bfloat16 mode; and
+// C (+)= A·op(B) with both rounded as they are packed (gemm_bfloat16_operands): its scores and P·V.
 //
 //   math:  C = bf16(A)·bf16(W) (+ C, or + 1·bᵀ given a column bias b), each product exact, the
 //          sums in float32
@@ -60,6 +61,38 @@ inline float widen_bfloat16(std::uint32_t bits) {
   return Eigen::numext::bit_cast<float>(std::uint32_t(bits << 16));
 }
 
+// A k × n matrix rounded to bfloat16 and packed in pairs of rows, seen where it is: pair (p, j) =
+// (M(2p, j), M(2p + 1, j)) at data[p·stride + j], the high half 0 past k.
+struct BFloat16Pairs {
+  const std::uint32_t* data = nullptr;
+  Index rows = 0, cols = 0;  // k, n
+  Index stride = 0;          // pairs from one pair row to the next, ≥ n
+};
+
+// out[p·out_stride + j] = the pair (M(2p, j), M(2p + 1, j)) of M (rows × cols, row-major,
+// leading dimension ld) rounded to nearest bfloat16, for p < ⌈rows/2⌉ and j < cols: M packed as
+// BFloat16Kernel stores it (the portable conversion: subnormals kept).
+inline void pack_row_pairs_portable(const float* m, Index ld, Index rows, Index cols,
+                                    std::uint32_t* out, Index out_stride) {
+  for (Index p = 0; p < (rows + 1) / 2; ++p)
+    for (Index j = 0; j < cols; ++j) {
+      const std::uint32_t low = bfloat16_bits(m[2 * p * ld + j]);
+      const std::uint32_t high = 2 * p + 1 < rows ? bfloat16_bits(m[(2 * p + 1) * ld + j]) : 0u;
+      out[p * out_stride + j] = low | (high << 16);
+    }
+}
+// The same for Mᵀ (cols × rows): out[p·out_stride + s] = (M(s, 2p), M(s, 2p + 1)) for
+// p < ⌈cols/2⌉ and s < rows — a row of M rounded to bfloat16 is already its sequence of pairs.
+inline void pack_column_pairs_portable(const float* m, Index ld, Index rows, Index cols,
+                                       std::uint32_t* out, Index out_stride) {
+  for (Index s = 0; s < rows; ++s)
+    for (Index p = 0; p < (cols + 1) / 2; ++p) {
+      const std::uint32_t low = bfloat16_bits(m[s * ld + 2 * p]);
+      const std::uint32_t high = 2 * p + 1 < cols ? bfloat16_bits(m[s * ld + 2 * p + 1]) : 0u;
+      out[p * out_stride + s] = low | (high << 16);
+    }
+}
+
 // A k × n float kernel rounded to bfloat16 and packed in pairs of rows (see the top of the file).
 class BFloat16Kernel {
  public:
@@ -68,17 +101,14 @@ class BFloat16Kernel {
   BFloat16Kernel() = default;
   explicit BFloat16Kernel(const ConstMatrixRef<float>& kernel)
       : rows_(kernel.rows()), pairs_((kernel.rows() + 1) / 2, kernel.cols()) {
-    for (Index p = 0; p < pairs_.rows(); ++p)
-      for (Index j = 0; j < pairs_.cols(); ++j) {
-        const std::uint32_t low = bfloat16_bits(kernel(2 * p, j));
-        const std::uint32_t high = 2 * p + 1 < rows_ ? bfloat16_bits(kernel(2 * p + 1, j)) : 0u;
-        pairs_(p, j) = low | (high << 16);
-      }
+    pack_row_pairs_portable(kernel.data(), kernel.outerStride(), rows_, pairs_.cols(),
+                            pairs_.data(), pairs_.cols());
   }
 
   Index rows() const { return rows_; }          // k
   Index cols() const { return pairs_.cols(); }  // n
   const Pairs& pairs() const { return pairs_; }
+  BFloat16Pairs view() const { return BFloat16Pairs{pairs_.data(), rows_, cols(), cols()}; }
   // W(i, j) as rounded, widened to float.
   float operator()(Index i, Index j) const {
     return widen_bfloat16(pairs_(i / 2, j) >> (i % 2 == 0 ? 0 : 16) & 0xFFFFu);
@@ -109,9 +139,10 @@ inline Index depth_block(Index k) {
 // over the block's pairs, each pair adding its odd-row term and then its even-row term (the
 // order the SDM gives for vdpbf16ps; each product of two bfloat16 values is exact in float),
 // then added to C (or stored, for the first block without `accumulate`). So both paths take the
-// same sums; they can differ only where the hardware treats subnormals as zero.
-inline void gemm_bfloat16_portable(const ConstMatrixRef<float>& a, const BFloat16Kernel& w,
-                                   MatrixRef<float> c, bool accumulate) {
+// same sums; they can differ only where the hardware treats subnormals as zero. A's entries are
+// multiplied by `a_scale` before they are rounded.
+inline void gemm_bfloat16_portable(const ConstMatrixRef<float>& a, const BFloat16Pairs& w,
+                                   MatrixRef<float> c, bool accumulate, float a_scale = 1.f) {
   const Index m = c.rows(), n = c.cols(), k = a.cols();
   if (k == 0) {
     if (!accumulate) c.setZero();
@@ -125,9 +156,10 @@ inline void gemm_bfloat16_portable(const ConstMatrixRef<float>& a, const BFloat1
       const Index end = std::min(pc + kc, k);
       sum.setZero();
       for (Index p = pc / 2; p < (end + 1) / 2; ++p) {
-        const float even = widen_bfloat16(bfloat16_bits(a(i, 2 * p)));
-        const float odd = 2 * p + 1 < k ? widen_bfloat16(bfloat16_bits(a(i, 2 * p + 1))) : 0.f;
-        const std::uint32_t* pair = w.pairs().data() + p * n;
+        const float even = widen_bfloat16(bfloat16_bits(a_scale * a(i, 2 * p)));
+        const float odd =
+            2 * p + 1 < k ? widen_bfloat16(bfloat16_bits(a_scale * a(i, 2 * p + 1))) : 0.f;
+        const std::uint32_t* pair = w.data + p * w.stride;
         for (Index j = 0; j < n; ++j) {
           sum[j] += odd * widen_bfloat16(pair[j] >> 16);
           sum[j] += even * widen_bfloat16(pair[j] & 0xFFFFu);
@@ -158,11 +190,12 @@ inline constexpr Index kNr = 16 * kNv;
 inline Index packed_row_pairs(Index depth) { return round_up(depth, kChunk) / 2; }
 inline Index block_a_pairs(Index rows, Index depth) { return rows * packed_row_pairs(depth); }
 
-// Packs rows [i0, i0 + rows) × depth [p0, p0 + depth) of A, rounded, into micro-panels of the
-// RowSplit's heights: out[c·16·h + i·16 + q] = pair q of chunk c of the panel's row i (zero past
-// the depth), one 64-byte line per row and chunk.
+// Packs rows [i0, i0 + rows) × depth [p0, p0 + depth) of A, times `scale`, rounded, into
+// micro-panels of the RowSplit's heights: out[c·16·h + i·16 + q] = pair q of chunk c of the
+// panel's row i (zero past the depth), one 64-byte line per row and chunk.
 inline void pack_a(const float* a, Index lda, Index i0, Index rows, Index p0, Index depth,
-                   std::uint32_t* out) {
+                   float scale, std::uint32_t* out) {
+  const __m512 factor = _mm512_set1_ps(scale);
   const RowSplit split(rows);
   const Index chunks = (depth + kChunk - 1) / kChunk;
   for (Index t = 0, ir = 0; t < split.tiles; ++t) {
@@ -173,8 +206,8 @@ inline void pack_a(const float* a, Index lda, Index i0, Index rows, Index p0, In
       std::uint32_t* dst = out + ch * 16 * h;
       for (Index i = 0; i < h; ++i) {
         const float* src = a + (i0 + ir + i) * lda + p0 + kChunk * ch;
-        const __m512 low = _mm512_maskz_loadu_ps(low_mask, src);
-        const __m512 high = _mm512_maskz_loadu_ps(high_mask, src + 16);
+        const __m512 low = _mm512_mul_ps(_mm512_maskz_loadu_ps(low_mask, src), factor);
+        const __m512 high = _mm512_mul_ps(_mm512_maskz_loadu_ps(high_mask, src + 16), factor);
         _mm512_storeu_si512(dst + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(high, low));
       }
     }
@@ -246,13 +279,58 @@ constexpr std::array<std::array<MicroKernel, kMr>, sizeof...(Vectors)> kernel_ta
 // [NV − 1][MR − 1]: every edge tile has its own fully unrolled kernel.
 inline constexpr auto kKernels = kernel_table(std::make_integer_sequence<int, kNv>());
 
+// pack_row_pairs_portable and pack_column_pairs_portable by vcvtneps2bf16, which flushes
+// subnormals to zero (as vdpbf16ps reads them anyway): 16 pairs per step.
+inline void pack_row_pairs_avx512(const float* m, Index ld, Index rows, Index cols,
+                                  std::uint32_t* out, Index out_stride) {
+  for (Index p = 0; p < (rows + 1) / 2; ++p) {
+    const float* even = m + 2 * p * ld;
+    const bool has_odd = 2 * p + 1 < rows;
+    for (Index j = 0; j < cols; j += 16) {
+      const __mmask16 mask = lanes(cols - j);
+      const __m512 low = _mm512_maskz_loadu_ps(mask, even + j);
+      const __m512 high =
+          has_odd ? _mm512_maskz_loadu_ps(mask, even + ld + j) : _mm512_setzero_ps();
+      const __m512i low_bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(low));
+      const __m512i high_bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(high));
+      _mm512_mask_storeu_epi32(out + p * out_stride + j, mask,
+                               _mm512_or_si512(low_bits, _mm512_slli_epi32(high_bits, 16)));
+    }
+  }
+}
+// Blocks of 16 rows × 32 columns: each row's 16 pairs in one register (vcvtne2ps2bf16 keeps the
+// columns in order), then the 16 × 16 transpose, so that each pair row is stored 16 wide.
+inline void pack_column_pairs_avx512(const float* m, Index ld, Index rows, Index cols,
+                                     std::uint32_t* out, Index out_stride) {
+  const Index pairs = (cols + 1) / 2;
+  for (Index s0 = 0; s0 < rows; s0 += 16) {
+    const Index block = rows - s0 < 16 ? rows - s0 : 16;
+    for (Index c = 0; c < cols; c += kChunk) {
+      const __mmask16 low_mask = lanes(cols - c),
+                      high_mask = lanes(cols - c > 16 ? cols - c - 16 : 0);
+      __m512 r[16];
+      for (Index i = 0; i < 16; ++i) {
+        r[i] = _mm512_setzero_ps();
+        if (i >= block) continue;
+        const float* src = m + (s0 + i) * ld + c;
+        r[i] = (__m512)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high_mask, src + 16),
+                                           _mm512_maskz_loadu_ps(low_mask, src));
+      }
+      avx512_gemm::transpose16(r);
+      const Index chunk_pairs = pairs - c / 2 < 16 ? pairs - c / 2 : 16;
+      for (Index q = 0; q < chunk_pairs; ++q)
+        _mm512_mask_storeu_ps(out + (c / 2 + q) * out_stride + s0, lanes(block), r[q]);
+    }
+  }
+}
+
 inline std::size_t workspace_bytes(Index m, Index k) {
   if (m <= 0 || k <= 0) return 0;
   return array_bytes<std::uint32_t>(block_a_pairs(std::min(m, kMaxMc), std::min(k, kMaxKc)));
 }
 
 inline void run(const float* a, Index lda, const std::uint32_t* w, Index ldw, float* c, Index ldc,
-                Index m, Index n, Index k, bool accumulate, const float* column_bias,
+                Index m, Index n, Index k, bool accumulate, const float* column_bias, float a_scale,
                 std::uint32_t* block_a) {
   const Index kc = depth_block(k), mc = row_block(m);
   for (Index ic = 0; ic < m; ic += mc) {
@@ -262,7 +340,7 @@ inline void run(const float* a, Index lda, const std::uint32_t* w, Index ldw, fl
       const Index kb = k - pc < kc ? k - pc : kc;
       const Index row_pairs = packed_row_pairs(kb);
       const bool add = accumulate || pc > 0;
-      pack_a(a, lda, ic, mb, pc, kb, block_a);
+      pack_a(a, lda, ic, mb, pc, kb, a_scale, block_a);
       const std::uint32_t* w_block = w + (pc / 2) * ldw;
       for (Index jr = 0; jr < n; jr += kNr) {
         const Index width = n - jr < kNr ? n - jr : kNr;
@@ -294,15 +372,35 @@ inline std::size_t gemm_bfloat16_workspace_size(Index, Index, Index) { return 0;
 
 #endif  // __AVX512BF16__
 
-// C (m × n) = bf16(A)·W, or += when `accumulate`: vdpbf16ps where the build has AVX512_BF16,
-// the portable loop elsewhere. Packs A in `scratch` (at least gemm_bfloat16_workspace_size(m, n,
-// k) bytes; with less, in memory of its own: the same result, with an allocation).
-// `column_bias` (n floats, only when not accumulating) is added to every row of C, bitwise as if
-// C held it and the product were accumulated onto it, in the first depth block's stores.
-inline void gemm_bfloat16(const ConstMatrixRef<float>& a, const BFloat16Kernel& w,
+// M (rows × cols, leading dimension ld) rounded and packed in pairs of rows, and Mᵀ packed the
+// same way (see the portable forms): the vdpbf16ps form where the build has AVX512_BF16.
+inline void pack_row_pairs(const float* m, Index ld, Index rows, Index cols, std::uint32_t* out,
+                           Index out_stride) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  bf16_gemm::pack_row_pairs_avx512(m, ld, rows, cols, out, out_stride);
+#else
+  pack_row_pairs_portable(m, ld, rows, cols, out, out_stride);
+#endif
+}
+inline void pack_column_pairs(const float* m, Index ld, Index rows, Index cols, std::uint32_t* out,
+                              Index out_stride) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  bf16_gemm::pack_column_pairs_avx512(m, ld, rows, cols, out, out_stride);
+#else
+  pack_column_pairs_portable(m, ld, rows, cols, out, out_stride);
+#endif
+}
+
+// C (m × n) = bf16(a_scale·A)·W, or += when `accumulate`: vdpbf16ps where the build has
+// AVX512_BF16, the portable loop elsewhere. Packs A in `scratch` (at least
+// gemm_bfloat16_workspace_size(m, n, k) bytes; with less, in memory of its own: the same result,
+// with an allocation). `column_bias` (n floats, only when not accumulating) is added to every row
+// of C, bitwise as if C held it and the product were accumulated onto it, in the first depth
+// block's stores.
+inline void gemm_bfloat16(const ConstMatrixRef<float>& a, const BFloat16Pairs& w,
                           MatrixRef<float> c, bool accumulate, StageScratch scratch,
-                          const float* column_bias = nullptr) {
-  SDMHA_ASSERT(a.rows() == c.rows() && a.cols() == w.rows() && w.cols() == c.cols());
+                          const float* column_bias = nullptr, float a_scale = 1.f) {
+  SDMHA_ASSERT(a.rows() == c.rows() && a.cols() == w.rows && w.cols == c.cols());
   SDMHA_ASSERT(column_bias == nullptr || !accumulate);
   const Index m = c.rows(), n = c.cols(), k = a.cols();
   if (m == 0 || n == 0) return;
@@ -324,12 +422,46 @@ inline void gemm_bfloat16(const ConstMatrixRef<float>& a, const BFloat16Kernel& 
     own.reset(new std::uint32_t[std::size_t(pairs)]);
     block_a = own.get();
   }
-  bf16_gemm::run(a.data(), a.outerStride(), w.pairs().data(), w.pairs().outerStride(), c.data(),
-                 c.outerStride(), m, n, k, accumulate, column_bias, block_a);
+  bf16_gemm::run(a.data(), a.outerStride(), w.data, w.stride, c.data(), c.outerStride(), m, n, k,
+                 accumulate, column_bias, a_scale, block_a);
 #else
   (void)scratch;
-  gemm_bfloat16_portable(a, w, c, accumulate);
+  gemm_bfloat16_portable(a, w, c, accumulate, a_scale);
 #endif
+}
+// C (m × n) = bf16(a_scale·A)·bf16(op(B)), or += when `accumulate`, for a float B: op(B) = B
+// (k × n) or, `transpose_b`, Bᵀ (B n × k). B is rounded and packed in pairs into `scratch` first
+// (at least gemm_bfloat16_operands_workspace_size(m, n, k) bytes; with less, memory of its own).
+inline std::size_t gemm_bfloat16_operands_workspace_size(Index m, Index n, Index k) {
+  return array_bytes<std::uint32_t>((k + 1) / 2 * n) + gemm_bfloat16_workspace_size(m, n, k);
+}
+inline void gemm_bfloat16_operands(const ConstMatrixRef<float>& a, const ConstMatrixRef<float>& b,
+                                   bool transpose_b, MatrixRef<float> c, bool accumulate,
+                                   StageScratch scratch, float a_scale = 1.f) {
+  const Index n = c.cols(), k = a.cols();
+  SDMHA_ASSERT(transpose_b ? b.rows() == n && b.cols() == k : b.rows() == k && b.cols() == n);
+  ScratchCarver carver(scratch);
+  std::uint32_t* pairs = carver.take<std::uint32_t>((k + 1) / 2 * n);
+  std::unique_ptr<std::uint32_t[]> own;  // only when the caller's scratch is too small
+  if (pairs == nullptr) {
+    own.reset(new std::uint32_t[std::size_t((k + 1) / 2 * n)]);
+    pairs = own.get();
+  }
+  if (transpose_b)
+    pack_column_pairs(b.data(), b.outerStride(), n, k, pairs, n);
+  else
+    pack_row_pairs(b.data(), b.outerStride(), k, n, pairs, n);
+  gemm_bfloat16(a, BFloat16Pairs{pairs, k, n, n}, c, accumulate, carver.rest(), nullptr, a_scale);
+}
+
+inline void gemm_bfloat16(const ConstMatrixRef<float>& a, const BFloat16Kernel& w,
+                          MatrixRef<float> c, bool accumulate, StageScratch scratch,
+                          const float* column_bias = nullptr) {
+  gemm_bfloat16(a, w.view(), c, accumulate, scratch, column_bias);
+}
+inline void gemm_bfloat16_portable(const ConstMatrixRef<float>& a, const BFloat16Kernel& w,
+                                   MatrixRef<float> c, bool accumulate) {
+  gemm_bfloat16_portable(a, w.view(), c, accumulate);
 }
 
 }  // namespace sdmha::detail

@@ -10,10 +10,12 @@
 
 #include <algorithm>
 #include <optional>
+#include <type_traits>
 
 #include "sdmha/config.hpp"
 #include "sdmha/detail/finite.hpp"
 #include "sdmha/detail/gemm.hpp"
+#include "sdmha/detail/gemm_bfloat16.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/stage.hpp"
 
@@ -32,6 +34,9 @@ struct AttendValues {
     // V_h once per (batch, head), not once per query tile); unknown means this stage checks.
     std::optional<bool> value_is_finite = std::nullopt;
     StageScratch workspace = {};
+    // Float only: with V_h finite, A_h = bf16(P)·bf16(V_h), the operands rounded to bfloat16,
+    // each product exact and the sums in float32 (detail::gemm_bfloat16_operands).
+    bool bfloat16_operands = false;
   };
 
   struct BackwardArguments : TilePosition {
@@ -47,7 +52,8 @@ struct AttendValues {
     const Index rows = sizes.rows, keys = sizes.key_steps, width = sizes.value_dim;
     return std::max({detail::gemm_workspace_size<Scalar>(rows, width, keys),
                      detail::gemm_workspace_size<Scalar>(rows, keys, width),
-                     detail::gemm_workspace_size<Scalar>(keys, width, rows)});
+                     detail::gemm_workspace_size<Scalar>(keys, width, rows),
+                     detail::gemm_bfloat16_operands_workspace_size(rows, width, keys)});
   }
 
   static void can_implement(const Arguments& args) {
@@ -58,6 +64,7 @@ struct AttendValues {
     if (args.output.rows() != args.probabilities.rows() || args.output.cols() != args.value.cols())
       detail::fail<ShapeError>(where, "output is ", args.output.rows(), " x ", args.output.cols(),
                                "; expected ", args.probabilities.rows(), " x ", args.value.cols());
+    detail::check_bfloat16_operands<Scalar>(where, args.bfloat16_operands);
   }
 
   static void can_implement(const BackwardArguments& args) {
@@ -79,15 +86,25 @@ struct AttendValues {
   // A GEMM would turn 0 · NaN into NaN, letting a non-finite value row that is blocked for a
   // query reach that query's output. Such rows are rare, so: one GEMM when V_h is finite, and a
   // product that skips zero probabilities when it is not.
-  void operator()(const Arguments& args) const {
+  void operator()(const Arguments& args) const { multiply(args, false); }
+
+  // output (+)= P·V_h (`accumulate`: the online softmax's key tiles add into their rows).
+  static void multiply(const Arguments& args, bool accumulate) {
     if (args.value_is_finite.has_value() ? *args.value_is_finite
                                          : detail::all_finite<Scalar>(args.value)) {
+      if constexpr (std::is_same<Scalar, float>::value) {
+        if (args.bfloat16_operands) {
+          detail::gemm_bfloat16_operands(args.probabilities, args.value, false, args.output,
+                                         accumulate, args.workspace);
+          return;
+        }
+      }
       detail::gemm<Scalar>(detail::as_operand<Scalar>(args.probabilities),
-                           detail::as_operand<Scalar>(args.value), args.output, Scalar(1), false,
-                           args.workspace);
+                           detail::as_operand<Scalar>(args.value), args.output, Scalar(1),
+                           accumulate, args.workspace);
       return;
     }
-    args.output.setZero();
+    if (!accumulate) args.output.setZero();
     for (Index t = 0; t < args.probabilities.rows(); ++t)
       for (Index s = 0; s < args.probabilities.cols(); ++s) {
         const Scalar probability = args.probabilities(t, s);

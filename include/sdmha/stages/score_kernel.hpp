@@ -14,9 +14,11 @@
 #pragma once
 
 #include <algorithm>
+#include <type_traits>
 
 #include "sdmha/config.hpp"
 #include "sdmha/detail/gemm.hpp"
+#include "sdmha/detail/gemm_bfloat16.hpp"
 #include "sdmha/detail/scratch.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/mask.hpp"
@@ -39,6 +41,9 @@ struct ScoreKernel {
     BatchMask mask;                    // of this tile
     mutable MatrixRef<Scalar> scores;  // rows × keys
     StageScratch workspace = {};
+    // Float only: S = bf16(scale·Q)·bf16(K)ᵀ, the operands rounded to bfloat16, each product
+    // exact and the sums in float32 (detail::gemm_bfloat16_operands): the bfloat16 mode.
+    bool bfloat16_operands = false;
   };
 
   // Regrouped sparse × dense: the tile's CSR rows and the head's columns of the query kernel.
@@ -72,9 +77,11 @@ struct ScoreKernel {
   static std::size_t workspace_size(const TileSizes& sizes) {
     const Index rows = sizes.rows, keys = sizes.key_steps, width = sizes.key_dim;
     const Index used = sizes.distinct_features, entries = sizes.nonzeros;
-    const std::size_t dense = std::max({detail::gemm_workspace_size<Scalar>(rows, keys, width),
-                                        detail::gemm_workspace_size<Scalar>(rows, width, keys),
-                                        detail::gemm_workspace_size<Scalar>(keys, width, rows)});
+    const std::size_t dense =
+        std::max({detail::gemm_workspace_size<Scalar>(rows, keys, width),
+                  detail::gemm_workspace_size<Scalar>(rows, width, keys),
+                  detail::gemm_workspace_size<Scalar>(keys, width, rows),
+                  detail::gemm_bfloat16_operands_workspace_size(rows, keys, width)});
     if (used == 0) return dense;
     const std::size_t regrouped = detail::array_bytes<StorageIndex>(sizes.features) +
                                   detail::array_bytes<StorageIndex>(entries) +
@@ -91,6 +98,7 @@ struct ScoreKernel {
       detail::fail<ShapeError>(where, "query has width ", args.query.cols(), " but key has width ",
                                args.key.cols(), "; expected equal key_dim");
     check_scores(where, args.scores, args.query.rows(), args.key.rows(), args.mask);
+    detail::check_bfloat16_operands<Scalar>(where, args.bfloat16_operands);
   }
 
   static void can_implement(const SparseArguments& args) {
@@ -125,6 +133,14 @@ struct ScoreKernel {
   }
 
   void operator()(const Arguments& args) const {
+    if constexpr (std::is_same<Scalar, float>::value) {
+      if (args.bfloat16_operands) {  // Q scaled as Keras does, then rounded
+        detail::gemm_bfloat16_operands(args.query, args.key, true, args.scores, false,
+                                       args.workspace, args.scale);
+        apply_mask<Scalar>(args.mask, args.scores);
+        return;
+      }
+    }
     // Keras scales the query, not the product; the scale folds into the GEMM's alpha.
     detail::gemm<Scalar>(detail::as_operand<Scalar>(args.query),
                          detail::transposed<Scalar>(args.key), args.scores, args.scale, false,
