@@ -160,7 +160,8 @@ TYPED_TEST(AttendValuesTest, NonFiniteValueRowsWithZeroProbabilityDoNotReachTheO
 
 // With bfloat16_operands, A = bf16(P)·bf16(V): within float32's summation error of the float64
 // sum of the rounded operands' products, onto C when multiply() accumulates; non-finite value
-// rows take the float path that skips zero probabilities (the same bits as without the flag);
+// rows, and finite ones that round to ±∞, take the float path that skips zero probabilities
+// (the same bits as without the flag);
 // a double stage refuses the flag.
 TEST(AttendValuesBFloat16, OutputIsTheRoundedOperandsProducts) {
   std::uint64_t seed = 950;
@@ -200,6 +201,14 @@ TEST(AttendValuesBFloat16, OutputIsTheRoundedOperandsProducts) {
   EXPECT_TRUE(skipped.allFinite());
   EXPECT_EQ(std::memcmp(skipped.data(), attend(probabilities, value).data(),
                         sizeof(float) * std::size_t(skipped.size())),
+            0);
+  // A finite value that rounds to ±∞ in bfloat16 (here 3.4e38 > 0x1.FEp127) behind a zero
+  // probability: the stage takes the product that skips it, as for a non-finite one.
+  value.row(2).setConstant(3.4e38f);
+  const auto beyond = attend(probabilities, value, true);
+  EXPECT_TRUE(beyond.allFinite());
+  EXPECT_EQ(std::memcmp(beyond.data(), attend(probabilities, value).data(),
+                        sizeof(float) * std::size_t(beyond.size())),
             0);
   const auto p64 = random_probabilities<double>(2, 3, 962);
   const auto v64 = random_values<double>(3, 2, 963);

@@ -139,6 +139,36 @@ TEST(BFloat16LayerTest, ComputesTheRoundedModel) {
   }
 }
 
+// The same beyond one key tile (S > kKeyTile), where the forward runs the online softmax and P·V
+// rounds each key tile's unnormalised probabilities: the model rounds them as it does.
+TEST(BFloat16LayerTest, ComputesTheRoundedModelUnderTheOnlineSoftmax) {
+  Shape s;
+  s.batch = 1;
+  s.steps = 6;
+  s.key_steps = 2 * sdmha::detail::kKeyTile + 37;
+  s.query_dim = 24;
+  s.key_in_dim = 10;
+  s.value_in_dim = 9;
+  s.heads = 2;
+  s.key_dim = 8;
+  s.value_dim = 4;
+  s.random_mask = true;
+  const auto c = make_case<float>(s, 470);
+  Layer layer(c.config, c.weights);
+  layer.set_precision(sdmha::Precision::bfloat16);
+  const auto result = layer.forward(c.query(), c.key, c.value, c.options);
+  auto model = c.problem;
+  model.bfloat16_projections = true;
+  auto float_attention = model;
+  model.bfloat16_attention = true;
+  model.online_key_tile = sdmha::detail::kKeyTile;
+  const auto expected = sdmha_reference::forward(model).output;
+  const double error = largest_difference(result.output.data(), expected);
+  const double separation =
+      largest_difference(expected, sdmha_reference::forward(float_attention).output);
+  EXPECT_LT(error, separation / 8) << "error " << error << ", separation " << separation;
+}
+
 // K and V streamed in chunks of one key tile give the bits of the unstreamed bfloat16 forward.
 TEST(BFloat16LayerTest, StreamedContextIsBitwiseTheWholeOne) {
   Shape s;

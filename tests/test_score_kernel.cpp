@@ -282,7 +282,7 @@ TYPED_TEST(ScoreKernelTest, BlockedEntriesAreMinusInfinityEvenOverNonFiniteKeys)
 
 // With bfloat16_operands, S = bf16(scale·Q)·bf16(K)ᵀ: each score within float32's summation
 // error of the float64 sum of the rounded operands' products (scale·q formed in float, as the
-// stage does), blocked entries exactly −∞ even over NaN and ±∞ keys; a double stage refuses it.
+// stage does), blocked entries exactly −∞ even over NaN keys; a double stage refuses it.
 TEST(ScoreKernelBFloat16, ScoresAreTheRoundedOperandsProducts) {
   std::uint64_t seed = 780;
   for (const auto& [name, shape] : score_shapes()) {

@@ -40,15 +40,16 @@ inline constexpr std::size_t kScratchAlignment = 64;
 // The largest tile a stage will see in one call, for its workspace_size(). The plan fills what
 // applies to the stage: rows and widths always, the sparse fields for stages that read the CSR.
 struct TileSizes {
-  Index rows = 0;               // query rows of a tile, or rows of a projection block
-  Index key_steps = 0;          // key columns of a score tile
-  Index key_dim = 0;            // Dk
-  Index value_dim = 0;          // Dv
-  Index input_width = 0;        // a projection's input width (E)
-  Index output_width = 0;       // a projection's output width (N)
-  Index features = 0;           // the query's feature width Eq
-  Index distinct_features = 0;  // the most distinct features of one batch entry's rows (U_b)
-  Index nonzeros = 0;           // the most stored values of one tile's or block's rows
+  Index rows = 0;                  // query rows of a tile, or rows of a projection block
+  Index key_steps = 0;             // key columns of a score tile
+  Index key_dim = 0;               // Dk
+  Index value_dim = 0;             // Dv
+  Index input_width = 0;           // a projection's input width (E)
+  Index output_width = 0;          // a projection's output width (N)
+  Index features = 0;              // the query's feature width Eq
+  Index distinct_features = 0;     // the most distinct features of one batch entry's rows (U_b)
+  Index nonzeros = 0;              // the most stored values of one tile's or block's rows
+  bool bfloat16_operands = false;  // the tile's products round their operands (bfloat16 mode)
 };
 
 namespace detail {

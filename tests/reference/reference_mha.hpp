@@ -43,6 +43,11 @@ struct Problem {
   // inputs of their projections (not the query's values); bfloat16_attention: scale·q and k in
   // the scores, p and v in the heads.
   bool bfloat16_projections = false, bfloat16_attention = false;
+  // With bfloat16_attention and online_key_tile > 0: the online softmax's P·V, which rounds
+  // unnormalised probabilities — per key tile j of this width, p = exp(score − m_j) with m_j the
+  // largest score up to tile j, rounded; the partial heads and the sum of the (unrounded) p
+  // rescaled by exp(m_{j−1} − m_j); the heads divided by that sum at the end.
+  long online_key_tile = 0;
 };
 
 // x as a float, then rounded to the nearest bfloat16 (8 significant bits, ties to even), as a
@@ -113,6 +118,34 @@ inline double bias_at(const Problem& p, long b, long h, long t, long s) {
              : p.attention_bias[broadcast_index(p.bias_batch, p.bias_heads, p, b, h, t, s)];
 }
 
+// Row t's heads (Dv values at `heads`) by the online softmax of Problem::online_key_tile, from its
+// scores (−∞ where blocked) and the projected values of its batch entry and head.
+inline void online_heads(const Problem& p, const double* score, const double* values, long stride,
+                         double* heads) {
+  const long S = p.key_steps, Dv = p.value_dim, tile = p.online_key_tile;
+  const double minus_infinity = -std::numeric_limits<double>::infinity();
+  std::vector<double> sum_pv(static_cast<std::size_t>(Dv), 0.0);
+  double maximum = minus_infinity, sum = 0.0;
+  for (long first = 0; first < S; first += tile) {
+    const long last = first + tile < S ? first + tile : S;
+    double next = maximum;
+    for (long s = first; s < last; ++s) next = score[s] > next ? score[s] : next;
+    if (next == minus_infinity) continue;
+    const double correction = maximum == minus_infinity ? 0.0 : std::exp(maximum - next);
+    sum *= correction;
+    for (double& x : sum_pv) x *= correction;
+    for (long s = first; s < last; ++s) {
+      if (score[s] == minus_infinity) continue;
+      const double e = std::exp(score[s] - next);
+      sum += e;
+      for (long d = 0; d < Dv; ++d)
+        sum_pv[d] += round_to_bfloat16(e) * round_to_bfloat16(values[s * stride + d]);
+    }
+    maximum = next;
+  }
+  for (long d = 0; d < Dv; ++d) heads[d] = sum > 0.0 ? sum_pv[d] / sum : 0.0;
+}
+
 inline Result forward(const Problem& p) {
   const long B = p.batch, T = p.steps, S = p.key_steps, H = p.heads, Dk = p.key_dim,
              Dv = p.value_dim, O = p.output_dim;
@@ -162,6 +195,11 @@ inline Result forward(const Problem& p) {
             total += probability[s];
           }
           for (long s = 0; s < S; ++s) probability[s] /= total;
+        }
+        if (round_attention && p.online_key_tile > 0) {
+          online_heads(p, score, r.value.data() + b * S * H * Dv + h * Dv, H * Dv,
+                       r.heads.data() + (b * T + t) * H * Dv + h * Dv);
+          continue;
         }
         for (long d = 0; d < Dv; ++d) {
           double sum = 0.0;

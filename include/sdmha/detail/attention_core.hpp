@@ -426,6 +426,7 @@ class AttentionCore {
     tile.key_dim = plan.dims.key_dim;
     tile.value_dim = plan.dims.value_dim;
     tile.features = plan.dims.query_dim;
+    tile.bfloat16_operands = attends_in_bfloat16();
     if (plan.regrouped()) {
       tile.distinct_features = plan.query.distinct_largest;
       tile.nonzeros = plan.query.batch_nonzeros_largest;
@@ -622,12 +623,14 @@ class AttentionCore {
 
   // Whether V is finite on each key tile of the plan's grid (plan.key_tile wide, one tile of all
   // S keys without the online softmax) that starts in [key_begin, key_end), per head, for the
-  // batch entries b in [batch_begin, batch_end): flag (b·H + h)·key_tiles_per_head + j. It
-  // depends on V and the grid only, not on how K and V are streamed. One parallel loop for all
-  // the entries: each loop wakes the pool's threads, which costs tens of microseconds.
-  static void mark_finite_values(const AttentionPlan& plan, const ContextRows& context,
-                                 Index batch_begin, Index batch_end, Index key_begin, Index key_end,
-                                 CallBuffers<Scalar>& buffers) {
+  // batch entries b in [batch_begin, batch_end): flag (b·H + h)·key_tiles_per_head + j (in the
+  // bfloat16 mode, finite when rounded too: all_finite_doubled). It depends on V and the grid
+  // only, not on how K and V are streamed. One parallel loop for all the entries: each loop wakes
+  // the pool's threads, which costs tens of microseconds.
+  void mark_finite_values(const AttentionPlan& plan, const ContextRows& context, Index batch_begin,
+                          Index batch_end, Index key_begin, Index key_end,
+                          CallBuffers<Scalar>& buffers) const {
+    const bool rounded = attends_in_bfloat16();
     const Index H = plan.heads(), S = plan.key_steps, Dv = plan.dims.value_dim;
     const Index width = plan.key_tile, per_head = plan.key_tiles_per_head();
     const Index first = key_begin / std::max<Index>(width, 1);
@@ -637,9 +640,10 @@ class AttentionCore {
                    const Index b = batch_begin + item / (H * tiles), h = item / tiles % H;
                    const Index tile = first + item % tiles;
                    const Index keys = std::min(width, S - tile * width);
+                   const auto values = context.values.block(
+                       b * S + tile * width - context.first_row, h * Dv, keys, Dv);
                    buffers.value_is_finite[std::size_t((b * H + h) * per_head + tile)] =
-                       all_finite<Scalar>(context.values.block(
-                           b * S + tile * width - context.first_row, h * Dv, keys, Dv));
+                       rounded ? all_finite_doubled<Scalar>(values) : all_finite<Scalar>(values);
                  },
                  &buffers.pool);
   }

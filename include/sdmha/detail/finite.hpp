@@ -22,4 +22,14 @@ bool all_finite(const ConstMatrixRef<Scalar>& matrix) {
   return true;
 }
 
+// Whether every entry stays finite when doubled: finite and below 2¹²⁷ in magnitude in float.
+// Float entries of 0x1.FFp127 and more round to ±∞ in bfloat16, so this is the (conservative)
+// finiteness of a matrix that a bfloat16 product will round.
+template <typename Scalar>
+bool all_finite_doubled(const ConstMatrixRef<Scalar>& matrix) {
+  for (Index row = 0; row < matrix.rows(); ++row)
+    if (!(((matrix.row(row).array() * Scalar(2)) * Scalar(0)).sum() == Scalar(0))) return false;
+  return true;
+}
+
 }  // namespace sdmha::detail

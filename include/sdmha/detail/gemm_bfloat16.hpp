@@ -206,8 +206,11 @@ inline void pack_a(const float* a, Index lda, Index i0, Index rows, Index p0, In
       std::uint32_t* dst = out + ch * 16 * h;
       for (Index i = 0; i < h; ++i) {
         const float* src = a + (i0 + ir + i) * lda + p0 + kChunk * ch;
-        const __m512 low = _mm512_mul_ps(_mm512_maskz_loadu_ps(low_mask, src), factor);
-        const __m512 high = _mm512_mul_ps(_mm512_maskz_loadu_ps(high_mask, src + 16), factor);
+        // Zero-masked: the padding past the depth stays 0 whatever the scale.
+        const __m512 low =
+            _mm512_maskz_mul_ps(low_mask, _mm512_maskz_loadu_ps(low_mask, src), factor);
+        const __m512 high =
+            _mm512_maskz_mul_ps(high_mask, _mm512_maskz_loadu_ps(high_mask, src + 16), factor);
         _mm512_storeu_si512(dst + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(high, low));
       }
     }

@@ -53,7 +53,9 @@ struct AttendValues {
     return std::max({detail::gemm_workspace_size<Scalar>(rows, width, keys),
                      detail::gemm_workspace_size<Scalar>(rows, keys, width),
                      detail::gemm_workspace_size<Scalar>(keys, width, rows),
-                     detail::gemm_bfloat16_operands_workspace_size(rows, width, keys)});
+                     sizes.bfloat16_operands
+                         ? detail::gemm_bfloat16_operands_workspace_size(rows, width, keys)
+                         : 0});
   }
 
   static void can_implement(const Arguments& args) {
@@ -89,9 +91,14 @@ struct AttendValues {
   void operator()(const Arguments& args) const { multiply(args, false); }
 
   // output (+)= P·V_h (`accumulate`: the online softmax's key tiles add into their rows).
+  // With bfloat16_operands, `value_is_finite` must also say that V_h stays finite when rounded
+  // (detail::all_finite_doubled, which the stage uses when it is not given): a float value that
+  // rounds to ±∞ would turn a zero probability's product into NaN.
   static void multiply(const Arguments& args, bool accumulate) {
-    if (args.value_is_finite.has_value() ? *args.value_is_finite
-                                         : detail::all_finite<Scalar>(args.value)) {
+    const bool finite = args.value_is_finite.has_value() ? *args.value_is_finite
+                        : args.bfloat16_operands ? detail::all_finite_doubled<Scalar>(args.value)
+                                                 : detail::all_finite<Scalar>(args.value);
+    if (finite) {
       if constexpr (std::is_same<Scalar, float>::value) {
         if (args.bfloat16_operands) {
           detail::gemm_bfloat16_operands(args.probabilities, args.value, false, args.output,

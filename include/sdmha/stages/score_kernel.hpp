@@ -73,15 +73,17 @@ struct ScoreKernel {
 
   // Packing for the project-first product and both gradient products (sizes.rows × sizes.key_steps
   // × sizes.key_dim), and for the regrouped form its feature table (sizes.features), distinct
-  // features, gathered Wq rows and M (sizes.nonzeros, sizes.distinct_features) besides.
+  // features, gathered Wq rows and M (sizes.nonzeros, sizes.distinct_features) besides; with
+  // sizes.bfloat16_operands, the rounded Kᵀ and Q of gemm_bfloat16_operands.
   static std::size_t workspace_size(const TileSizes& sizes) {
     const Index rows = sizes.rows, keys = sizes.key_steps, width = sizes.key_dim;
     const Index used = sizes.distinct_features, entries = sizes.nonzeros;
-    const std::size_t dense =
-        std::max({detail::gemm_workspace_size<Scalar>(rows, keys, width),
-                  detail::gemm_workspace_size<Scalar>(rows, width, keys),
-                  detail::gemm_workspace_size<Scalar>(keys, width, rows),
-                  detail::gemm_bfloat16_operands_workspace_size(rows, keys, width)});
+    const std::size_t dense = std::max(
+        {detail::gemm_workspace_size<Scalar>(rows, keys, width),
+         detail::gemm_workspace_size<Scalar>(rows, width, keys),
+         detail::gemm_workspace_size<Scalar>(keys, width, rows),
+         sizes.bfloat16_operands ? detail::gemm_bfloat16_operands_workspace_size(rows, keys, width)
+                                 : 0});
     if (used == 0) return dense;
     const std::size_t regrouped = detail::array_bytes<StorageIndex>(sizes.features) +
                                   detail::array_bytes<StorageIndex>(entries) +
