@@ -102,6 +102,25 @@ double largest_difference(const std::vector<double>& a, const std::vector<double
   return largest;
 }
 
+// The bfloat16 forward of case c against the float64 model of the mode (online_key_tile as in
+// sdmha_reference::Problem), at least 8 times closer to it than the model is to the one whose
+// scores and P·V keep their operands unrounded.
+void expect_the_rounded_model(const Case<float>& c, long online_key_tile) {
+  Layer layer(c.config, c.weights);
+  layer.set_precision(sdmha::Precision::bfloat16);
+  const auto result = layer.forward(c.query(), c.key, c.value, c.options);
+  auto model = c.problem;
+  model.bfloat16_projections = true;
+  auto float_attention = model;
+  model.bfloat16_attention = true;
+  model.online_key_tile = online_key_tile;
+  const auto expected = sdmha_reference::forward(model).output;
+  const double error = largest_difference(result.output.data(), expected);
+  const double separation =
+      largest_difference(expected, sdmha_reference::forward(float_attention).output);
+  EXPECT_LT(error, separation / 8) << "error " << error << ", separation " << separation;
+}
+
 // The forward is the bfloat16 mode's model: the float64 reference with the kernels, the
 // projections' inputs, scale·q and k in the scores and p and v in P·V rounded to bfloat16. The
 // model whose scores and P·V keep their operands unrounded is 8 times as far from it at least:
@@ -123,19 +142,7 @@ TEST(BFloat16LayerTest, ComputesTheRoundedModel) {
   wide.random_mask = true;
   std::uint64_t seed = 460;
   for (const Shape& shape : {Shape{}, wide}) {
-    const auto c = make_case<float>(shape, seed++);
-    Layer layer(c.config, c.weights);
-    layer.set_precision(sdmha::Precision::bfloat16);
-    const auto result = layer.forward(c.query(), c.key, c.value, c.options);
-    auto model = c.problem;
-    model.bfloat16_projections = true;
-    auto float_attention = model;
-    model.bfloat16_attention = true;
-    const auto expected = sdmha_reference::forward(model).output;
-    const double error = largest_difference(result.output.data(), expected);
-    const double separation =
-        largest_difference(expected, sdmha_reference::forward(float_attention).output);
-    EXPECT_LT(error, separation / 8) << "error " << error << ", separation " << separation;
+    expect_the_rounded_model(make_case<float>(shape, seed++), 0);
   }
 }
 
@@ -153,20 +160,7 @@ TEST(BFloat16LayerTest, ComputesTheRoundedModelUnderTheOnlineSoftmax) {
   s.key_dim = 8;
   s.value_dim = 4;
   s.random_mask = true;
-  const auto c = make_case<float>(s, 470);
-  Layer layer(c.config, c.weights);
-  layer.set_precision(sdmha::Precision::bfloat16);
-  const auto result = layer.forward(c.query(), c.key, c.value, c.options);
-  auto model = c.problem;
-  model.bfloat16_projections = true;
-  auto float_attention = model;
-  model.bfloat16_attention = true;
-  model.online_key_tile = sdmha::detail::kKeyTile;
-  const auto expected = sdmha_reference::forward(model).output;
-  const double error = largest_difference(result.output.data(), expected);
-  const double separation =
-      largest_difference(expected, sdmha_reference::forward(float_attention).output);
-  EXPECT_LT(error, separation / 8) << "error " << error << ", separation " << separation;
+  expect_the_rounded_model(make_case<float>(s, 470), sdmha::detail::kKeyTile);
 }
 
 // K and V streamed in chunks of one key tile give the bits of the unstreamed bfloat16 forward.
