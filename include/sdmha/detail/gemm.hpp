@@ -156,16 +156,11 @@ void gemm(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>& b, MatrixRef<
     c.setZero();
   if (k == 0) return;
   const GemmBlockSizes sizes = gemm_block_sizes<Scalar>(m, n, k);
-  ScratchCarver carver(scratch);
+  const ScratchOrOwn memory(
+      scratch, array_bytes<Scalar>(sizes.mc * sizes.kc) + array_bytes<Scalar>(sizes.kc * sizes.nc));
+  ScratchCarver carver(memory.view());
   Scalar* block_a = carver.take<Scalar>(sizes.mc * sizes.kc);
   Scalar* block_b = carver.take<Scalar>(sizes.kc * sizes.nc);
-  Vector<Scalar> own;  // only when the caller's scratch is too small
-  if (block_b == nullptr) {
-    own.resize(Index(array_bytes<Scalar>(sizes.mc * sizes.kc) / sizeof(Scalar)) +
-               sizes.kc * sizes.nc);
-    block_a = own.data();
-    block_b = own.data() + array_bytes<Scalar>(sizes.mc * sizes.kc) / sizeof(Scalar);
-  }
   ScratchGemmBlocking<Scalar> blocking(sizes, block_a, block_b);
   gemm_with_blocking<Scalar>(a, b, c, alpha, blocking);
 }

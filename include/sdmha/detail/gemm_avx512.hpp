@@ -44,8 +44,6 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <memory>
-#include <new>
 #include <utility>
 
 #include "sdmha/config.hpp"
@@ -525,21 +523,12 @@ void gemm_avx512(const Operand& a, const Operand& b, MatrixRef<float> c, float a
     return;
   }
   const Index kc = avx512_gemm::depth_block(k);
-  ScratchCarver carver(scratch);
-  float* block_a = carver.take<float>(avx512_gemm::block_a_floats(avx512_gemm::row_block(m), kc));
-  float* block_b = carver.take<float>(avx512_gemm::panel_b_floats(n, kc));
-  struct Free {
-    void operator()(float* p) const { ::operator delete(p, std::align_val_t(kScratchAlignment)); }
-  };
-  std::unique_ptr<float, Free> own;  // only when the caller's scratch is too small
-  if (block_a == nullptr || block_b == nullptr) {
-    const std::size_t bytes = avx512_gemm::workspace_bytes(m, n, k);
-    own.reset(static_cast<float*>(::operator new(bytes, std::align_val_t(kScratchAlignment))));
-    block_a = own.get();
-    block_b =
-        own.get() + array_bytes<float>(avx512_gemm::block_a_floats(avx512_gemm::row_block(m), kc)) /
-                        sizeof(float);
-  }
+  const Index a_floats = avx512_gemm::block_a_floats(avx512_gemm::row_block(m), kc);
+  const Index b_floats = avx512_gemm::panel_b_floats(n, kc);
+  const ScratchOrOwn memory(scratch, array_bytes<float>(a_floats) + array_bytes<float>(b_floats));
+  ScratchCarver carver(memory.view());
+  float* block_a = carver.take<float>(a_floats);
+  float* block_b = carver.take<float>(b_floats);
   avx512_gemm::run(avx512_gemm::view_of(a), avx512_gemm::view_of(b), c.data(), c.outerStride(), m,
                    n, k, alpha, accumulate, column_bias, block_a, block_b);
 }

@@ -35,8 +35,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <new>
 #include <utility>
 
 #include <Eigen/Core>
@@ -417,14 +415,9 @@ inline void gemm_bfloat16(const ConstMatrixRef<float>& a, const BFloat16Pairs& w
     return;
   }
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  ScratchCarver carver(scratch);
   const Index pairs = bf16_gemm::block_a_pairs(bf16_gemm::row_block(m), bf16_gemm::depth_block(k));
-  std::uint32_t* block_a = carver.take<std::uint32_t>(pairs);
-  std::unique_ptr<std::uint32_t[]> own;  // only when the caller's scratch is too small
-  if (block_a == nullptr) {
-    own.reset(new std::uint32_t[std::size_t(pairs)]);
-    block_a = own.get();
-  }
+  const ScratchOrOwn memory(scratch, array_bytes<std::uint32_t>(pairs));
+  std::uint32_t* block_a = ScratchCarver(memory.view()).take<std::uint32_t>(pairs);
   bf16_gemm::run(a.data(), a.outerStride(), w.data, w.stride, c.data(), c.outerStride(), m, n, k,
                  accumulate, column_bias, a_scale, block_a);
 #else
@@ -443,13 +436,9 @@ inline void gemm_bfloat16_operands(const ConstMatrixRef<float>& a, const ConstMa
                                    StageScratch scratch, float a_scale = 1.f) {
   const Index n = c.cols(), k = a.cols();
   SDMHA_ASSERT(transpose_b ? b.rows() == n && b.cols() == k : b.rows() == k && b.cols() == n);
-  ScratchCarver carver(scratch);
+  const ScratchOrOwn memory(scratch, array_bytes<std::uint32_t>((k + 1) / 2 * n));
+  ScratchCarver carver(memory.view());
   std::uint32_t* pairs = carver.take<std::uint32_t>((k + 1) / 2 * n);
-  std::unique_ptr<std::uint32_t[]> own;  // only when the caller's scratch is too small
-  if (pairs == nullptr) {
-    own.reset(new std::uint32_t[std::size_t((k + 1) / 2 * n)]);
-    pairs = own.get();
-  }
   if (transpose_b)
     pack_column_pairs(b.data(), b.outerStride(), n, k, pairs, n);
   else

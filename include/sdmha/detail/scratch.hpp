@@ -48,6 +48,23 @@ class ScratchBuffer {
   std::size_t capacity_ = 0;
 };
 
+// The memory of one call: the caller's scratch when it holds `bytes`, otherwise a buffer of its
+// own, freed with this object. A stage or GEMM called without a planned workspace (or with one
+// planned for smaller shapes) so gives the same result, with an allocation.
+class ScratchOrOwn {
+ public:
+  ScratchOrOwn(StageScratch scratch, std::size_t bytes) : view_(scratch) {
+    if (bytes == 0 || (scratch.data != nullptr && scratch.bytes >= bytes)) return;
+    own_.reserve(bytes);
+    view_ = own_.view();
+  }
+  StageScratch view() const { return view_; }
+
+ private:
+  ScratchBuffer own_;
+  StageScratch view_;
+};
+
 // Takes typed arrays off the front of a StageScratch; the caller has sized it (a stage's
 // workspace_size adds the same array_bytes). Running out is a planning bug, caught in debug builds
 // and reported as nullptr in release builds, where callers fall back to a slower path.

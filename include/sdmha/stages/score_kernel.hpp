@@ -200,14 +200,10 @@ void ScoreKernel<Scalar, StorageIndex>::operator()(const SparseArguments& args) 
   const Index entries = query.nonzeros(), features_count = query.cols;
   // A workspace smaller than workspace_size() (a stage called on its own, without a planned
   // workspace) gets memory of its own here: the same result, with an allocation.
-  detail::ScratchBuffer own_lists, own_products;
-  detail::ScratchCarver carver(args.workspace);
-  const std::size_t lists = detail::array_bytes<StorageIndex>(features_count) +
-                            detail::array_bytes<StorageIndex>(entries);
-  if (args.workspace.bytes < lists) {
-    own_lists.reserve(lists);
-    carver = detail::ScratchCarver(own_lists.view());
-  }
+  const detail::ScratchOrOwn list_memory(args.workspace,
+                                         detail::array_bytes<StorageIndex>(features_count) +
+                                             detail::array_bytes<StorageIndex>(entries));
+  detail::ScratchCarver carver(list_memory.view());
   // position[f]: feature f's row in M, or −1: O(Eq) to clear, then O(1) per stored value.
   StorageIndex* position = carver.take<StorageIndex>(features_count);
   StorageIndex* features = carver.take<StorageIndex>(entries);  // the distinct ones, U ≤ entries
@@ -228,10 +224,8 @@ void ScoreKernel<Scalar, StorageIndex>::operator()(const SparseArguments& args) 
                                detail::array_bytes<Scalar>(used * key_steps) +
                                std::max(detail::gemm_workspace_size<Scalar>(used, key_steps, width),
                                         detail::gemm_workspace_size<Scalar>(1, key_steps, width));
-  if (carver.rest().bytes < products) {
-    own_products.reserve(products);
-    carver = detail::ScratchCarver(own_products.view());
-  }
+  const detail::ScratchOrOwn product_memory(carver.rest(), products);
+  carver = detail::ScratchCarver(product_memory.view());
   Eigen::Map<RowMatrix<Scalar>> gathered(carver.take<Scalar>(used * width), used, width);
   Eigen::Map<RowMatrix<Scalar>> regrouped(carver.take<Scalar>(used * key_steps), used, key_steps);
   for (Index i = 0; i < used; ++i) gathered.row(i) = args.query_kernel.row(features[i]);
