@@ -4,11 +4,14 @@
 #      UndefinedBehaviorSanitizer, in build-asan/;
 #   2. the threaded tests under ThreadSanitizer (clang), in build-tsan/;
 #   3. every libFuzzer target for SDMHA_FUZZ_SECONDS (default 60) over a copy of its seed corpus,
-#      in build-fuzz/.
-# Any sanitizer report, failed test or fuzzer finding fails the script. About 38 minutes on a
+#      in build-fuzz/;
+#   4. the whole suite built without -march=native (x86-64's baseline, SSE2), in build-portable/:
+#      the paths a CPU without AVX-512 takes (Eigen's GEMM, the portable bfloat16 loops and
+#      packers), which every other stage on an AVX-512 machine compiles out.
+# Any sanitizer report, failed test or fuzzer finding fails the script. About 45 minutes on a
 # 2-core machine from a cold compiler cache (tests/fuzz/README.md has the figures).
 #
-# SDMHA_HARDENING_STAGES picks stages for a local run, e.g. "tsan fuzz" (default: all three);
+# SDMHA_HARDENING_STAGES picks stages for a local run, e.g. "tsan fuzz" (default: all four);
 # SDMHA_FUZZ_SECONDS sets the time per fuzz target; SDMHA_FUZZ_SEED (default 1) is libFuzzer's
 # -seed, fixed so that a run can be repeated: the same seed, corpus and build give the same
 # mutations (up to the time limit and, in fuzz_forward, the thread scheduling).
@@ -20,7 +23,7 @@ tools/bootstrap-hardening.sh
 readonly JOBS=2
 readonly FUZZ_SECONDS=${SDMHA_FUZZ_SECONDS:-60}
 readonly FUZZ_SEED=${SDMHA_FUZZ_SEED:-1}
-readonly STAGES=" ${SDMHA_HARDENING_STAGES:-asan tsan fuzz} "
+readonly STAGES=" ${SDMHA_HARDENING_STAGES:-asan tsan fuzz portable} "
 wanted() { [[ $STAGES == *" $1 "* ]]; }
 launcher=()
 if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
@@ -50,7 +53,7 @@ done_banner() {
 # consumer tests are left out: they configure and build other projects (without the sanitizer
 # flags) and test packaging, not memory safety.
 if wanted asan; then
-banner "1/3 Debug + AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/, clang)"
+banner "1/4 Debug + AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/, clang)"
 asan_flags="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
   -DCMAKE_CXX_FLAGS="$asan_flags -fsanitize-address-outline-instrumentation" \
@@ -59,7 +62,7 @@ cmake --build build-asan -j"$JOBS"
 ASAN_OPTIONS=halt_on_error=1:abort_on_error=1:detect_leaks=1:detect_stack_use_after_return=1:strict_init_order=1:check_initialization_order=1 \
 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   ctest --test-dir build-asan --output-on-failure -j"$JOBS" -LE consumer
-done_banner "1/3 ASan + UBSan"
+done_banner "1/4 ASan + UBSan"
 fi
 
 # ---- 2. ThreadSanitizer, the threaded tests ------------------------------------------------------
@@ -67,7 +70,7 @@ fi
 # invariance tests (the layer and the backward pass on 1 to 8 workers), and the Workspace and
 # ThreadPool tests (persistent worker threads kept between calls).
 if wanted tsan; then
-banner "2/3 ThreadSanitizer (build-tsan/, clang)"
+banner "2/4 ThreadSanitizer (build-tsan/, clang)"
 tsan_flags="-fsanitize=thread -fno-omit-frame-pointer"
 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
   -DCMAKE_CXX_FLAGS="$tsan_flags" -DCMAKE_CXX_FLAGS_DEBUG="-g -O1" \
@@ -77,12 +80,12 @@ tsan_filter='Concurrency*:*ThreadCount*:*Workspace*:ThreadPool*'
 echo "running build-tsan/tests/sdmha_tests --gtest_filter=$tsan_filter"
 TSAN_OPTIONS=halt_on_error=1:abort_on_error=1:second_deadlock_stack=1 \
   build-tsan/tests/sdmha_tests --gtest_filter="$tsan_filter"
-done_banner "2/3 TSan"
+done_banner "2/4 TSan"
 fi
 
 # ---- 3. libFuzzer -------------------------------------------------------------------------------
 if wanted fuzz; then
-banner "3/3 libFuzzer, ${FUZZ_SECONDS} s per target, -seed=${FUZZ_SEED} (build-fuzz/, clang)"
+banner "3/4 libFuzzer, ${FUZZ_SECONDS} s per target, -seed=${FUZZ_SEED} (build-fuzz/, clang)"
 cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
   -DSDMHA_BUILD_FUZZERS=ON -DSDMHA_BUILD_TESTS=OFF -DSDMHA_BUILD_EXAMPLES=OFF \
   -DSDMHA_BUILD_TOOLS=OFF "${common[@]}"
@@ -111,6 +114,17 @@ for target in "${targets[@]}"; do
     exit 1
   fi
 done
-done_banner "3/3 libFuzzer"
+done_banner "3/4 libFuzzer"
+fi
+# ---- 4. Portable: the suite without -march=native ------------------------------------------------
+# Release with g++, as a user's default build; GemmEngine.NeedsAvx512 skips by design there.
+if wanted portable; then
+banner "4/4 portable build without -march=native (build-portable/, g++ Release)"
+cmake -S . -B build-portable -DCMAKE_BUILD_TYPE=Release -DSDMHA_TESTS_NATIVE=OFF \
+  -DSDMHA_BUILD_EXAMPLES=OFF -DSDMHA_BUILD_TOOLS=OFF "${common[@]}"
+cmake --build build-portable -j"$JOBS" --target sdmha_tests
+echo "running build-portable/tests/sdmha_tests"
+build-portable/tests/sdmha_tests --gtest_brief=1
+done_banner "4/4 portable"
 fi
 echo "hardening: all stages passed"
