@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Writes the crafted seeds of tests/fuzz/corpus/: small valid files and corrupt variants.
+"""Writes the crafted seeds of tests/fuzz/corpus/: small valid files and corrupt variants, and
+fuzz_forward inputs long enough to decode a whole problem.
 
 The seeds are checked in; rerun this (standard library only) after changing it:
     python3 tests/fuzz/make_seeds.py
@@ -7,6 +8,7 @@ Files are written under tests/fuzz/corpus/<target>/crafted_*.
 """
 import json
 import os
+import random
 import struct
 import zipfile
 
@@ -162,6 +164,89 @@ def write_npy_seeds():
     out(t, "crc_mismatch.npz", bytes(corrupt))
 
 
+# ---- fuzz_forward ----
+#
+# FuzzedDataProvider takes integers from the end of the input, and every draw of fuzz_forward's
+# decode is one byte, value = min + byte % (max - min + 1): an input is its draws in reverse
+# order. The first twenty draws come in a fixed order (decode, up to decode_masks); the rest
+# (masks, bias entries, key padding, weights, query entries, the poison flag, key and value) are
+# random bytes here, exactly as many as decode takes: an input that runs out decodes the rest to
+# the ranges' minimums (every mask entry blocked, every weight -1/2, every input -4), and
+# libFuzzer's 60 s runs grow the older seeds (2 to 17 bytes) to about 25 bytes only.
+
+def forward_head(mask=0, bias=0, semantics=0, long_steps=False, batch=1, steps=1, key_steps=1,
+                 query_dim=1, key_in_dim=1, value_in_dim=1, heads=1, key_dim=1, value_dim=1,
+                 output_dim=1, use_bias=True, causal=False, padding=False, strategy=0, threads=1,
+                 logits16=False):
+    """The fixed draws, in order. semantics: bit 0 bottom-right, bit 1 uniform, bits 2-4 the
+    scale's index, bits 5-6 the -inf pattern, bit 7 the bfloat16 leg; strategy: 0 automatic,
+    1 project_first, 2 sparse_regrouped."""
+    # A draw from a range of one value takes no byte: H with long steps (H = 1).
+    heads_draw = [] if long_steps else [heads - 1]
+    return ([mask, bias, semantics, 1 - int(long_steps), batch, steps - (60 if long_steps else 0),
+             key_steps, query_dim - 1, key_in_dim - 1, value_in_dim - 1] + heads_draw +
+            [key_dim - 1, value_dim - 1, output_dim - 1, int(use_bias), int(causal), int(padding),
+             strategy, threads - 1, int(logits16)])
+
+
+def forward_seed(name, seed, poison=False, **fields):
+    """The fixed draws, then random bytes for the rest; with poison, the draw that turns poison
+    on in key and value rows that no query may see (after the masks, the bias, the padding,
+    the weights and the query entries) is set."""
+    head = forward_head(**fields)
+    b, t, s, h = fields["batch"], fields["steps"], fields["key_steps"], fields["heads"]
+    eq, ek, ev = fields["query_dim"], fields["key_in_dim"], fields["value_in_dim"]
+    hk, hv, o = h * fields["key_dim"], h * fields["value_dim"], fields["output_dim"]
+    # The entries of a mask or bias of broadcast code `code` (fuzz_forward's broadcast_shape).
+    def entries(code):
+        if code == 0:
+            return 0
+        return ((b if code in (2, 4, 5) else 1) * (h if code in (5, 6) else 1)) * t * s
+    draws = len(head) + entries(fields.get("mask", 0)) + entries(fields.get("bias", 0))
+    draws += b * s if fields.get("padding", False) else 0
+    draws += (eq + ek) * hk + ev * hv + hv * o
+    draws += 2 * hk + hv + o if fields.get("use_bias", True) else 0
+    rng = random.Random(seed)
+    rest = [rng.randrange(256) for _ in range(draws - len(head))]
+    # The query: as many entries as it may have (at most 96), each a draw of (b, t, feature)
+    # where their range has more than one value, and a value; then poison's flag.
+    count = min(3 * b * t, 96)
+    per_entry = (b > 1) + (t > 1) + (eq > 1) + 1
+    rest += [count] + [rng.randrange(256) for _ in range(per_entry * count)] + [int(poison)]
+    rest += [rng.randrange(256) for _ in range(b * s * (ek + ev))]
+    out("fuzz_forward", name, bytes(head + rest)[::-1])
+
+
+def write_forward_seeds():
+    bfloat16 = 0x80
+    scale = {"default": 0, "0.5": 1, "-0.25": 2, "1.5": 3, "0.125": 4, "2": 6}
+    # Per-head mask (B, H, T, S), a (T, S) bias, 1/sqrt(3), padded keys with poison behind them.
+    forward_seed("bfloat16_heads", 1, poison=True, mask=5, bias=1, semantics=bfloat16, batch=2,
+                 steps=3, key_steps=4, query_dim=6, key_in_dim=5, value_in_dim=4, heads=2,
+                 key_dim=3, value_dim=2, output_dim=3, padding=True, threads=2)
+    # Logits of about 1e4, scale 1.5, causal bottom-right, a (1, H, T, S) bias.
+    forward_seed("bfloat16_logits", 2, mask=2, bias=6,
+                 semantics=bfloat16 | scale["1.5"] << 2 | 1, batch=2, steps=3, key_steps=4,
+                 query_dim=5, key_in_dim=6, value_in_dim=3, heads=2, key_dim=2, value_dim=3,
+                 output_dim=4, causal=True, strategy=1, threads=3, logits16=True)
+    # The uniform policy, rows blocked by -inf biases on even rows, scale -1/4, no biases.
+    forward_seed("bfloat16_uniform", 3, mask=1, bias=7,
+                 semantics=bfloat16 | 2 | scale["-0.25"] << 2 | 2 << 5, batch=1, steps=4,
+                 key_steps=3, query_dim=5, key_in_dim=4, value_in_dim=6, heads=1, key_dim=2,
+                 value_dim=3, output_dim=4, use_bias=False)
+    # T = 62 across query tiles; sparse_regrouped, refused in bfloat16 (project_first instead).
+    forward_seed("bfloat16_long", 4, bias=3, semantics=bfloat16 | scale["0.125"] << 2,
+                 long_steps=True, batch=1, steps=62, key_steps=3, query_dim=4, key_in_dim=3,
+                 value_in_dim=3, heads=1, key_dim=2, value_dim=2, output_dim=2, padding=True,
+                 strategy=2, threads=2)
+    # Large logits, scale 2, a (B, 1, T, S) mask, causal, poison behind padded keys.
+    forward_seed("bfloat16_poison", 5, poison=True, mask=4, semantics=bfloat16 | scale["2"] << 2,
+                 batch=2, steps=2, key_steps=5, query_dim=4, key_in_dim=6, value_in_dim=6,
+                 heads=2, key_dim=1, value_dim=3, output_dim=5, causal=True, padding=True,
+                 threads=2, logits16=True)
+
+
 if __name__ == "__main__":
     write_safetensors_seeds()
     write_npy_seeds()
+    write_forward_seeds()
