@@ -138,7 +138,8 @@ inline Index depth_block(Index k) {
 // order the SDM gives for vdpbf16ps; each product of two bfloat16 values is exact in float),
 // then added to C (or stored, for the first block without `accumulate`). So both paths take the
 // same sums; they can differ only where the hardware treats subnormals as zero. A's entries are
-// multiplied by `a_scale` before they are rounded.
+// multiplied by `a_scale` before they are rounded. A row's block sums live on the stack, a
+// column chunk at a time (each entry's sum is its own): the product allocates nothing.
 inline void gemm_bfloat16_portable(const ConstMatrixRef<float>& a, const BFloat16Pairs& w,
                                    MatrixRef<float> c, bool accumulate, float a_scale = 1.f) {
   const Index m = c.rows(), n = c.cols(), k = a.cols();
@@ -147,23 +148,28 @@ inline void gemm_bfloat16_portable(const ConstMatrixRef<float>& a, const BFloat1
     return;
   }
   const Index kc = bf16_gemm::depth_block(k);
-  Eigen::Matrix<float, 1, Eigen::Dynamic> sum(n);
+  constexpr Index kColumnChunk = 256;
+  float sum[kColumnChunk];
   for (Index i = 0; i < m; ++i) {
     float* row = c.data() + i * c.outerStride();
-    for (Index pc = 0; pc < k; pc += kc) {  // pc is even: kc is a multiple of kChunk
-      const Index end = std::min(pc + kc, k);
-      sum.setZero();
-      for (Index p = pc / 2; p < (end + 1) / 2; ++p) {
-        const float even = widen_bfloat16(bfloat16_bits(a_scale * a(i, 2 * p)));
-        const float odd =
-            2 * p + 1 < k ? widen_bfloat16(bfloat16_bits(a_scale * a(i, 2 * p + 1))) : 0.f;
-        const std::uint32_t* pair = w.data + p * w.stride;
-        for (Index j = 0; j < n; ++j) {
-          sum[j] += odd * widen_bfloat16(pair[j] >> 16);
-          sum[j] += even * widen_bfloat16(pair[j] & 0xFFFFu);
+    for (Index j0 = 0; j0 < n; j0 += kColumnChunk) {
+      const Index width = std::min(kColumnChunk, n - j0);
+      for (Index pc = 0; pc < k; pc += kc) {  // pc is even: kc is a multiple of kChunk
+        const Index end = std::min(pc + kc, k);
+        std::fill(sum, sum + width, 0.f);
+        for (Index p = pc / 2; p < (end + 1) / 2; ++p) {
+          const float even = widen_bfloat16(bfloat16_bits(a_scale * a(i, 2 * p)));
+          const float odd =
+              2 * p + 1 < k ? widen_bfloat16(bfloat16_bits(a_scale * a(i, 2 * p + 1))) : 0.f;
+          const std::uint32_t* pair = w.data + p * w.stride + j0;
+          for (Index j = 0; j < width; ++j) {
+            sum[j] += odd * widen_bfloat16(pair[j] >> 16);
+            sum[j] += even * widen_bfloat16(pair[j] & 0xFFFFu);
+          }
         }
+        float* out = row + j0;
+        for (Index j = 0; j < width; ++j) out[j] = accumulate || pc > 0 ? out[j] + sum[j] : sum[j];
       }
-      for (Index j = 0; j < n; ++j) row[j] = accumulate || pc > 0 ? row[j] + sum[j] : sum[j];
     }
   }
 }
@@ -436,7 +442,8 @@ inline void gemm_bfloat16_operands(const ConstMatrixRef<float>& a, const ConstMa
                                    StageScratch scratch, float a_scale = 1.f) {
   const Index n = c.cols(), k = a.cols();
   SDMHA_ASSERT(transpose_b ? b.rows() == n && b.cols() == k : b.rows() == k && b.cols() == n);
-  const ScratchOrOwn memory(scratch, array_bytes<std::uint32_t>((k + 1) / 2 * n));
+  // Both the pairs and the GEMM's packing of A: one allocation at most.
+  const ScratchOrOwn memory(scratch, gemm_bfloat16_operands_workspace_size(c.rows(), n, k));
   ScratchCarver carver(memory.view());
   std::uint32_t* pairs = carver.take<std::uint32_t>((k + 1) / 2 * n);
   if (transpose_b)
