@@ -22,12 +22,13 @@
 // scale·q and k in the scores, p and v in P·V), bounds that carry float32's own error through:
 // zero where float32 is exact (as most of the fuzzer's sums of multiples of 1/16 are), one
 // bfloat16 step where float32's error could reach across a rounding boundary, and float32-tight
-// probabilities at any logit size (see "the bfloat16 mode" below). Value tiles holding NaN, ±Inf
-// or |v| ≥ 2¹²⁷ (the poison behind full blocking) must take the float32 product that skips zero
-// probabilities instead, and the poison must not reach the output. Also: the returned
-// probabilities within their float32 bounds, the same bits on one thread and over the mode's own
-// ProjectedContext, and sparse_regrouped refused with a ConfigError. S ≤ 6, so the online
-// softmax (S > 512) is not reached; tests/test_bfloat16_layer.cpp covers it.
+// probabilities at any logit size (see "the bfloat16 mode" below). Value tiles holding NaN or
+// ±Inf (the poison behind full blocking) must take the float32 product that skips zero
+// probabilities instead; tiles whose entries may reach 2¹²⁷ (float32's sums may round either
+// way there) are held to either product; the poison must never reach the output. Also: the
+// returned probabilities within their float32 bounds, the same bits on one thread and over the
+// mode's own ProjectedContext, and sparse_regrouped refused with a ConfigError. S ≤ 6, so the
+// online softmax (S > 512) is not reached; tests/test_bfloat16_layer.cpp covers it.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
