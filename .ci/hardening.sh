@@ -20,13 +20,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-tools/bootstrap-hardening.sh
-
 readonly JOBS=2
 readonly FUZZ_SECONDS=${SDMHA_FUZZ_SECONDS:-60}
 readonly FUZZ_SEED=${SDMHA_FUZZ_SEED:-1}
 readonly STAGES=" ${SDMHA_HARDENING_STAGES:-asan tsan fuzz portable} "
 wanted() { [[ $STAGES == *" $1 "* ]]; }
+# A misspelt stage would otherwise run nothing and report that all stages passed.
+for stage in $STAGES; do
+  case $stage in
+    asan | tsan | fuzz | portable) ;;
+    *) echo "hardening: unknown stage '$stage' in SDMHA_HARDENING_STAGES (asan, tsan, fuzz, portable)" >&2
+       exit 2 ;;
+  esac
+done
+
+tools/bootstrap-hardening.sh
 launcher=()
 if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
 # Only the library, its tests and sdmha-run (the tool tests run it): no bench, and no Python
