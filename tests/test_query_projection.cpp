@@ -447,8 +447,8 @@ std::vector<Scalar> random_values(Index count, std::uint64_t seed) {
   return result;
 }
 
-// Widths around every panel boundary of the kernels: 16-packet, 4-packet and 1-packet panels
-// and the scalar tail, for this build's packet size.
+// Widths around every panel boundary of the kernels: 16-, 8-, 4- and 1-packet panels and the
+// scalar tail, for this build's packet size.
 template <typename Scalar>
 std::vector<Index> panel_tail_widths() {
   const Index p =
@@ -463,6 +463,10 @@ std::vector<Index> panel_tail_widths() {
                             4 * p,
                             4 * p + 1,
                             5 * p + 1,
+                            8 * p - 1,
+                            8 * p,
+                            8 * p + 1,
+                            13 * p + 1,
                             panel - 1,
                             panel,
                             panel + 1,

@@ -3,7 +3,8 @@
 //
 //   Y(r, :) = b + Σ_{k in row r} x_k · W(col_k, :)
 //
-// By rows (csr_dense_product). Y's columns are cut into panels of `kPanelPackets` SIMD packets.
+// By rows (csr_dense_product; csr_bfloat16_product, the same loop over a bfloat16 W). Y's columns
+// are cut into panels of `kPanelPackets` SIMD packets (then 8, 4 and 1 for what is left).
 // For one row and one panel, the panel's accumulators stay in vector registers across all of the
 // row's stored values (each stored value costs one broadcast and one load + FMA per packet of
 // W's row) and are stored once. Eigen's own sparse × dense product instead reads and writes the
@@ -111,78 +112,15 @@ constexpr double kStreamOutputBytes = 256.0 * 1024;
 // The L2 of one core: a dense operand beyond it is read from memory (or L3) on every pass.
 constexpr double kCoreCacheBytes = 2.0 * 1024 * 1024;
 
-// One row, one panel of `Packets` packets from column `first_column`: the stored values
-// [begin, end) with their feature columns.
-template <int Packets, typename Scalar, typename StorageIndex>
-EIGEN_ALWAYS_INLINE void csr_dense_row_panel(const StorageIndex* columns, const Scalar* values,
-                                             Index begin, Index end, const Scalar* weight,
-                                             Index weight_stride, const Scalar* bias,
-                                             Scalar* output_row, Index first_column, bool stream) {
-  using namespace Eigen::internal;
-  using Packet = typename PacketOf<Scalar>::Packet;
-  constexpr int packet_size = PacketOf<Scalar>::size;
-  Packet accumulator[Packets];
-  for (int p = 0; p < Packets; ++p)
-    accumulator[p] = bias != nullptr ? ploadu<Packet>(bias + first_column + p * packet_size)
-                                     : pset1<Packet>(Scalar(0));
-  for (Index k = begin; k < end; ++k) {
-    const Scalar* weight_row = weight + Index(columns[k]) * weight_stride + first_column;
-    const Packet value = pset1<Packet>(values[k]);
-    for (int p = 0; p < Packets; ++p)
-      accumulator[p] = pmadd(value, ploadu<Packet>(weight_row + p * packet_size), accumulator[p]);
-  }
-  Scalar* out = output_row + first_column;
-  for (int p = 0; p < Packets; ++p) store_packet(out + p * packet_size, accumulator[p], stream);
-}
-
-// Y (x.rows × columns, row stride output_stride) = X·W + b, W (x.cols × columns, row stride
-// weight_stride), b of `columns` entries or nullptr. X must be validated.
-template <typename Scalar, typename StorageIndex>
-void csr_dense_product(const CsrView<Scalar, StorageIndex>& x, const Scalar* weight,
-                       Index weight_stride, const Scalar* bias, Scalar* output, Index output_stride,
-                       Index columns, bool stream = false) {
-  const StorageIndex* column_indices = x.column_indices;
-  const Scalar* values = x.values;
-  for (Index row = 0; row < x.rows; ++row) {
-    const Index begin = x.row_begin(row), end = x.row_end(row);
-    Scalar* output_row = output + row * output_stride;
-    Index column = 0;
-    if constexpr (PacketOf<Scalar>::vectorized) {
-      constexpr Index packet_size = PacketOf<Scalar>::size;
-      for (; column + kPanelPackets * packet_size <= columns; column += kPanelPackets * packet_size)
-        csr_dense_row_panel<kPanelPackets>(column_indices, values, begin, end, weight,
-                                           weight_stride, bias, output_row, column, stream);
-      for (; column + 4 * packet_size <= columns; column += 4 * packet_size)
-        csr_dense_row_panel<4>(column_indices, values, begin, end, weight, weight_stride, bias,
-                               output_row, column, stream);
-      for (; column + packet_size <= columns; column += packet_size)
-        csr_dense_row_panel<1>(column_indices, values, begin, end, weight, weight_stride, bias,
-                               output_row, column, stream);
-    }
-    // The scalar tail: the columns that do not fill a packet (all of them without SIMD), stored
-    // value by stored value so that W's rows are read in order.
-    if (column < columns) {
-      for (Index j = column; j < columns; ++j)
-        output_row[j] = bias != nullptr ? bias[j] : Scalar(0);
-      for (Index k = begin; k < end; ++k) {
-        const Scalar* weight_row = weight + Index(column_indices[k]) * weight_stride;
-        const Scalar value = values[k];
-        for (Index j = column; j < columns; ++j) output_row[j] += value * weight_row[j];
-      }
-    }
-  }
-  if (stream) stream_fence();
-}
-
-// ---- by rows with W in bfloat16 ---------------------------------------------------------------
+// ---- by rows, with W in Scalar or in bfloat16 -----------------------------------------------
 //
-// The same by-row kernel with W stored in bfloat16 (Eigen::bfloat16: float's upper 16 bits,
-// rounded to nearest even). Each W entry is widened exactly to float before its FMA, which is
-// the by-row kernel's, so the result is bitwise csr_dense_product on W widened to float: the only
+// W may also be stored in bfloat16 (Eigen::bfloat16: float's upper 16 bits, rounded to nearest
+// even; Scalar = float). Each W entry is then widened exactly to float before its FMA, which is
+// the float kernel's, so the result is bitwise the float kernel's on W widened to float: the only
 // rounding is W's own. What it saves is memory traffic: a stored value reads 2·N bytes of W
-// instead of 4·N. Rows go in the outer loop as in the float kernel, and when W is beyond L2 the
-// rows of W of the stored values `kBFloat16PrefetchAhead` places ahead in the row are prefetched
-// whole, since each one is a random row of W that would otherwise be a demand miss to memory.
+// instead of 4·N. When such a W is beyond L2, the rows of W of the stored values
+// `kBFloat16PrefetchAhead` places ahead in the row are prefetched whole, since each one is a
+// random row of W that would otherwise be a demand miss to memory.
 constexpr Index kBFloat16PrefetchAhead = 16;
 
 // A packet of floats from `Packet`'s number of bfloat16 values (widened: shifted into the upper
@@ -211,22 +149,32 @@ EIGEN_ALWAYS_INLINE __m256 load_widened<__m256>(const Eigen::bfloat16* source) {
 }
 #endif
 
-// One row, one panel of `Packets` packets of floats from column `first_column`, W in bfloat16;
-// with `prefetch_lines` > 0, also that many cache lines of each row of W that the stored value
-// kBFloat16PrefetchAhead places ahead in the row reads.
-template <int Packets, typename StorageIndex>
-EIGEN_ALWAYS_INLINE void csr_bfloat16_row_panel(const StorageIndex* columns, const float* values,
-                                                Index begin, Index end,
-                                                const Eigen::bfloat16* weight, Index weight_stride,
-                                                const float* bias, float* output_row,
-                                                Index first_column, Index prefetch_lines) {
+// W's entries as a packet of Scalar: loaded as they are, or widened from bfloat16.
+template <typename Packet, typename Scalar>
+EIGEN_ALWAYS_INLINE Packet load_weight_packet(const Scalar* source) {
+  return Eigen::internal::ploadu<Packet>(source);
+}
+template <typename Packet>
+EIGEN_ALWAYS_INLINE Packet load_weight_packet(const Eigen::bfloat16* source) {
+  return load_widened<Packet>(source);
+}
+
+// One row, one panel of `Packets` packets from column `first_column`: the stored values
+// [begin, end) with their feature columns; with `prefetch_lines` > 0, also that many cache lines
+// of each row of W that the stored value kBFloat16PrefetchAhead places ahead in the row reads.
+template <int Packets, typename Scalar, typename StorageIndex, typename Weight>
+EIGEN_ALWAYS_INLINE void csr_dense_row_panel(const StorageIndex* columns, const Scalar* values,
+                                             Index begin, Index end, const Weight* weight,
+                                             Index weight_stride, const Scalar* bias,
+                                             Scalar* output_row, Index first_column, bool stream,
+                                             Index prefetch_lines) {
   using namespace Eigen::internal;
-  using Packet = typename PacketOf<float>::Packet;
-  constexpr int packet_size = PacketOf<float>::size;
+  using Packet = typename PacketOf<Scalar>::Packet;
+  constexpr int packet_size = PacketOf<Scalar>::size;
   Packet accumulator[Packets];
   for (int p = 0; p < Packets; ++p)
     accumulator[p] = bias != nullptr ? ploadu<Packet>(bias + first_column + p * packet_size)
-                                     : pset1<Packet>(0.0f);
+                                     : pset1<Packet>(Scalar(0));
   for (Index k = begin; k < end; ++k) {
     if (prefetch_lines > 0 && k + kBFloat16PrefetchAhead < end) {
       const char* ahead = reinterpret_cast<const char*>(
@@ -234,53 +182,86 @@ EIGEN_ALWAYS_INLINE void csr_bfloat16_row_panel(const StorageIndex* columns, con
       for (Index line = 0; line < prefetch_lines; ++line)
         __builtin_prefetch(ahead + 64 * line, 0, 3);
     }
-    const Eigen::bfloat16* weight_row = weight + Index(columns[k]) * weight_stride + first_column;
+    const Weight* weight_row = weight + Index(columns[k]) * weight_stride + first_column;
     const Packet value = pset1<Packet>(values[k]);
     for (int p = 0; p < Packets; ++p)
       accumulator[p] =
-          pmadd(value, load_widened<Packet>(weight_row + p * packet_size), accumulator[p]);
+          pmadd(value, load_weight_packet<Packet>(weight_row + p * packet_size), accumulator[p]);
   }
-  for (int p = 0; p < Packets; ++p)
-    pstoreu(output_row + first_column + p * packet_size, accumulator[p]);
+  Scalar* out = output_row + first_column;
+  for (int p = 0; p < Packets; ++p) store_packet(out + p * packet_size, accumulator[p], stream);
 }
 
-// Y (x.rows × columns) = X·W + b with W (x.cols × columns, row stride weight_stride) in
-// bfloat16; float X, b and Y. X must be validated.
+// One row's panels of `Packets` packets from `column` on while they fit in `columns`; returns
+// the first column left. Only the first panel of the row prefetches (it brings whole rows).
+template <int Packets, typename Scalar, typename StorageIndex, typename Weight>
+EIGEN_ALWAYS_INLINE Index csr_dense_row_panels(const CsrView<Scalar, StorageIndex>& x, Index row,
+                                               const Weight* weight, Index weight_stride,
+                                               const Scalar* bias, Scalar* output_row, Index column,
+                                               Index columns, bool stream, Index& prefetch_lines) {
+  constexpr Index width = Packets * PacketOf<Scalar>::size;
+  for (; column + width <= columns; column += width, prefetch_lines = 0)
+    csr_dense_row_panel<Packets>(x.column_indices, x.values, x.row_begin(row), x.row_end(row),
+                                 weight, weight_stride, bias, output_row, column, stream,
+                                 prefetch_lines);
+  return column;
+}
+
+// Y (x.rows × columns, row stride output_stride) = X·W + b, W (x.cols × columns, row stride
+// weight_stride; Weight = Scalar, or bfloat16 widened exactly for Scalar = float), b of
+// `columns` entries or nullptr; `prefetch_rows`: W's rows of the stored values ahead are
+// prefetched. X must be validated.
+template <typename Scalar, typename StorageIndex, typename Weight>
+void csr_product_by_rows(const CsrView<Scalar, StorageIndex>& x, const Weight* weight,
+                         Index weight_stride, const Scalar* bias, Scalar* output,
+                         Index output_stride, Index columns, bool stream, bool prefetch_rows) {
+  const Index row_lines = prefetch_rows ? (columns * Index(sizeof(Weight)) + 63) / 64 : 0;
+  for (Index row = 0; row < x.rows; ++row) {
+    Scalar* output_row = output + row * output_stride;
+    Index column = 0, prefetch_lines = row_lines;
+    if constexpr (PacketOf<Scalar>::vectorized) {
+      column = csr_dense_row_panels<kPanelPackets>(x, row, weight, weight_stride, bias, output_row,
+                                                   column, columns, stream, prefetch_lines);
+      column = csr_dense_row_panels<8>(x, row, weight, weight_stride, bias, output_row, column,
+                                       columns, stream, prefetch_lines);
+      column = csr_dense_row_panels<4>(x, row, weight, weight_stride, bias, output_row, column,
+                                       columns, stream, prefetch_lines);
+      column = csr_dense_row_panels<1>(x, row, weight, weight_stride, bias, output_row, column,
+                                       columns, stream, prefetch_lines);
+    }
+    if (column == columns) continue;
+    // The scalar tail: the columns that do not fill a packet (all of them without SIMD), stored
+    // value by stored value so that W's rows are read in order.
+    for (Index j = column; j < columns; ++j) output_row[j] = bias != nullptr ? bias[j] : Scalar(0);
+    for (Index k = x.row_begin(row); k < x.row_end(row); ++k) {
+      const Weight* weight_row = weight + Index(x.column_indices[k]) * weight_stride;
+      const Scalar value = x.values[k];
+      for (Index j = column; j < columns; ++j)
+        output_row[j] += value * static_cast<Scalar>(weight_row[j]);
+    }
+  }
+  if (stream) stream_fence();
+}
+
+// By rows, W in Scalar (see the top of the file).
+template <typename Scalar, typename StorageIndex>
+void csr_dense_product(const CsrView<Scalar, StorageIndex>& x, const Scalar* weight,
+                       Index weight_stride, const Scalar* bias, Scalar* output, Index output_stride,
+                       Index columns, bool stream = false) {
+  csr_product_by_rows(x, weight, weight_stride, bias, output, output_stride, columns, stream,
+                      /*prefetch_rows=*/false);
+}
+
+// By rows, W (x.cols × columns, row stride weight_stride) in bfloat16; float X, b and Y. X must
+// be validated.
 template <typename StorageIndex>
 void csr_bfloat16_product(const CsrView<float, StorageIndex>& x, const Eigen::bfloat16* weight,
                           Index weight_stride, const float* bias, float* output,
                           Index output_stride, Index columns) {
   const bool beyond_cache =
       double(x.cols) * double(columns) * sizeof(Eigen::bfloat16) > kCoreCacheBytes;
-  const Index row_lines = (columns * Index(sizeof(Eigen::bfloat16)) + 63) / 64;
-  for (Index row = 0; row < x.rows; ++row) {
-    const Index begin = x.row_begin(row), end = x.row_end(row);
-    float* output_row = output + row * output_stride;
-    Index column = 0;
-    Index prefetch_lines = beyond_cache ? row_lines : 0;  // the first panel brings whole rows
-    if constexpr (PacketOf<float>::vectorized) {
-      constexpr Index packet_size = PacketOf<float>::size;
-      for (; column + kPanelPackets * packet_size <= columns;
-           column += kPanelPackets * packet_size, prefetch_lines = 0)
-        csr_bfloat16_row_panel<kPanelPackets>(x.column_indices, x.values, begin, end, weight,
-                                              weight_stride, bias, output_row, column,
-                                              prefetch_lines);
-      for (; column + 8 * packet_size <= columns; column += 8 * packet_size, prefetch_lines = 0)
-        csr_bfloat16_row_panel<8>(x.column_indices, x.values, begin, end, weight, weight_stride,
-                                  bias, output_row, column, prefetch_lines);
-      for (; column + packet_size <= columns; column += packet_size, prefetch_lines = 0)
-        csr_bfloat16_row_panel<1>(x.column_indices, x.values, begin, end, weight, weight_stride,
-                                  bias, output_row, column, prefetch_lines);
-    }
-    if (column == columns) continue;
-    for (Index j = column; j < columns; ++j) output_row[j] = bias != nullptr ? bias[j] : 0.0f;
-    for (Index k = begin; k < end; ++k) {
-      const Eigen::bfloat16* weight_row = weight + Index(x.column_indices[k]) * weight_stride;
-      const float value = x.values[k];
-      for (Index j = column; j < columns; ++j)
-        output_row[j] += value * static_cast<float>(weight_row[j]);
-    }
-  }
+  csr_product_by_rows(x, weight, weight_stride, bias, output, output_stride, columns,
+                      /*stream=*/false, /*prefetch_rows=*/beyond_cache);
 }
 
 // X's stored values regrouped by feature (its CSC), over memory carved from a stage's scratch:
@@ -421,16 +402,6 @@ void build_feature_groups(const CsrView<Scalar, StorageIndex>& x,
 
 // One feature's entries [begin, end), one panel of `Packets` packets from column `first_column`:
 // the panel of the feature's W row is loaded into registers once for all of its entries.
-// W's entries as a packet of Scalar: loaded as they are, or widened from bfloat16.
-template <typename Packet, typename Scalar>
-EIGEN_ALWAYS_INLINE Packet load_weight_packet(const Scalar* source) {
-  return Eigen::internal::ploadu<Packet>(source);
-}
-template <typename Packet>
-EIGEN_ALWAYS_INLINE Packet load_weight_packet(const Eigen::bfloat16* source) {
-  return load_widened<Packet>(source);
-}
-
 template <int Packets, typename Entry, typename Scalar, typename Weight>
 EIGEN_ALWAYS_INLINE void scatter_feature_panel(const Entry* entries, Index begin, Index end,
                                                const Weight* weight_row, Scalar* output,
