@@ -284,13 +284,14 @@ template <typename Scalar>
 class QueryProjectionKernelsTest : public ::testing::Test {};
 TYPED_TEST_SUITE(QueryProjectionKernelsTest, ScalarTypes, );
 
-// Both kernels against a naive product, over widths that exercise full panels, 4- and 1-packet
-// panels and the scalar tail, with and without bias; on sorted rows they agree bitwise.
+// Both kernels against a naive product, over widths that exercise full panels, the narrower
+// panels (8, 4 and 1 packets with AVX-512's 16 floats: 128, 192 and 464 columns) and the scalar
+// tail, with and without bias; on sorted rows they agree bitwise.
 TYPED_TEST(QueryProjectionKernelsTest, ByRowsAndByFeaturesMatchTheNaiveProductAndEachOther) {
   using Scalar = TypeParam;
   std::mt19937_64 generator(31);
   std::uniform_real_distribution<double> uniform(-1.0, 1.0);
-  for (Index columns : {1, 3, 16, 37, 256, 300, 517}) {
+  for (Index columns : {1, 3, 16, 37, 128, 192, 256, 300, 464, 517}) {
     Shape s;
     s.batch = 3;
     s.steps = 11;
@@ -471,6 +472,7 @@ std::vector<Index> panel_tail_widths() {
                             panel,
                             panel + 1,
                             panel + 4 * p + p + 1,
+                            panel + 13 * p + 1,
                             2 * panel,
                             2 * panel + 3};
   std::sort(widths.begin(), widths.end());

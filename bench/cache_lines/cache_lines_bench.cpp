@@ -13,10 +13,13 @@
 //           in registers and a row's output panel is read, changed and written back per stored
 //           value (the line is fetched, and later written back when evicted: two transfers).
 // Printed: nanoseconds per cache line (median over the samples, each sample 2^20 accesses timed
-// by this thread's CPU time, blind to other processes' time slices). A line count times these
-// figures gives the least time a kernel with that traffic can take on this machine; the
-// measured kernels and the counts are in docs/performance.md.
+// by this thread's CPU time, blind to other processes' time slices). These are this loop's rates
+// over uniformly random panels, not hardware limits; a line count times them estimates what a
+// kernel with that traffic can hope for on this machine. The measured kernels and the counts are
+// in docs/performance.md.
 #include <algorithm>
+#include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>

@@ -29,8 +29,9 @@
 //
 // SIMD comes from Eigen's packet primitives, so the kernels follow whatever -m flags Eigen
 // vectorises for (SSE2 to AVX-512), with a scalar tail for the columns that do not fill a packet
-// (all columns when Eigen does not vectorise). Only the streaming stores are intrinsics (AVX and
-// AVX-512), with pstoreu as the fallback.
+// (all columns when Eigen does not vectorise). Intrinsics only where Eigen has no primitive, each
+// with a portable fallback: streaming stores (AVX, AVX-512; else pstoreu), the widening of a
+// bfloat16 W (AVX2, AVX-512; else through a small buffer) and prefetches (__builtin_prefetch).
 #pragma once
 
 #include <algorithm>
@@ -160,9 +161,10 @@ EIGEN_ALWAYS_INLINE Packet load_weight_packet(const Eigen::bfloat16* source) {
 }
 
 // One row, one panel of `Packets` packets from column `first_column`: the stored values
-// [begin, end) with their feature columns; with `prefetch_lines` > 0, also that many cache lines
-// of each row of W that the stored value kBFloat16PrefetchAhead places ahead in the row reads.
-template <int Packets, typename Scalar, typename StorageIndex, typename Weight>
+// [begin, end) with their feature columns. With `Prefetch` and `prefetch_lines` > 0, also that
+// many cache lines of each row of W that the stored value kBFloat16PrefetchAhead places ahead in
+// the row reads (a compile-time switch, so that the float loop carries no test for it).
+template <int Packets, bool Prefetch, typename Scalar, typename StorageIndex, typename Weight>
 EIGEN_ALWAYS_INLINE void csr_dense_row_panel(const StorageIndex* columns, const Scalar* values,
                                              Index begin, Index end, const Weight* weight,
                                              Index weight_stride, const Scalar* bias,
@@ -176,11 +178,13 @@ EIGEN_ALWAYS_INLINE void csr_dense_row_panel(const StorageIndex* columns, const 
     accumulator[p] = bias != nullptr ? ploadu<Packet>(bias + first_column + p * packet_size)
                                      : pset1<Packet>(Scalar(0));
   for (Index k = begin; k < end; ++k) {
-    if (prefetch_lines > 0 && k + kBFloat16PrefetchAhead < end) {
-      const char* ahead = reinterpret_cast<const char*>(
-          weight + Index(columns[k + kBFloat16PrefetchAhead]) * weight_stride);
-      for (Index line = 0; line < prefetch_lines; ++line)
-        __builtin_prefetch(ahead + 64 * line, 0, 3);
+    if constexpr (Prefetch) {
+      if (prefetch_lines > 0 && k + kBFloat16PrefetchAhead < end) {
+        const char* ahead = reinterpret_cast<const char*>(
+            weight + Index(columns[k + kBFloat16PrefetchAhead]) * weight_stride);
+        for (Index line = 0; line < prefetch_lines; ++line)
+          __builtin_prefetch(ahead + 64 * line, 0, 3);
+      }
     }
     const Weight* weight_row = weight + Index(columns[k]) * weight_stride + first_column;
     const Packet value = pset1<Packet>(values[k]);
@@ -192,50 +196,58 @@ EIGEN_ALWAYS_INLINE void csr_dense_row_panel(const StorageIndex* columns, const 
   for (int p = 0; p < Packets; ++p) store_packet(out + p * packet_size, accumulator[p], stream);
 }
 
-// One row's panels of `Packets` packets from `column` on while they fit in `columns`; returns
-// the first column left. Only the first panel of the row prefetches (it brings whole rows).
-template <int Packets, typename Scalar, typename StorageIndex, typename Weight>
-EIGEN_ALWAYS_INLINE Index csr_dense_row_panels(const CsrView<Scalar, StorageIndex>& x, Index row,
-                                               const Weight* weight, Index weight_stride,
-                                               const Scalar* bias, Scalar* output_row, Index column,
-                                               Index columns, bool stream, Index& prefetch_lines) {
+// A run of one row's panels of `Packets` packets from `column` on, while they fit in `columns`;
+// returns the first column left. Only the row's first panel prefetches (it brings whole rows).
+template <int Packets, bool Prefetch, typename Scalar, typename StorageIndex, typename Weight>
+EIGEN_ALWAYS_INLINE Index csr_dense_row_panel_run(const StorageIndex* columns, const Scalar* values,
+                                                  Index begin, Index end, const Weight* weight,
+                                                  Index weight_stride, const Scalar* bias,
+                                                  Scalar* output_row, Index column,
+                                                  Index width_left, bool stream,
+                                                  Index& prefetch_lines) {
   constexpr Index width = Packets * PacketOf<Scalar>::size;
-  for (; column + width <= columns; column += width, prefetch_lines = 0)
-    csr_dense_row_panel<Packets>(x.column_indices, x.values, x.row_begin(row), x.row_end(row),
-                                 weight, weight_stride, bias, output_row, column, stream,
-                                 prefetch_lines);
+  for (; column + width <= width_left; column += width, prefetch_lines = 0)
+    csr_dense_row_panel<Packets, Prefetch>(columns, values, begin, end, weight, weight_stride, bias,
+                                           output_row, column, stream, prefetch_lines);
   return column;
 }
 
 // Y (x.rows × columns, row stride output_stride) = X·W + b, W (x.cols × columns, row stride
 // weight_stride; Weight = Scalar, or bfloat16 widened exactly for Scalar = float), b of
-// `columns` entries or nullptr; `prefetch_rows`: W's rows of the stored values ahead are
+// `columns` entries or nullptr; with `Prefetch`, W's rows of the stored values ahead are
 // prefetched. X must be validated.
-template <typename Scalar, typename StorageIndex, typename Weight>
-void csr_product_by_rows(const CsrView<Scalar, StorageIndex>& x, const Weight* weight,
-                         Index weight_stride, const Scalar* bias, Scalar* output,
-                         Index output_stride, Index columns, bool stream, bool prefetch_rows) {
-  const Index row_lines = prefetch_rows ? (columns * Index(sizeof(Weight)) + 63) / 64 : 0;
+template <bool Prefetch, typename Scalar, typename StorageIndex, typename Weight>
+void csr_dense_product_by_rows(const CsrView<Scalar, StorageIndex>& x, const Weight* weight,
+                               Index weight_stride, const Scalar* bias, Scalar* output,
+                               Index output_stride, Index columns, bool stream) {
+  const Index row_lines = Prefetch ? (columns * Index(sizeof(Weight)) + 63) / 64 : 0;
+  const StorageIndex* indices = x.column_indices;
+  const Scalar* values = x.values;
   for (Index row = 0; row < x.rows; ++row) {
+    const Index begin = x.row_begin(row), end = x.row_end(row);
     Scalar* output_row = output + row * output_stride;
     Index column = 0, prefetch_lines = row_lines;
     if constexpr (PacketOf<Scalar>::vectorized) {
-      column = csr_dense_row_panels<kPanelPackets>(x, row, weight, weight_stride, bias, output_row,
-                                                   column, columns, stream, prefetch_lines);
-      column = csr_dense_row_panels<8>(x, row, weight, weight_stride, bias, output_row, column,
-                                       columns, stream, prefetch_lines);
-      column = csr_dense_row_panels<4>(x, row, weight, weight_stride, bias, output_row, column,
-                                       columns, stream, prefetch_lines);
-      column = csr_dense_row_panels<1>(x, row, weight, weight_stride, bias, output_row, column,
-                                       columns, stream, prefetch_lines);
+      column = csr_dense_row_panel_run<kPanelPackets, Prefetch>(
+          indices, values, begin, end, weight, weight_stride, bias, output_row, column, columns,
+          stream, prefetch_lines);
+      column = csr_dense_row_panel_run<8, Prefetch>(indices, values, begin, end, weight,
+                                                    weight_stride, bias, output_row, column,
+                                                    columns, stream, prefetch_lines);
+      column = csr_dense_row_panel_run<4, Prefetch>(indices, values, begin, end, weight,
+                                                    weight_stride, bias, output_row, column,
+                                                    columns, stream, prefetch_lines);
+      column = csr_dense_row_panel_run<1, Prefetch>(indices, values, begin, end, weight,
+                                                    weight_stride, bias, output_row, column,
+                                                    columns, stream, prefetch_lines);
     }
     if (column == columns) continue;
     // The scalar tail: the columns that do not fill a packet (all of them without SIMD), stored
     // value by stored value so that W's rows are read in order.
     for (Index j = column; j < columns; ++j) output_row[j] = bias != nullptr ? bias[j] : Scalar(0);
-    for (Index k = x.row_begin(row); k < x.row_end(row); ++k) {
-      const Weight* weight_row = weight + Index(x.column_indices[k]) * weight_stride;
-      const Scalar value = x.values[k];
+    for (Index k = begin; k < end; ++k) {
+      const Weight* weight_row = weight + Index(indices[k]) * weight_stride;
+      const Scalar value = values[k];
       for (Index j = column; j < columns; ++j)
         output_row[j] += value * static_cast<Scalar>(weight_row[j]);
     }
@@ -248,20 +260,25 @@ template <typename Scalar, typename StorageIndex>
 void csr_dense_product(const CsrView<Scalar, StorageIndex>& x, const Scalar* weight,
                        Index weight_stride, const Scalar* bias, Scalar* output, Index output_stride,
                        Index columns, bool stream = false) {
-  csr_product_by_rows(x, weight, weight_stride, bias, output, output_stride, columns, stream,
-                      /*prefetch_rows=*/false);
+  csr_dense_product_by_rows</*Prefetch=*/false>(x, weight, weight_stride, bias, output,
+                                                output_stride, columns, stream);
 }
 
 // By rows, W (x.cols × columns, row stride weight_stride) in bfloat16; float X, b and Y. X must
-// be validated.
+// be validated. Its stores are plain: the stage asks for streaming ones on the float path only.
 template <typename StorageIndex>
 void csr_bfloat16_product(const CsrView<float, StorageIndex>& x, const Eigen::bfloat16* weight,
                           Index weight_stride, const float* bias, float* output,
                           Index output_stride, Index columns) {
   const bool beyond_cache =
       double(x.cols) * double(columns) * sizeof(Eigen::bfloat16) > kCoreCacheBytes;
-  csr_product_by_rows(x, weight, weight_stride, bias, output, output_stride, columns,
-                      /*stream=*/false, /*prefetch_rows=*/beyond_cache);
+  if (beyond_cache) {
+    csr_dense_product_by_rows</*Prefetch=*/true>(x, weight, weight_stride, bias, output,
+                                                 output_stride, columns, /*stream=*/false);
+  } else {
+    csr_dense_product_by_rows</*Prefetch=*/false>(x, weight, weight_stride, bias, output,
+                                                  output_stride, columns, /*stream=*/false);
+  }
 }
 
 // X's stored values regrouped by feature (its CSC), over memory carved from a stage's scratch:
