@@ -6,9 +6,10 @@
 // bottom-right; key padding), an attention bias of any of those shapes with −∞ entries, the scale,
 // the policy for fully masked rows, the score strategy, the thread count and every value. Weights,
 // inputs and bias values are multiples of 1/16, exact in float and double, optionally scaled so
-// that logits reach ±1e4. Key and value rows that every query of their batch entry is blocked from
-// (by any mask or a −∞ bias, for every head) are filled with NaN, ±Inf or huge values under the
-// zeros policy: they must not reach the output. SparseDenseMHA<double> and <float>,
+// that logits reach about ±1e4 (inputs of extreme values, such as the crafted bfloat16 seeds,
+// take them to about ±1.5e6). Key and value rows that every query of their batch entry is blocked
+// from (by any mask or a −∞ bias, for every head) are filled with NaN, ±Inf or huge values under
+// the zeros policy: they must not reach the output. SparseDenseMHA<double> and <float>,
 // DenseMHA<double> on the densified query, and a forward over a ProjectedContext must all agree
 // with tests/reference/reference_mha.hpp; in double the backward's gradients, the bias gradient
 // included, are bitwise the same for one thread and several, and the bias gradient is 0 wherever
@@ -179,7 +180,7 @@ Setup decode(FuzzedDataProvider& provider) {
                                               sdmha::ScoreStrategy::project_first,
                                               sdmha::ScoreStrategy::sparse_regrouped});
   setup.threads = provider.ConsumeIntegralInRange<int>(1, 3);
-  // ×16 on the query and key kernels takes logits from tens to about ±1e4.
+  // ×16 on the query and key kernels takes logits from tens to about ±1e4 (±1.5e6 at extremes).
   const double logit_scale = provider.ConsumeBool() ? 16.0 : 1.0;
   broadcast_shape(bias_code, p.batch, p.heads, setup.bias_rank, setup.bias_batch, setup.bias_heads);
   p.causal_offset = setup.bottom_right ? p.key_steps - p.steps : 0;

@@ -150,11 +150,18 @@ def write_npy_seeds():
     out(t, "v3_f32.npy", npy("<f4", [1], struct.pack("<f", 1.0), version=(3, 0)))
     # An .npz with a stored member, a deflated member and a member that is not an array.
     path = os.path.join(HERE, "corpus", t, "crafted_mixed.npz")
+    # Each member with a fixed time stamp and mode, so that running this again writes the same bytes.
+    def member(name, compress_type=zipfile.ZIP_STORED):
+        info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+        info.compress_type = compress_type
+        info.external_attr = 0o600 << 16
+        return info
+
     with zipfile.ZipFile(path, "w") as archive:
-        archive.writestr("a.npy", npy("<f8", [2], f64([1.5, -2.0])), compress_type=zipfile.ZIP_STORED)
-        archive.writestr("b.npy", npy("<i8", [2, 2], i64([1, 2, 3, 4])), compress_type=zipfile.ZIP_DEFLATED)
-        archive.writestr("__metadata__/num_heads.npy", npy("|u1", [1], b"2"))
-        archive.writestr("readme.txt", b"not an array")
+        archive.writestr(member("a.npy"), npy("<f8", [2], f64([1.5, -2.0])))
+        archive.writestr(member("b.npy", zipfile.ZIP_DEFLATED), npy("<i8", [2, 2], i64([1, 2, 3, 4])))
+        archive.writestr(member("__metadata__/num_heads.npy"), npy("|u1", [1], b"2"))
+        archive.writestr(member("readme.txt"), b"not an array")
     with open(path, "rb") as f:
         data = f.read()
     # The same archive with its first member's bytes corrupted (CRC mismatch).
