@@ -1,17 +1,17 @@
 #!/usr/bin/env python3
 """Draws sdmha_bench's numbers: speedup over the dense baseline, and where the time goes.
 
-    sdmha_bench --summary --json bench.json
-    python3 bench/plot.py bench.json            # writes docs/bench.png
+    sdmha_bench --summary --repetitions 7 --json docs/results/bench.json
+    python3 bench/plot.py           # reads docs/results/bench.json, writes docs/bench.png
 
 Needs numpy and matplotlib (Debian: python3-numpy, python3-matplotlib; use /usr/bin/python3 if
 another python3 comes first on PATH).
 
 Top row, one panel per workload: speedup (dense with densify / sparse) against the query's
-density, per thread count, with the ideal speedup at equal efficiency (the FLOP ratio of
-WORKLOADS.md) dashed. Bottom row: the time of every stage alone, stacked, for the sparse path
-and the dense path at each density (one thread by default); the black tick on a bar is the
-whole forward pass measured in one piece.
+density, per thread count, with the ideal speedup at equal efficiency (the FLOP ratio the
+bench reports as *ideal*) dashed. Bottom row: the time of every stage alone, stacked, for the
+sparse path and the dense path at each density (one thread by default); the black tick on a bar
+is the whole forward pass measured in one piece.
 """
 
 import argparse
@@ -110,7 +110,9 @@ def draw_stage_bars(axis, runs, workload, threads):
 def main():
     repository = pathlib.Path(__file__).resolve().parent.parent
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("json", type=pathlib.Path, help="the file of sdmha_bench --summary --json")
+    parser.add_argument("json", type=pathlib.Path, nargs="?",
+                        default=repository / "docs" / "results" / "bench.json",
+                        help="the file of sdmha_bench --summary --json")
     parser.add_argument("--out", type=pathlib.Path, default=repository / "docs" / "bench.png")
     parser.add_argument("--threads", type=int, default=1, help="thread count of the stage bars")
     args = parser.parse_args()
