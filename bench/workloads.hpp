@@ -1,4 +1,4 @@
-// bench/workloads.hpp — the canonical workloads (../shared/WORKLOADS.md): shapes, random inputs
+// bench/workloads.hpp — the canonical workloads (bench/workloads.md): shapes, random inputs
 // and the floating-point work of one forward pass.
 //
 // Generation, fixed seeds, float32: every query row holds max(1, round(density·Eq)) values at
@@ -56,7 +56,7 @@ struct WorkloadShape {
   }
 };
 
-// The table of WORKLOADS.md.
+// The table of bench/workloads.md.
 inline std::vector<WorkloadShape> canonical_workloads() {
   return {
       {"seed", 32, 128, 512, 128, 512, 8, 64, 512, {0.01, 0.05, 0.10}},
@@ -84,7 +84,7 @@ inline std::vector<WorkloadShape> quick_workloads() {
   return shapes;
 }
 
-// The floating-point work of one forward pass, 2 per multiply-add, as WORKLOADS.md counts it.
+// The floating-point work of one forward pass, 2 per multiply-add, as bench/workloads.md counts it.
 struct FlopCounts {
   double query_projection_dense = 0;   // 2·B·T·Eq·H·Dk
   double query_projection_sparse = 0;  // 2·nnz·H·Dk
