@@ -1,6 +1,6 @@
-// The forward's online softmax over key tiles (detail/attention_core.hpp, attend_item_online):
-// taken when an item sees more than detail::kKeyTile keys, the default softmax and attend-values
-// stages run, and no scores are returned. Checked against the float64 reference, against the
+// The forward's online softmax over key tiles (detail/forward_pass.hpp, attend_item_online):
+// taken when an item sees more than detail::kKeyTile keys, the softmax and attend-values stages
+// declare it (detail::online_softmax_allowed), and no scores are returned. Checked against the float64 reference, against the
 // stored-probabilities path of the same layer (return_attention_scores forces it), across
 // thread counts, and with a position-dependent score stage whose key tiles start past key 0.
 #include <cmath>
@@ -159,3 +159,63 @@ TYPED_TEST(OnlineSoftmaxTest, PositionDependentScoreStageSeesAbsoluteKeys) {
 }
 
 }  // namespace
+
+// A softmax stage derived from MaskedSoftmax inherits its math but not its declaration that the
+// forward may compute it online (`computes_online` names MaskedSoftmax, not the derived stage):
+// the layer then runs whole rows of S, the documented cost being a worker's tile of query rows
+// × S scores, so its workspace grows with S where the default layer's stays flat.
+template <typename Scalar>
+struct RenamedSoftmax : sdmha::MaskedSoftmax<Scalar> {};
+
+template <typename Scalar>
+struct OnlineSoftmaxOf : RenamedSoftmax<Scalar> {
+  using computes_online = OnlineSoftmaxOf;
+};
+
+TYPED_TEST(OnlineSoftmaxTest, CustomSoftmaxGetsWholeRowsUnlessItDeclaresOnline) {
+  using Scalar = TypeParam;
+  static_assert(sdmha::detail::online_softmax_allowed<sdmha::MaskedSoftmax<Scalar>,
+                                                      sdmha::AttendValues<Scalar>>());
+  static_assert(!sdmha::detail::online_softmax_allowed<RenamedSoftmax<Scalar>,
+                                                       sdmha::AttendValues<Scalar>>());
+  static_assert(sdmha::detail::online_softmax_allowed<OnlineSoftmaxOf<Scalar>,
+                                                      sdmha::AttendValues<Scalar>>());
+  using Custom = sdmha::SparseDenseMHA<Scalar, sdmha::SparseQueryProjection<Scalar>,
+                                       sdmha::ScoreKernel<Scalar>, RenamedSoftmax<Scalar>>;
+  using Declared = sdmha::SparseDenseMHA<Scalar, sdmha::SparseQueryProjection<Scalar>,
+                                         sdmha::ScoreKernel<Scalar>, OnlineSoftmaxOf<Scalar>>;
+  auto workspace_bytes = [](const auto& layer, const auto& c) {
+    sdmha::Workspace<Scalar> workspace;
+    sdmha::AttentionResult<Scalar> result;
+    auto options = c.options;
+    options.score_strategy = sdmha::ScoreStrategy::project_first;
+    options.num_threads = 1;
+    layer.forward(c.query(), c.key, c.value, options, workspace, result);
+    return std::pair<std::size_t, sdmha::AttentionResult<Scalar>>(workspace.bytes(), result);
+  };
+  Shape shape = long_shape();
+  shape.batch = 1;
+  const auto short_case = make_case<Scalar>(shape, 9);
+  shape.key_steps *= 4;
+  const auto long_case = make_case<Scalar>(shape, 9);
+  const Custom custom_short(short_case.config, short_case.weights);
+  const Custom custom_long(long_case.config, long_case.weights);
+  const Declared declared_short(short_case.config, short_case.weights);
+  const Declared declared_long(long_case.config, long_case.weights);
+  const auto [custom_small, custom_result] = workspace_bytes(custom_short, short_case);
+  const std::size_t custom_large = workspace_bytes(custom_long, long_case).first;
+  const auto [declared_small, declared_result] = workspace_bytes(declared_short, short_case);
+  const std::size_t declared_large = workspace_bytes(declared_long, long_case).first;
+  // Both grow with K and V (B·S rows); only the whole-row path grows by a tile of rows × S too.
+  const std::size_t tile_growth = std::size_t(shape.steps) *
+                                  std::size_t(long_case.problem.key_steps -
+                                              short_case.problem.key_steps) *
+                                  sizeof(Scalar);
+  EXPECT_GE(custom_large - custom_small, declared_large - declared_small + tile_growth);
+  // The same math either way.
+  const auto expected = sdmha_reference::forward(short_case.problem);
+  EXPECT_TRUE(
+      all_near(custom_result.output.data(), expected.output, relative_tolerance<Scalar>()));
+  EXPECT_TRUE(
+      all_near(declared_result.output.data(), expected.output, relative_tolerance<Scalar>()));
+}

@@ -53,7 +53,7 @@ Required:
 Options (--num-heads, --layout and --causal/--no-causal override the weights file's
 __metadata__; an option with a value also takes the form --option=value):
   --scores          also write attention_scores, the softmax probabilities
-  --threads N       worker threads, 0 = all hardware threads (default 0, at most 1024)
+  --threads N       worker threads, 0 = the physical cores (default 0, at most 1024)
   --num-heads H     number of heads (metadata num_heads; required for PyTorch weights)
   --layout L        keras or torch (metadata layout, else detected from the tensor names)
   --prefix P        Keras layer prefix such as "multi_head_attention/" (default: detected)

@@ -76,7 +76,7 @@ struct Backward {
                                       const TensorRef3<Scalar>& d_output,
                                       const AttentionOptions<Scalar>& options, Buffers& buffers) {
     const LayerDims dims = layer.checked_query(where, query);
-    Layer::check_context(where, dims, query.batch(), key, value);
+    check_context<Scalar>(where, dims, query.batch(), key, value);
     const Index B = query.batch(), T = query.steps(), O = dims.output_dim;
     if (d_output.dimension(0) != B || d_output.dimension(1) != T || d_output.dimension(2) != O)
       fail<ShapeError>(where, "d_output is (", d_output.dimension(0), ", ", d_output.dimension(1),

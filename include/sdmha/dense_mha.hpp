@@ -24,14 +24,32 @@ template <typename Scalar, typename QueryProjectionT = DenseProjection<Scalar>,
           typename AttendValuesT = AttendValues<Scalar>,
           typename OutputProjectionT = OutputProjection<Scalar>,
           typename ContextProjectionT = DenseProjection<Scalar>>
-class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
-                                              OutputProjectionT, ContextProjectionT> {
+class DenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
+                                               OutputProjectionT, ContextProjectionT> {
   using Core = detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
                                      OutputProjectionT, ContextProjectionT>;
   static_assert(std::is_same<typename QueryProjectionT::ScalarType, Scalar>::value,
                 "the query projection's ScalarType must be the layer's Scalar");
 
  public:
+  using typename Core::AttendValues;
+  using typename Core::ContextProjection;
+  using typename Core::OutputProjection;
+  using typename Core::ScalarType;
+  using typename Core::ScoreKernel;
+  using typename Core::Softmax;
+  using Core::attend_values;
+  using Core::config;
+  using Core::context_projection;
+  using Core::dims;
+  using Core::output_projection;
+  using Core::project_context;
+  using Core::release_workspace_cache;
+  using Core::score_kernel;
+  using Core::shared_weights;
+  using Core::softmax;
+  using Core::weights;
+  using Core::workspace_cache_bytes;
   using QueryProjection = QueryProjectionT;
 
   DenseMHA(const MhaConfig& config, MhaWeights<Scalar> weights)
@@ -67,37 +85,20 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
     if (query.data() == nullptr && B * T * dims.query_dim > 0)
       detail::fail<ShapeError>(where, "query has no data; expected ", B, " x ", T, " x ",
                                dims.query_dim, " values");
-    Core::check_context(where, dims, B, key, value);
+    detail::check_context<Scalar>(where, dims, B, key, value);
     // The lease first: planning draws the call's dropout seed, which a refused call must not use.
     const typename Workspace<Scalar>::Lease lease(workspace, where);
     auto& buffers = lease.buffers();
-    auto plan =
-        Core::check_options(where, dims, B, T, value.dimension(1), options, detail::Pass::forward);
+    const Index S = value.dimension(1);
+    detail::check_options(where, dims, B, T, S, options);
+    auto plan = detail::start_plan(dims, B, T, S, options, detail::Pass::forward);
     TileSizes block;
     block.rows = detail::kQueryProjectionRowBlock;
     block.input_width = dims.query_dim;
     block.output_width = dims.projected_key_width();
-    this->finish_plan(plan, detail::stage_workspace_size<QueryProjection>(block));
-    this->plan_context_streaming(plan);
-    buffers.prepare_workers(plan.workers(B * T), plan.worker_scratch_bytes, plan.tile_entries, 2);
-    // Streamed (plan.context_chunk > 0), K and V are projected chunk by chunk inside the attention.
-    if (plan.context_chunk == 0)
-      this->project_context_into(plan, key, value, buffers, buffers.context);
-    RowMatrix<Scalar>& projected_query = buffers.projected_query;
-    projected_query.resize(B * T, dims.projected_key_width());
-    const auto& weights = this->weights();
-    Core::project_rows(plan, query_projection_, detail::kQueryProjectionRowBlock, query.as_matrix(),
-                       weights.query_kernel, weights.query_bias, projected_query, buffers);
-    auto scores = [&](const detail::AttentionItem& item, const BatchMask& mask,
-                      const ConstMatrixRef<Scalar>& key_tile, bool bfloat16_operands,
-                      StageScratch scratch, MatrixRef<Scalar> tile) {
-      this->project_first_scores(plan, item, projected_query, mask, key_tile, bfloat16_operands,
-                                 scratch, tile);
-    };
-    if (plan.context_chunk > 0)
-      this->attend_streamed(plan, key, value, options, scores, buffers, result);
-    else
-      this->attend(plan, buffers.context, options, scores, buffers, result);
+    detail::finish_plan(core(), plan, detail::stage_workspace_size<QueryProjection>(block));
+    QuerySource source{*this, plan, query, buffers.projected_query};
+    detail::run_forward(core(), plan, source, key, value, options, buffers, result);
   }
 
   AttentionResult<Scalar> forward(const TensorRef3<Scalar>& query, const TensorRef3<Scalar>& value,
@@ -106,6 +107,47 @@ class DenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, At
   }
 
  private:
+  friend struct detail::ContextStreamingHook;
+  const Core& core() const { return *this; }
+  Core& core() { return *this; }
+
+  // The dense query as the forward pass's query source (detail/forward_pass.hpp): Q = query·Wq
+  // + bq in blocks of kQueryProjectionRowBlock rows (a wide Wq is packed once per 512 rows, not
+  // per 64), and a tile's scores from Q.
+  struct QuerySource {
+    const DenseMHA& layer;
+    const detail::AttentionPlan& plan;
+    const TensorRef3<Scalar>& query;
+    RowMatrix<Scalar>& projected_query;
+
+    // One panel: the dense query's A block (512 × Eq) is the costly operand, read once.
+    auto projection() const {
+      const auto& weights = layer.weights();
+      detail::RowProjection<Scalar, QueryProjection> rows{
+          layer.query_projection_, query.as_matrix(), weights.query_kernel, weights.query_bias,
+          MatrixRef<Scalar>(projected_query)};
+      rows.block_rows = detail::kQueryProjectionRowBlock;
+      return rows;
+    }
+    Index projection_items(const detail::AttentionPlan&) const { return projection().items(); }
+    Index preparation_items(const detail::AttentionPlan&) const { return 0; }
+    void prepare_item(const detail::AttentionPlan&, Index, detail::CallBuffers<Scalar>&, int) const {}
+    void prepare(const detail::AttentionPlan&, detail::CallBuffers<Scalar>&) {
+      projected_query.resize(query.dimension(0) * query.dimension(1),
+                             plan.dims.projected_key_width());
+    }
+    void project_item(const detail::AttentionPlan&, Index index,
+                      detail::CallBuffers<Scalar>& buffers, int worker) const {
+      projection().run_item(index, buffers.workers[std::size_t(worker)].stage.view());
+    }
+    void operator()(const detail::AttentionItem& item, const BatchMask& mask,
+                    const ConstMatrixRef<Scalar>& key, bool bfloat16_operands,
+                    StageScratch scratch, MatrixRef<Scalar> scores) const {
+      detail::project_first_scores(layer.core(), plan, item, projected_query, mask, key,
+                                   bfloat16_operands, scratch, scores);
+    }
+  };
+
   QueryProjection query_projection_;
 };
 

@@ -130,7 +130,8 @@ struct AttentionOptions {
   Eigen::Tensor<bool, 2, Eigen::RowMajor> key_padding_mask;
   // Return the (B, H, T, S) softmax probabilities in AttentionResult::attention_scores.
   bool return_attention_scores = false;
-  // Worker threads for the batch × head work and the projections; 0 means all hardware threads.
+  // Worker threads for the work items of every region; 0 means the physical cores available to
+  // the process (detail::resolve_thread_count).
   // The output is bitwise the same for any value.
   int num_threads = 0;
   ScoreStrategy score_strategy = ScoreStrategy::automatic;

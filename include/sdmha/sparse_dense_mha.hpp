@@ -13,7 +13,9 @@
 // is Keras 3's MultiHeadAttention (docs/keras_pytorch.md).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -43,8 +45,8 @@ template <typename Scalar, typename QueryProjectionT = SparseQueryProjection<Sca
           typename AttendValuesT = AttendValues<Scalar>,
           typename OutputProjectionT = OutputProjection<Scalar>,
           typename ContextProjectionT = DenseProjection<Scalar>>
-class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
-                                                    OutputProjectionT, ContextProjectionT> {
+class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
+                                                     OutputProjectionT, ContextProjectionT> {
   using Core = detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
                                      OutputProjectionT, ContextProjectionT>;
   static_assert(std::is_floating_point<Scalar>::value,
@@ -58,8 +60,29 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
   friend struct detail::Backward;
   template <typename Layer>
   friend struct detail::LayerInternals;
+  friend struct detail::ContextStreamingHook;
+  struct QuerySource;
 
  public:
+  // The layer's state, as the private base holds it (detail/attention_core.hpp).
+  using typename Core::AttendValues;
+  using typename Core::ContextProjection;
+  using typename Core::OutputProjection;
+  using typename Core::ScalarType;
+  using typename Core::ScoreKernel;
+  using typename Core::Softmax;
+  using Core::attend_values;
+  using Core::config;
+  using Core::context_projection;
+  using Core::dims;
+  using Core::output_projection;
+  using Core::project_context;
+  using Core::release_workspace_cache;
+  using Core::score_kernel;
+  using Core::shared_weights;
+  using Core::softmax;
+  using Core::weights;
+  using Core::workspace_cache_bytes;
   using QueryProjection = QueryProjectionT;
   using StorageIndex = typename QueryProjectionT::StorageIndexType;
   using Query = SparseQuery<Scalar, StorageIndex>;
@@ -156,18 +179,13 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
                AttentionResult<Scalar>& result) const {
     constexpr const char* where = "SparseDenseMHA::forward";
     const LayerDims dims = checked_query(where, query);
-    Core::check_context(where, dims, query.batch(), key, value);
+    detail::check_context<Scalar>(where, dims, query.batch(), key, value);
     const typename Workspace<Scalar>::Lease lease(workspace, where);
     auto& buffers = lease.buffers();
-    auto plan =
+    const auto plan =
         plan_call(where, dims, query, value.dimension(1), options, detail::Pass::forward, buffers);
-    this->plan_context_streaming(plan);
-    if (plan.context_chunk > 0) {  // K and V projected chunk by chunk as the attention needs them
-      run(plan, query, options, buffers, result, key, value);
-      return;
-    }
-    this->project_context_into(plan, key, value, buffers, buffers.context);
-    run(plan, query, options, buffers, result, buffers.context);
+    QuerySource source{*this, plan, query, buffers.projected_query};
+    detail::run_forward(core(), plan, source, key, value, options, buffers, result);
   }
 
   // The same against keys and values projected once by project_context(key, value).
@@ -184,12 +202,13 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
                AttentionResult<Scalar>& result) const {
     constexpr const char* where = "SparseDenseMHA::forward";
     const LayerDims dims = checked_query(where, query);
-    Core::check_context(where, dims, query.batch(), context);
+    detail::check_context<Scalar>(where, dims, query.batch(), context);
     const typename Workspace<Scalar>::Lease lease(workspace, where);
     auto& buffers = lease.buffers();
     const auto plan =
         plan_call(where, dims, query, context.key_steps, options, detail::Pass::forward, buffers);
-    run(plan, query, options, buffers, result, context);
+    QuerySource source{*this, plan, query, buffers.projected_query};
+    detail::run_forward(core(), plan, source, context, options, buffers, result);
   }
 
   // Self-attention form of Keras' call(query, value): the key is the value.
@@ -257,8 +276,8 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
                                   detail::Pass pass, detail::CallBuffers<Scalar>& buffers) const {
     // Before check_options, which draws the dropout generator's seed: a refused call draws none.
     check_query_kernel_precision(where, options, pass);
-    auto plan =
-        Core::check_options(where, dims, query.batch(), query.steps(), key_steps, options, pass);
+    detail::check_options(where, dims, query.batch(), query.steps(), key_steps, options);
+    auto plan = detail::start_plan(dims, query.batch(), query.steps(), key_steps, options, pass);
     const ScoreStrategy requested =
         query_kernel_bfloat16_ != nullptr ? ScoreStrategy::project_first : options.score_strategy;
     const bool count_features = detail::counts_distinct_features(requested, plan, query.nonzeros());
@@ -270,7 +289,7 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
     block.features = dims.query_dim;
     block.output_width = dims.projected_key_width();
     block.nonzeros = plan.query.block_nonzeros_largest;
-    this->finish_plan(plan, detail::stage_workspace_size<QueryProjection>(block));
+    detail::finish_plan(core(), plan, detail::stage_workspace_size<QueryProjection>(block));
     return plan;
   }
 
@@ -299,53 +318,126 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
                                 "kernel; expected project_first or automatic");
   }
 
-  // Q = X·Wq + bq in the plan's blocks of query rows, into `projected_query` (resized).
+  const Core& core() const { return *this; }
+  Core& core() { return *this; }
+
+  // K and V of validated key and value into `context` (the backward's, given no context).
+  void project_context_into(const detail::AttentionPlan& plan, const TensorRef3<Scalar>& key,
+                            const TensorRef3<Scalar>& value, detail::CallBuffers<Scalar>& buffers,
+                            ProjectedContext<Scalar>& context) const {
+    detail::project_context_into(core(), plan, key, value, buffers, context);
+  }
+
+  // Q = X·Wq + bq goes in items of (row block of kQueryProjectionRowBlock rows) × (window of
+  // the stage's column_window_width columns, when it takes windows): each entry of Q is one
+  // window's, the same sequence of FMAs as in a whole-block call. With a Wq beyond L2 the
+  // by-feature kernel reads X's CSC, built once per row block (a preparation item) and shared
+  // by the block's windows.
+  bool query_kernel_is_bfloat16() const { return query_kernel_bfloat16_ != nullptr; }
+  Index query_windows(const detail::AttentionPlan& plan) const {
+    if constexpr (detail::splits_columns<QueryProjection>::value) {
+      const Index width = QueryProjection::column_window_width(query_kernel_is_bfloat16());
+      return std::max<Index>(1, (plan.dims.projected_key_width() + width - 1) / width);
+    } else {
+      return 1;
+    }
+  }
+
+  // The Arguments of query row block `index` and Wq's columns [first, first + columns).
+  typename QueryProjection::Arguments query_block_arguments(const Query& query, Index index,
+                                                            Index first, Index columns,
+                                                            RowMatrix<Scalar>& projected_query,
+                                                            StageScratch scratch) const {
+    const auto& weights = this->weights();
+    const detail::RowBlock block =
+        detail::AttentionPlan::block(index, query.rows(), detail::kQueryProjectionRowBlock);
+    typename QueryProjection::Arguments args{
+        query.csr().middle_rows(block.begin, block.rows),
+        weights.query_kernel.middleCols(first, columns),
+        detail::bias_segment(weights.query_bias, first, columns),
+        projected_query.block(block.begin, first, block.rows, columns), scratch};
+    if constexpr (detail::reads_bfloat16_kernel<QueryProjection>::value)
+      if (query_kernel_bfloat16_ != nullptr) args.kernel_bfloat16 = &query_kernel_bfloat16_->rounded;
+    return args;
+  }
+
+  // Item `index` of the query projection: row block index / windows, window index % windows.
+  // `groups`: the block's CSC memory (built by build_query_block_groups), or null.
+  void project_query_item(const detail::AttentionPlan& plan, const Query& query, Index index,
+                          StageScratch scratch, const detail::ScratchBuffer* groups,
+                          RowMatrix<Scalar>& projected_query) const {
+    const Index windows = query_windows(plan), N = plan.dims.projected_key_width();
+    if constexpr (detail::splits_columns<QueryProjection>::value) {
+      const Index width = QueryProjection::column_window_width(query_kernel_is_bfloat16());
+      const Index first = index % windows * width, columns = std::min(width, N - first);
+      auto args =
+          query_block_arguments(query, index / windows, first, columns, projected_query, scratch);
+      args.kernel_columns = N;
+      args.first_column = first;
+      if constexpr (detail::shares_feature_groups<QueryProjection>::value) {
+        typename QueryProjection::FeatureGroups built;  // outlives the call below
+        if (groups != nullptr && read_query_groups(*groups, built)) args.feature_groups = &built;
+        QueryProjection::can_implement(args);
+        query_projection_(args);
+        return;
+      }
+      QueryProjection::can_implement(args);
+      query_projection_(args);
+    } else {
+      const auto args = query_block_arguments(query, index, 0, N, projected_query, scratch);
+      QueryProjection::can_implement(args);
+      query_projection_(args);
+    }
+  }
+
+  // Whether the query projection's windows share a CSC per row block: the stage can, and Wq is
+  // beyond L2 (the by-feature kernels' condition; each block decides the rest itself).
+  bool shares_query_groups(const detail::AttentionPlan& plan) const {
+    if constexpr (detail::shares_feature_groups<QueryProjection>::value)
+      return query_windows(plan) > 1 &&
+             QueryProjection::kernel_beyond_cache(plan.dims.query_dim,
+                                                  plan.dims.projected_key_width());
+    return false;
+  }
+  // A row block's CSC memory: a header (whether it was built, and the built FeatureGroups, whose
+  // arrays point past the header), then the arrays (query_groups_bytes).
+  static constexpr std::size_t kQueryGroupsHeader = 128;
+  template <typename Groups>
+  static bool read_query_groups(const detail::ScratchBuffer& memory, Groups& groups) {
+    static_assert(std::is_trivially_copyable<Groups>::value &&
+                  sizeof(Groups) + 8 <= kQueryGroupsHeader);
+    const std::byte* header = memory.view().data;
+    if (header[0] == std::byte{0}) return false;
+    std::memcpy(&groups, header + 8, sizeof(Groups));
+    return true;
+  }
+  // Builds row block `index`'s CSC into `groups` when its windows will read one, and says so in
+  // the header either way.
+  void build_query_block_groups(const detail::AttentionPlan& plan, const Query& query, Index index,
+                                detail::ScratchBuffer& groups,
+                                RowMatrix<Scalar>& projected_query) const {
+    if constexpr (detail::shares_feature_groups<QueryProjection>::value) {
+      const Index N = plan.dims.projected_key_width();
+      auto args = query_block_arguments(query, index, 0, N, projected_query, StageScratch{});
+      args.kernel_columns = N;
+      const StageScratch memory = groups.view();
+      memory.data[0] = std::byte{0};
+      if (!QueryProjection::reads_feature_groups(args)) return;
+      const auto built = QueryProjection::build_query_groups(
+          args.query, StageScratch{memory.data + kQueryGroupsHeader,
+                                   memory.bytes - kQueryGroupsHeader});
+      std::memcpy(memory.data + 8, &built, sizeof(built));
+      memory.data[0] = std::byte{1};
+    }
+  }
+
+  // Q = X·Wq + bq in the plan's blocks of query rows, into `projected_query` (resized), as a
+  // region of its own (the backward's, and the bench's stage case).
   void project_query(const detail::AttentionPlan& plan, const Query& query,
                      detail::CallBuffers<Scalar>& buffers,
                      RowMatrix<Scalar>& projected_query) const {
-    const auto& weights = this->weights();
-    const auto& csr = query.csr();
-    constexpr Index block_rows = detail::kQueryProjectionRowBlock;
-    projected_query.resize(query.rows(), plan.dims.projected_key_width());
-    const Index blocks = detail::AttentionPlan::block_count(query.rows(), block_rows);
-    buffers.prepare_workers(plan.workers(blocks), plan.worker_scratch_bytes, plan.tile_entries, 2);
-    detail::parallel_for(
-        blocks, plan.threads,
-        [&](Index index, int worker) {
-          const detail::RowBlock block =
-              detail::AttentionPlan::block(index, query.rows(), block_rows);
-          typename QueryProjection::Arguments args{
-              csr.middle_rows(block.begin, block.rows), weights.query_kernel,
-              Core::bias_view(weights.query_bias),
-              projected_query.middleRows(block.begin, block.rows),
-              buffers.workers[std::size_t(worker)].stage.view()};
-          if constexpr (detail::reads_bfloat16_kernel<QueryProjection>::value)
-            if (query_kernel_bfloat16_ != nullptr)
-              args.kernel_bfloat16 = &query_kernel_bfloat16_->rounded;
-          QueryProjection::can_implement(args);
-          query_projection_(args);
-        },
-        &buffers.pool);
-  }
-
-  // The forward over the plan: the scores of an item come from X's rows (regrouped) or from Q.
-  // K and V come from `context`: a ProjectedContext, or key and value, streamed in the plan's
-  // chunks (Core::attend_streamed).
-  template <typename... Context>
-  void run(const detail::AttentionPlan& plan, const Query& query,
-           const AttentionOptions<Scalar>& options, detail::CallBuffers<Scalar>& buffers,
-           AttentionResult<Scalar>& result, const Context&... context) const {
-    if (!plan.regrouped()) project_query(plan, query, buffers, buffers.projected_query);
-    auto scores = [&](const detail::AttentionItem& item, const BatchMask& mask,
-                      const ConstMatrixRef<Scalar>& key, bool bfloat16_operands,
-                      StageScratch scratch, MatrixRef<Scalar> tile) {
-      tile_scores(plan, item, query, buffers.projected_query, mask, key, bfloat16_operands, scratch,
-                  tile);
-    };
-    if constexpr (sizeof...(Context) == 1)
-      this->attend(plan, context..., options, scores, buffers, result);
-    else
-      this->attend_streamed(plan, context..., options, scores, buffers, result);
+    QuerySource source{*this, plan, query, projected_query, /*always_project=*/true};
+    detail::project_query_source(plan, source, buffers);
   }
 
   // The masked scores of one tile by the plan's strategy, before the attention bias: from X's
@@ -363,18 +455,18 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
           item.position(),
           query.csr().middle_rows(item.batch * T + item.query_begin, item.query_rows),
           weights.query_kernel.middleCols(item.head * Dk, Dk),
-          Core::bias_segment(weights.query_bias, item.head * Dk, Dk),
+          detail::bias_segment(weights.query_bias, item.head * Dk, Dk),
           key,
           scale,
           mask,
           scores,
           scratch};
       ScoreKernelT::can_implement(args);
-      this->score_kernel_(args);
+      this->score_kernel()(args);
       return;
     }
-    this->project_first_scores(plan, item, projected_query, mask, key, bfloat16_operands, scratch,
-                               scores);
+    detail::project_first_scores(core(), plan, item, projected_query, mask, key,
+                                 bfloat16_operands, scratch, scores);
   }
 
   // Wq rounded to bfloat16 (by column panels), the float Wq it was rounded from (to see it
@@ -387,6 +479,68 @@ class SparseDenseMHA : public detail::AttentionCore<Scalar, ScoreKernelT, Softma
 
   QueryProjection query_projection_;
   std::shared_ptr<const QueryKernelSnapshot> query_kernel_bfloat16_;
+};
+
+// The sparse query as the forward pass's query source (detail/forward_pass.hpp): Q projected in
+// row blocks of X (none with regrouped scores, which read X's rows in each tile), and a tile's
+// scores by the plan's strategy.
+template <typename Scalar, typename QueryProjectionT, typename ScoreKernelT, typename SoftmaxT,
+          typename AttendValuesT, typename OutputProjectionT, typename ContextProjectionT>
+struct SparseDenseMHA<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT, AttendValuesT,
+                      OutputProjectionT, ContextProjectionT>::QuerySource {
+  const SparseDenseMHA& layer;
+  const detail::AttentionPlan& plan;
+  const Query& query;
+  RowMatrix<Scalar>& projected_query;
+  bool always_project = false;  // Q even for regrouped scores (the backward's dK needs it)
+
+  bool projects(const detail::AttentionPlan& plan) const {
+    return always_project || !plan.regrouped();
+  }
+  Index row_blocks() const {
+    return detail::AttentionPlan::block_count(query.rows(), detail::kQueryProjectionRowBlock);
+  }
+  Index projection_items(const detail::AttentionPlan& plan) const {
+    return projects(plan) ? row_blocks() * layer.query_windows(plan) : 0;
+  }
+  // One item per row block building its CSC, before any window runs (0: none needed).
+  Index preparation_items(const detail::AttentionPlan& plan) const {
+    return projects(plan) && layer.shares_query_groups(plan) ? row_blocks() : 0;
+  }
+  void prepare(const detail::AttentionPlan& plan, detail::CallBuffers<Scalar>& buffers) {
+    if (!projects(plan)) return;
+    projected_query.resize(query.rows(), plan.dims.projected_key_width());
+    if (preparation_items(plan) == 0) return;
+    if (buffers.query_groups.size() < std::size_t(row_blocks()))
+      buffers.query_groups.resize(std::size_t(row_blocks()));
+    for (Index block = 0; block < row_blocks(); ++block) {
+      const auto rows =
+          detail::AttentionPlan::block(block, query.rows(), detail::kQueryProjectionRowBlock);
+      buffers.query_groups[std::size_t(block)].reserve(
+          SparseDenseMHA::kQueryGroupsHeader +
+          QueryProjection::query_groups_bytes(
+              query.features(), query.csr().middle_rows(rows.begin, rows.rows).nonzeros()));
+    }
+  }
+  void prepare_item(const detail::AttentionPlan& plan, Index index,
+                    detail::CallBuffers<Scalar>& buffers, int) const {
+    layer.build_query_block_groups(plan, query, index, buffers.query_groups[std::size_t(index)],
+                                   projected_query);
+  }
+  void project_item(const detail::AttentionPlan& plan, Index index,
+                    detail::CallBuffers<Scalar>& buffers, int worker) const {
+    const Index block = index / layer.query_windows(plan);
+    const detail::ScratchBuffer* groups =
+        preparation_items(plan) > 0 ? &buffers.query_groups[std::size_t(block)] : nullptr;
+    layer.project_query_item(plan, query, index, buffers.workers[std::size_t(worker)].stage.view(),
+                             groups, projected_query);
+  }
+  void operator()(const detail::AttentionItem& item, const BatchMask& mask,
+                  const ConstMatrixRef<Scalar>& key, bool bfloat16_operands, StageScratch scratch,
+                  MatrixRef<Scalar> scores) const {
+    layer.tile_scores(plan, item, query, projected_query, mask, key,
+                      bfloat16_operands, scratch, scores);
+  }
 };
 
 namespace detail {

@@ -62,6 +62,9 @@ struct BackwardBuffers {
   Vector<Scalar> d_stored;          // dX in CSR order when from_coo's order differs
   ScratchBuffer feature_groups;     // the whole query's CSC, for the query gradients by feature
   RowMatrix<Scalar> bias_partials;  // a broadcast bias's gradient: one partial sum per run
+  // The backward's per-call arena, grow-only: partial sums of dK/dV and of the bias gradients'
+  // column sums, finiteness flags, the CSC's buckets (carved per region by backward.hpp).
+  ScratchBuffer scratch;
 
   std::size_t bytes() const {
     auto matrix_bytes = [](const auto& m) { return std::size_t(m.size()) * sizeof(Scalar); };
@@ -69,7 +72,7 @@ struct BackwardBuffers {
            matrix_bytes(d_values) + matrix_bytes(gathered_input) + matrix_bytes(gathered_output) +
            matrix_bytes(d_stored) + matrix_bytes(bias_partials) +
            (gathered_rows.capacity() + block_start.capacity()) * sizeof(Index) +
-           feature_groups.bytes();
+           feature_groups.bytes() + scratch.bytes();
   }
 };
 
@@ -84,6 +87,7 @@ struct CallBuffers {
   RowMatrix<Scalar> online_statistics;     // the online softmax's (m_t, l_t), B·T × 2·H
   std::vector<char> value_is_finite;       // per (b, h, key tile)
   std::vector<Index> feature_marks;        // the query statistics' scratch (Eq entries)
+  std::vector<ScratchBuffer> query_groups;  // per query row block: its CSC by feature, if built
   std::vector<WorkerBuffers<Scalar>> workers;
   BackwardBuffers<Scalar> backward;
   ThreadPool pool;
@@ -113,6 +117,7 @@ struct CallBuffers {
                         matrix_bytes(online_statistics) + value_is_finite.capacity() +
                         feature_marks.capacity() * sizeof(Index);
     for (const auto& worker : workers) total += worker.bytes();
+    for (const auto& groups : query_groups) total += groups.bytes();
     return total + backward.bytes();
   }
 };
@@ -135,24 +140,44 @@ class Workspace {
   // N − 1 here).
   int threads() const { return buffers_ ? buffers_->pool.started_threads() : 0; }
 
-  // Exclusive use for the duration of one call: a second concurrent user gets ConfigError.
+  // Records every parallel region of the calls run on this workspace in `trace` (see
+  // region_trace.hpp: where a call's time goes), until set_trace(nullptr), the default. Tracing
+  // allocates and times every item: for measuring, not for steady-state calls. Call it between
+  // calls, from the thread that makes them; the trace must outlive its use here.
+  void set_trace(RegionTrace* trace) {
+    if (buffers_) buffers_->pool.set_trace(trace);
+  }
+  RegionTrace* trace() const { return buffers_ ? buffers_->pool.trace() : nullptr; }
+
+  // Exclusive use for the duration of one call: a second concurrent user gets ConfigError. The
+  // lease also marks the call in flight on the workspace's threads (ThreadPool::CallScope): they
+  // poll between the call's parallel regions, which then start within microseconds, and go to
+  // sleep shortly after the lease ends.
   class Lease {
    public:
-    Lease(Workspace& workspace, const char* where) : workspace_(workspace) {
+    Lease(Workspace& workspace, const char* where)
+        : workspace_(acquire(workspace, where)), call_(workspace.buffers_->pool) {}
+    ~Lease() {
+      call_.close();
+      workspace_.in_use_.store(false, std::memory_order_release);
+    }
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    detail::CallBuffers<Scalar>& buffers() const { return *workspace_.buffers_; }
+
+   private:
+    static Workspace& acquire(Workspace& workspace, const char* where) {
       if (!workspace.buffers_)
         detail::fail<ConfigError>(where, "workspace was moved from; expected a live Workspace");
       if (workspace.in_use_.exchange(true, std::memory_order_acquire))
         detail::fail<ConfigError>(where,
                                   "workspace is in use by another call; expected one "
                                   "Workspace per calling thread");
+      return workspace;
     }
-    ~Lease() { workspace_.in_use_.store(false, std::memory_order_release); }
-    Lease(const Lease&) = delete;
-    Lease& operator=(const Lease&) = delete;
-    detail::CallBuffers<Scalar>& buffers() const { return *workspace_.buffers_; }
 
-   private:
     Workspace& workspace_;
+    detail::ThreadPool::CallScope call_;
   };
 
  private:

@@ -398,7 +398,7 @@ class SparseQueryMultiheadAttention(nn.Module):
     sqrt(6 / (H*Dv + H*O))), biases zero, drawn from torch's generator.
 
     ``dropout`` applies to the attention probabilities in training mode (Keras' dropout), with a
-    fresh seed per call from torch's generator. ``num_threads`` (0 = all hardware threads) and
+    fresh seed per call from torch's generator. ``num_threads`` (0 = the physical cores) and
     ``score_strategy`` ('automatic', 'project_first', 'sparse_regrouped') go to sdmha as they are.
     """
 
@@ -412,7 +412,7 @@ class SparseQueryMultiheadAttention(nn.Module):
         if score_strategy not in _SCORE_STRATEGIES:
             raise _sdmha.ConfigError(f"sdmha: score_strategy = {score_strategy!r}; expected one of {_SCORE_STRATEGIES}")
         if int(num_threads) < 0:
-            raise _sdmha.ConfigError(f"sdmha: num_threads = {num_threads}; expected >= 0 (0 = all hardware threads)")
+            raise _sdmha.ConfigError(f"sdmha: num_threads = {num_threads}; expected >= 0 (0 = the physical cores)")
         self.num_heads = int(num_heads)
         self.key_dim = int(key_dim)
         self.value_dim = int(value_dim) if value_dim else self.key_dim

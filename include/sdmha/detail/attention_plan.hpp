@@ -173,14 +173,22 @@ struct AttentionPlan {
 // Query rows per attention tile. The regrouped kernel shares M_bh across all of a batch entry's
 // rows, so it takes them all; tiles under a causal mask are kQueryTile (whose key range they
 // shorten); other forward tiles kForwardQueryTile when their key tiles (key_tile keys) are at
-// most kKeyTile, else kQueryTile (a tile × S of scores stays small); other backward tiles as
-// many rows as kBackwardTileEntries allows (on `seed`, S = 128: all T = 128 rows in one tile).
-inline Index plan_query_tile(Pass pass, bool regrouped, bool causal, Index steps, Index key_steps,
-                             Index key_tile) {
+// most kKeyTile, else kQueryTile (a tile × S of scores stays small), halved down to kQueryTile
+// while the B·H·⌈T/tile⌉ items are fewer than kAttentionItemsWanted (so that many cores have
+// items to share: `bow`, B·H = 64 and T = 128, gets 128 items of 64 rows, not 64 of 128); other
+// backward tiles as many rows as kBackwardTileEntries allows (on `seed`, S = 128: all T = 128
+// rows in one tile). The tile depends on the problem only, never on the thread count.
+constexpr Index kAttentionItemsWanted = 256;
+inline Index plan_query_tile(Pass pass, bool regrouped, bool causal, Index batch_heads, Index steps,
+                             Index key_steps, Index key_tile) {
   if (regrouped) return std::max<Index>(steps, 1);
   if (causal || key_steps == 0) return kQueryTile;
-  if (pass == Pass::forward) return key_tile <= kKeyTile ? kForwardQueryTile : kQueryTile;
-  return std::max(kQueryTile, std::min(steps, kBackwardTileEntries / key_steps));
+  if (pass == Pass::backward)
+    return std::max(kQueryTile, std::min(steps, kBackwardTileEntries / key_steps));
+  Index tile = key_tile <= kKeyTile ? kForwardQueryTile : kQueryTile;
+  while (tile > kQueryTile && batch_heads * ((steps + tile - 1) / tile) < kAttentionItemsWanted)
+    tile /= 2;
+  return tile;
 }
 
 // Key steps per chunk of K and V for a forward given key and value: 0 (projected whole) unless

@@ -215,11 +215,15 @@ EIGEN_ALWAYS_INLINE Index csr_dense_row_panel_run(const StorageIndex* columns, c
 // Y (x.rows × columns, row stride output_stride) = X·W + b, W (x.cols × columns, row stride
 // weight_stride; Weight = Scalar, or bfloat16 widened exactly for Scalar = float), b of
 // `columns` entries or nullptr; with `Prefetch`, W's rows of the stored values ahead are
-// prefetched. X must be validated.
-template <bool Prefetch, typename Scalar, typename StorageIndex, typename Weight>
+// prefetched. X must be validated. A `FixedStride` other than 0 is W's row stride, known to the
+// compiler (the bfloat16 panels'), which then addresses W's rows with a shift.
+template <bool Prefetch, Index FixedStride = 0, typename Scalar, typename StorageIndex,
+          typename Weight>
 void csr_dense_product_by_rows(const CsrView<Scalar, StorageIndex>& x, const Weight* weight,
-                               Index weight_stride, const Scalar* bias, Scalar* output,
+                               Index given_stride, const Scalar* bias, Scalar* output,
                                Index output_stride, Index columns, bool stream) {
+  SDMHA_ASSERT(FixedStride == 0 || given_stride == FixedStride);
+  const Index weight_stride = FixedStride != 0 ? FixedStride : given_stride;
   const Index row_lines = Prefetch ? (columns * Index(sizeof(Weight)) + 63) / 64 : 0;
   const StorageIndex* indices = x.column_indices;
   const Scalar* values = x.values;
@@ -480,7 +484,9 @@ void fill_rows_with_bias(Index rows, const Scalar* bias, Scalar* output, Index o
 }
 
 // Y(:, 0:columns) += X·W(:, 0:columns) over X's CSC `groups`: the by-feature passes, one per
-// column panel, then the scalar tail.
+// column panel (of kFeaturePanelPackets packets, then 4 and 1), then the scalar tail. Which pass
+// an entry falls in changes nothing in its sum: every pass adds x · W(f, j) with one FMA, in the
+// same order of features.
 template <typename Scalar, typename StorageIndex, typename Weight>
 void scatter_columns_by_feature(const FeatureGroups<Scalar, StorageIndex>& groups,
                                 const Weight* weight, Index weight_stride, Scalar* output,
@@ -492,6 +498,8 @@ void scatter_columns_by_feature(const FeatureGroups<Scalar, StorageIndex>& group
     for (; column + panel <= columns; column += panel)
       scatter_panel_by_feature<kFeaturePanelPackets>(groups, weight, weight_stride, output,
                                                      output_stride, column);
+    for (; column + 4 * packet_size <= columns; column += 4 * packet_size)
+      scatter_panel_by_feature<4>(groups, weight, weight_stride, output, output_stride, column);
     for (; column + packet_size <= columns; column += packet_size)
       scatter_panel_by_feature<1>(groups, weight, weight_stride, output, output_stride, column);
   }
@@ -509,6 +517,17 @@ void scatter_columns_by_feature(const FeatureGroups<Scalar, StorageIndex>& group
   }
 }
 
+// Y = X·W + b by features over X's CSC `groups`, built by build_feature_groups (groups.rows rows
+// of Y). W and Y may be a window of columns of larger matrices (pointers at the window's first
+// column): each entry of Y is then the same sum, in the same order, as in a call on the whole.
+template <typename Scalar, typename StorageIndex, typename Weight>
+void csr_dense_product_over_groups(const FeatureGroups<Scalar, StorageIndex>& groups,
+                                   const Weight* weight, Index weight_stride, const Scalar* bias,
+                                   Scalar* output, Index output_stride, Index columns) {
+  fill_rows_with_bias(groups.rows, bias, output, output_stride, columns);
+  scatter_columns_by_feature(groups, weight, weight_stride, output, output_stride, columns);
+}
+
 // Y = X·W + b by features (see the top of the file), with the caller's scratch. Requires
 // by_feature_fits(x). W (Weight) is Scalar, or bfloat16 widened exactly (Scalar = float): then
 // the result is bitwise that of W widened to float, for half of W's stream. Column panels go in the
@@ -522,8 +541,8 @@ void csr_dense_product_by_feature(const CsrView<Scalar, StorageIndex>& x, const 
                                   FeatureGroups<Scalar, StorageIndex>& scratch) {
   SDMHA_ASSERT(by_feature_fits(x));
   build_feature_groups(x, scratch);
-  fill_rows_with_bias(x.rows, bias, output, output_stride, columns);
-  scatter_columns_by_feature(scratch, weight, weight_stride, output, output_stride, columns);
+  csr_dense_product_over_groups(scratch, weight, weight_stride, bias, output, output_stride,
+                                columns);
 }
 
 }  // namespace sdmha::detail

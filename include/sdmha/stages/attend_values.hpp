@@ -25,6 +25,9 @@ template <typename Scalar>
 struct AttendValues {
   using ScalarType = Scalar;
   using differentiates = AttendValues;
+  // Honours Arguments::accumulate, so the forward may run the online softmax over key tiles
+  // (see MaskedSoftmax); not inherited by a stage derived from this one.
+  using computes_online = AttendValues;
 
   struct Arguments : TilePosition {
     ConstMatrixRef<Scalar> probabilities;  // rows × keys
@@ -37,6 +40,9 @@ struct AttendValues {
     // Float only: with V_h finite, A_h = bf16(P)·bf16(V_h), the operands rounded to bfloat16,
     // each product exact and the sums in float32 (detail::gemm_bfloat16_operands).
     bool bfloat16_operands = false;
+    // Whether the product adds into `output` (the online softmax's key tiles, which sum into
+    // their rows) instead of overwriting it.
+    bool accumulate = false;
   };
 
   struct BackwardArguments : TilePosition {
@@ -88,7 +94,7 @@ struct AttendValues {
   // A GEMM would turn 0 · NaN into NaN, letting a non-finite value row that is blocked for a
   // query reach that query's output. Such rows are rare, so: one GEMM when V_h is finite, and a
   // product that skips zero probabilities when it is not.
-  void operator()(const Arguments& args) const { multiply(args, false); }
+  void operator()(const Arguments& args) const { multiply(args, args.accumulate); }
 
   // output (+)= P·V_h (`accumulate`: the online softmax's key tiles add into their rows).
   // With bfloat16_operands, `value_is_finite` must also say that V_h stays finite when rounded

@@ -28,6 +28,10 @@ template <typename Scalar>
 struct MaskedSoftmax {
   using ScalarType = Scalar;
   using differentiates = MaskedSoftmax;
+  // The forward may compute this math online, over key tiles (detail/attention_tile.hpp), for
+  // long key ranges. Named, like `differentiates`, so that a stage derived from this one does not
+  // inherit it: a custom softmax gets whole rows unless it declares the same of itself.
+  using computes_online = MaskedSoftmax;
 
   struct Arguments : TilePosition {
     mutable MatrixRef<Scalar> scores;  // rows × keys, scores in, probabilities out

@@ -42,14 +42,30 @@ struct SparseQueryProjection {
   using FeatureGroups = detail::FeatureGroups<Scalar, StorageIndex>;
   using RoundedKernel = detail::BFloat16Panels;  // Wq rounded to bfloat16, by column panels
 
+  // A call projects all of Wq's columns, or a window of them: kernel = Wq.middleCols(c0, w),
+  // bias and output the window's columns of bq and Q, first_column = c0, kernel_columns = N. The
+  // kernel is chosen (by rows or by feature, streaming stores, prefetches) on the whole Wq, and
+  // every entry of Q is then the same sequence of FMAs as in one call on all of Wq, so that a
+  // row block may be split into windows (column_window_width()) for any number of workers, with
+  // the same bits. The windows of one row block can share its CSC by feature, built once
+  // (build_query_groups) and read by each.
   struct Arguments {
     CsrView<Scalar, StorageIndex> query;  // rows × Eq
-    ConstMatrixRef<Scalar> kernel;  // Eq × N, row-major: a stored value reads one contiguous row
-    ConstVectorRef<Scalar> bias;    // N, or empty for no bias
-    mutable MatrixRef<Scalar> output;  // rows × N
+    ConstMatrixRef<Scalar> kernel;  // Eq × w, row-major (Wq or a window of it): a stored value
+                                    // reads one contiguous row
+    ConstVectorRef<Scalar> bias;    // w, or empty for no bias
+    mutable MatrixRef<Scalar> output;  // rows × w
     StageScratch workspace = {};       // workspace_size() bytes for this call's sizes
-    // Wq rounded to bfloat16 (Eq × N), or null: the float kernel is read.
+    // Wq rounded to bfloat16 (all of it, Eq × N), or null: the float kernel is read.
     const RoundedKernel* kernel_bfloat16 = nullptr;
+    // Where the window starts in Wq: a multiple of window_alignment(), as is its end unless that
+    // is N.
+    Index first_column = 0;
+    // Wq's width N, or 0 when the window is all of Wq (kernel.cols()).
+    Index kernel_columns = 0;
+    // The query's CSC by feature (build_query_groups of these rows), or null: then a call that
+    // goes by feature over a CSC builds its own in the workspace.
+    const FeatureGroups* feature_groups = nullptr;
   };
 
   // Two register-blocked kernels (detail/csr_dense_product.hpp gives the reasons). By rows: a
@@ -61,18 +77,71 @@ struct SparseQueryProjection {
   static bool kernel_beyond_cache(Index features, Index columns) {
     return double(features) * double(columns) * sizeof(Scalar) > detail::kCoreCacheBytes;
   }
+  static Index kernel_columns(const Arguments& args) {
+    return args.kernel_columns > 0 ? args.kernel_columns : args.kernel.cols();
+  }
   static bool by_feature(const Arguments& args) {
-    return kernel_beyond_cache(args.kernel.rows(), args.kernel.cols()) &&
+    return kernel_beyond_cache(args.kernel.rows(), kernel_columns(args)) &&
            args.query.nonzeros() >= 2 * args.query.cols && detail::by_feature_fits(args.query);
   }
+  // Whether the call reads a CSC by feature (args.feature_groups, or its own): by feature, except
+  // for the bfloat16 kernel on rows known to be sorted, which goes by feature blocks instead.
+  static bool reads_feature_groups(const Arguments& args) {
+    if constexpr (std::is_same<Scalar, float>::value)
+      if (args.kernel_bfloat16 != nullptr && args.query.sorted_columns) return false;
+    return by_feature(args);
+  }
+
+  // Windows start (and end, but for the last) at multiples of this many columns: a cache line of
+  // Scalar, a multiple of every SIMD packet, so that a window's columns fall in the same packets
+  // (and the same scalar tail) as in a whole call; with a bfloat16 kernel, half of its panel
+  // (detail::kHalfPanelColumns), which the feature-blocks kernel reads as one.
+  static constexpr Index window_alignment(bool bfloat16) {
+    return bfloat16 ? detail::kHalfPanelColumns : Index(64 / sizeof(Scalar));
+  }
+  // The width of the windows a caller should cut Wq into: the narrowest whose windows together
+  // cost about what one whole call costs (measured on `bow` and `seed`, 512-row blocks).
+  static constexpr Index column_window_width(bool bfloat16) {
+    return bfloat16 ? kBFloat16WindowWidth : kWindowWidth;
+  }
+  static constexpr Index kWindowWidth = 64, kBFloat16WindowWidth = 64;
 
   // The by-feature kernel's CSC of one block, or the feature-block kernel's row cursors:
-  // sizes.features (Eq), sizes.output_width (N), sizes.nonzeros (the fullest block's stored
-  // values), sizes.rows (its rows).
+  // sizes.features (Eq), sizes.output_width (N, Wq's whole width even for a window),
+  // sizes.nonzeros (the fullest block's stored values), sizes.rows (its rows). With a prebuilt
+  // CSC (feature_groups), window_workspace_size() suffices.
   static std::size_t workspace_size(const TileSizes& sizes) {
     if (!kernel_beyond_cache(sizes.features, sizes.output_width)) return 0;
-    return std::max(FeatureGroups::bytes(sizes.features, sizes.nonzeros, false),
+    return std::max(query_groups_bytes(sizes.features, sizes.nonzeros),
                     detail::array_bytes<StorageIndex>(sizes.rows));
+  }
+  static std::size_t window_workspace_size(const TileSizes& sizes) {
+    if (!kernel_beyond_cache(sizes.features, sizes.output_width)) return 0;
+    return detail::array_bytes<StorageIndex>(sizes.rows);
+  }
+
+  // The query's CSC by feature, for feature_groups: `memory` must hold
+  // query_groups_bytes(query.cols, query.nonzeros()) bytes, which the result points into. Build
+  // it once for a row block and hand it to each of the block's windows (read only).
+  static std::size_t query_groups_bytes(Index features, Index nonzeros) {
+    return FeatureGroups::bytes(features, nonzeros, false);
+  }
+  static FeatureGroups build_query_groups(const CsrView<Scalar, StorageIndex>& query,
+                                          StageScratch memory) {
+    constexpr const char* where = "SparseQueryProjection::build_query_groups";
+    if (!detail::by_feature_fits(query))
+      detail::fail<ShapeError>(where, "the query has ", query.rows, " rows and ", query.cols,
+                               " features; expected fewer than StorageIndex's maximum");
+    const Index nonzeros = query.nonzeros();
+    const std::size_t bytes = query_groups_bytes(query.cols, nonzeros);
+    if (memory.data == nullptr || memory.bytes < bytes)
+      detail::fail<ShapeError>(where, "memory holds ", memory.bytes,
+                               " bytes; expected query_groups_bytes(", query.cols, ", ", nonzeros,
+                               ") = ", bytes);
+    detail::ScratchCarver carver(memory);
+    FeatureGroups groups = FeatureGroups::carve(carver, query.cols, nonzeros, false);
+    detail::build_feature_groups(query, groups);
+    return groups;
   }
 
   static void can_implement(const Arguments& args) {
@@ -86,15 +155,20 @@ struct SparseQueryProjection {
     if (args.output.rows() != args.query.rows || args.output.cols() != args.kernel.cols())
       detail::fail<ShapeError>(where, "output is ", args.output.rows(), " x ", args.output.cols(),
                                "; expected ", args.query.rows, " x ", args.kernel.cols());
-    detail::check_kernel_bfloat16<Scalar>(where, args.kernel_bfloat16, args.kernel);
+    check_window(where, args);
+    const WholeKernelShape whole{args.kernel.rows(), kernel_columns(args)};
+    detail::check_kernel_bfloat16<Scalar>(where, args.kernel_bfloat16, whole);
+    if (args.feature_groups != nullptr)
+      detail::check_feature_groups(where, args.query, *args.feature_groups, false);
   }
 
   // The by-row kernel writes Q with streaming stores when Wq fits in L2 (so that reading Wq does
-  // not bound it) and the output is too large to be wanted in cache (detail::kStreamOutputBytes).
+  // not bound it) and the output is too large to be wanted in cache (detail::kStreamOutputBytes):
+  // the output of a whole call, rows × N, also for a window of it.
   static bool stream_output(const Arguments& args) {
     const double output_bytes =
-        double(args.output.rows()) * double(args.output.cols()) * sizeof(Scalar);
-    return !kernel_beyond_cache(args.kernel.rows(), args.kernel.cols()) &&
+        double(args.output.rows()) * double(kernel_columns(args)) * sizeof(Scalar);
+    return !kernel_beyond_cache(args.kernel.rows(), kernel_columns(args)) &&
            output_bytes >= detail::kStreamOutputBytes;
   }
 
@@ -200,51 +274,93 @@ struct SparseQueryProjection {
     return args.bias.size() != 0 ? args.bias.data() : nullptr;
   }
 
-  // Q = X·Wq + b, by features when by_feature(args) and the workspace holds the CSC, by rows
-  // otherwise: the same sums in the same order either way.
+  struct WholeKernelShape {
+    Index rows_, cols_;
+    Index rows() const { return rows_; }
+    Index cols() const { return cols_; }
+  };
+
+  // The window [first_column, first_column + w) lies in Wq's N columns, on window_alignment().
+  static void check_window(const char* where, const Arguments& args) {
+    const Index columns = kernel_columns(args), first = args.first_column;
+    const Index end = first + args.kernel.cols();
+    if (args.kernel_columns < 0 || first < 0 || end > columns)
+      detail::fail<ShapeError>(where, "the kernel's columns [first_column, first_column + ",
+                               args.kernel.cols(), ") = [", first, ", ", end,
+                               ") are not within kernel_columns ", columns);
+    const bool bfloat16 = args.kernel_bfloat16 != nullptr;
+    const Index alignment = window_alignment(bfloat16);
+    if (first % alignment == 0 && (end == columns || end % alignment == 0)) return;
+    if (bfloat16)
+      detail::fail<ShapeError>(where, "first_column is ", first, " and the window ends at ", end,
+                               "; expected multiples of ", alignment,
+                               " (half of kernel_bfloat16's panel width ",
+                               detail::kBFloat16PanelColumns, ") or, for the end, kernel_columns ",
+                               columns);
+    detail::fail<ShapeError>(where, "first_column is ", first, " and the window ends at ", end,
+                             "; expected multiples of ", alignment,
+                             " (a cache line of Scalar) or, for the end, kernel_columns ", columns);
+  }
+
+  // Q = X·Wq + b, by features when by_feature(args) and the CSC is given or the workspace holds
+  // it, by rows otherwise: the same sums in the same order either way.
   static void project(const Arguments& args) {
     const Scalar* bias = bias_of(args);
+    const Scalar* kernel = args.kernel.data();
+    const Index kernel_stride = args.kernel.outerStride(), width = args.kernel.cols();
+    Scalar* output = args.output.data();
+    const Index stride = args.output.outerStride();
     if (by_feature(args)) {
+      if (args.feature_groups != nullptr) {
+        detail::csr_dense_product_over_groups(*args.feature_groups, kernel, kernel_stride, bias,
+                                              output, stride, width);
+        return;
+      }
       detail::ScratchCarver carver(args.workspace);
       FeatureGroups groups =
           FeatureGroups::carve(carver, args.query.cols, args.query.nonzeros(), false);
       if (groups.fits(args.query.cols, args.query.nonzeros(), false)) {
-        detail::csr_dense_product_by_feature(args.query, args.kernel.data(),
-                                             args.kernel.outerStride(), bias, args.output.data(),
-                                             args.output.outerStride(), args.kernel.cols(), groups);
+        detail::csr_dense_product_by_feature(args.query, kernel, kernel_stride, bias, output,
+                                             stride, width, groups);
         return;
       }
     }
-    detail::csr_dense_product(args.query, args.kernel.data(), args.kernel.outerStride(), bias,
-                              args.output.data(), args.output.outerStride(), args.kernel.cols(),
+    detail::csr_dense_product(args.query, kernel, kernel_stride, bias, output, stride, width,
                               stream_output(args));
   }
 
-  // The same over the rounded Wq: by feature blocks when by_feature(args) and the rows are known
-  // to be sorted (cursors in the workspace), by feature over the CSC when they are not, else by
-  // rows. The same sums in the same order for sorted rows.
+  // The same over the rounded Wq (its window's columns): by feature blocks when by_feature(args)
+  // and the rows are known to be sorted (cursors in the workspace), by feature over the CSC when
+  // they are not, else by rows. The same sums in the same order for sorted rows.
   static void project_bfloat16(const Arguments& args, const RoundedKernel& kernel) {
     const Scalar* bias = bias_of(args);
     Scalar* output = args.output.data();
     const Index stride = args.output.outerStride();
+    const Index first = args.first_column, width = args.kernel.cols();
     if (by_feature(args)) {
       detail::ScratchCarver carver(args.workspace);
       if (args.query.sorted_columns) {
         StorageIndex* cursors = carver.take<StorageIndex>(args.query.rows);
         if (cursors != nullptr) {
-          detail::bfloat16_panels_by_feature_blocks(args.query, kernel, bias, output, stride,
-                                                    cursors);
+          detail::bfloat16_window_by_feature_blocks(args.query, kernel, first, width, bias, output,
+                                                    stride, cursors);
           return;
         }
       }
+      if (args.feature_groups != nullptr) {
+        detail::bfloat16_window_over_groups(*args.feature_groups, kernel, first, width, bias,
+                                            output, stride);
+        return;
+      }
       FeatureGroups groups =
           FeatureGroups::carve(carver, args.query.cols, args.query.nonzeros(), false);
-      if (groups.fits(args.query.cols, args.query.nonzeros(), false)) {
-        detail::bfloat16_panels_by_feature(args.query, kernel, bias, output, stride, groups);
+      if (groups.fits(args.query.cols, args.query.nonzeros(), false) && args.query.rows > 0) {
+        detail::build_feature_groups(args.query, groups);
+        detail::bfloat16_window_over_groups(groups, kernel, first, width, bias, output, stride);
         return;
       }
     }
-    detail::bfloat16_panels_product(args.query, kernel, bias, output, stride);
+    detail::bfloat16_window_product(args.query, kernel, first, width, bias, output, stride);
   }
 
   static void check_feature_range(const char* where, Index features, Index first, Index count) {

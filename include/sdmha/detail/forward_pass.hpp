@@ -1,0 +1,515 @@
+// sdmha/detail/forward_pass.hpp — the forward of one validated, planned call, as free functions
+// over the layer's state (detail::AttentionCore: weights, stages, bfloat16 copies) and a query
+// source (the sparse query, or a dense one): the layer classes hold state, these walk the plan.
+//
+//   run_forward:  [query projection ∥ K, V projections]   one region, the costliest items first
+//                 attention items (b, h, query tile)       one region; each tile through
+//                                                          detail/attention_tile.hpp
+//                 output projection Y = A·Wo + bo          one region
+// With K and V streamed (plan.context_chunk > 0) the K and V of each chunk of key steps are
+// projected just before the attention items that read them (attend_streamed).
+//
+// A query source provides, for a plan:
+//   void prepare(plan, buffers)                   serial set-up: sizes Q and what its items need
+//   Index preparation_items(plan)                 items to run before any projection item (0: none)
+//   void prepare_item(plan, index, buffers, worker)
+//   Index projection_items(plan)                  items of its projection (0: none, e.g. regrouped)
+//   void project_item(plan, index, buffers, worker)
+//   operator()(tile, mask, keys, bfloat16_operands, scratch, scores)   a tile's masked scores
+#pragma once
+
+#include <algorithm>
+#include <limits>
+
+#include "sdmha/config.hpp"
+#include "sdmha/detail/attention_plan.hpp"
+#include "sdmha/detail/attention_tile.hpp"
+#include "sdmha/detail/parallel.hpp"
+#include "sdmha/detail/stage_traits.hpp"
+#include "sdmha/options.hpp"
+#include "sdmha/weights.hpp"
+#include "sdmha/workspace.hpp"
+
+namespace sdmha::detail {
+
+// A projection's bias, or an empty view when the layer has none.
+template <typename Scalar>
+ConstVectorRef<Scalar> bias_view(const Vector<Scalar>& bias) {
+  static const Vector<Scalar> none;
+  return bias.size() != 0 ? ConstVectorRef<Scalar>(bias) : ConstVectorRef<Scalar>(none);
+}
+template <typename Scalar>
+ConstVectorRef<Scalar> bias_segment(const Vector<Scalar>& bias, Index start, Index size) {
+  static const Vector<Scalar> none;
+  return bias.size() != 0 ? ConstVectorRef<Scalar>(bias.segment(start, size))
+                          : ConstVectorRef<Scalar>(none);
+}
+
+// The masked scores of one tile from its block of the projected query Q (B·T × H·Dk), by the
+// score stage's project-first Arguments: the sparse query's project_first strategy and the dense
+// query.
+template <typename Core>
+void project_first_scores(const Core& core, const AttentionPlan& plan, const AttentionItem& item,
+                          const RowMatrix<typename Core::ScalarType>& projected_query,
+                          const BatchMask& mask,
+                          const ConstMatrixRef<typename Core::ScalarType>& key,
+                          bool bfloat16_operands, StageScratch scratch,
+                          MatrixRef<typename Core::ScalarType> scores) {
+  using Scalar = typename Core::ScalarType;
+  using ScoreKernel = typename Core::ScoreKernel;
+  const Index Dk = plan.dims.key_dim;
+  typename ScoreKernel::Arguments args{
+      item.position(),
+      projected_query.block(item.batch * plan.steps + item.query_begin, item.head * Dk,
+                            item.query_rows, Dk),
+      key,
+      Scalar(plan.scale),
+      mask,
+      scores,
+      scratch};
+  if constexpr (reads_bfloat16_operands<ScoreKernel>::value)
+    args.bfloat16_operands = bfloat16_operands;
+  ScoreKernel::can_implement(args);
+  core.score_kernel()(args);
+}
+
+// One dense projection, output = input · kernel + bias, in fixed items: blocks of `block_rows`
+// rows, each cut into `column_panels` panels of output columns when the rows alone give few
+// items (column_panels_for). Every output entry is one item's; the items depend on the shapes
+// only, so the bits do not depend on the thread count. The key, value and output projections,
+// and the dense query's.
+template <typename Scalar, typename Projection>
+struct RowProjection {
+  const Projection& projection;
+  ConstMatrixRef<Scalar> input;
+  const RowMatrix<Scalar>& kernel;
+  const Vector<Scalar>& bias;
+  mutable MatrixRef<Scalar> output;
+  const BFloat16Kernel* kernel_bfloat16 = nullptr;  // the stage reads this copy when given
+  Index block_rows = kProjectionRowBlock;
+  Index column_panels = 1;
+
+  Index row_blocks() const { return AttentionPlan::block_count(input.rows(), block_rows); }
+  Index items() const { return row_blocks() * column_panels; }
+  void run_item(Index index, StageScratch scratch) const {
+    const RowBlock block = AttentionPlan::block(index / column_panels, input.rows(), block_rows);
+    const Index width = panel_width(), first = index % column_panels * width;
+    const Index columns = std::min(width, kernel.cols() - first);
+    typename Projection::Arguments args{
+        input.middleRows(block.begin, block.rows), kernel.middleCols(first, columns),
+        bias_segment(bias, first, columns), output.block(block.begin, first, block.rows, columns),
+        scratch};
+    if constexpr (reads_bfloat16_kernel<Projection>::value) args.kernel_bfloat16 = kernel_bfloat16;
+    Projection::can_implement(args);
+    projection(args);
+  }
+  Index panel_width() const {
+    const Index width = (kernel.cols() + column_panels - 1) / column_panels;
+    return column_panels == 1 ? kernel.cols() : (width + 15) / 16 * 16;
+  }
+};
+
+// Panels of output columns per row block: 1, 2 or 4, the fewest that give a projection at least
+// kProjectionItemsWanted items, each panel at least kLeastPanelColumns wide; 1 for a bfloat16
+// kernel (packed whole) and for narrow outputs.
+constexpr Index kProjectionItemsWanted = 128;
+constexpr Index kLeastPanelColumns = 128;
+inline Index column_panels_for(Index row_blocks, Index columns, bool bfloat16_kernel) {
+  Index panels = 1;
+  while (!bfloat16_kernel && panels < 4 && row_blocks * panels < kProjectionItemsWanted &&
+         columns / (panels * 2) >= kLeastPanelColumns)
+    panels *= 2;
+  return panels;
+}
+
+// The projection of `input` in row blocks of kProjectionRowBlock, its column panels chosen for
+// `whole_rows` rows (all of them, or, for a chunk of K and V, all B·S: a chunk's items are then
+// those of the whole projection, and so are its bits).
+template <typename Scalar, typename Projection>
+RowProjection<Scalar, Projection> row_projection(const Projection& projection,
+                                                 const ConstMatrixRef<Scalar>& input,
+                                                 const RowMatrix<Scalar>& kernel,
+                                                 const Vector<Scalar>& bias,
+                                                 MatrixRef<Scalar> output,
+                                                 const BFloat16Kernel* kernel_bfloat16,
+                                                 Index whole_rows) {
+  RowProjection<Scalar, Projection> rows{projection, input, kernel, bias, output, kernel_bfloat16};
+  rows.column_panels =
+      column_panels_for(AttentionPlan::block_count(whole_rows, kProjectionRowBlock), kernel.cols(),
+                        kernel_bfloat16 != nullptr);
+  return rows;
+}
+
+// K = key·Wk + bk and V = value·Wv + bv of `rows` rows of key and value (all B·S, or a chunk's
+// whole row blocks), into `keys` and `values`.
+template <typename Core>
+auto key_projection(const Core& core, const AttentionPlan& plan,
+                    const ConstMatrixRef<typename Core::ScalarType>& key,
+                    MatrixRef<typename Core::ScalarType> keys) {
+  const auto& weights = core.weights();
+  return row_projection<typename Core::ScalarType>(
+      core.context_projection(), key, weights.key_kernel, weights.key_bias, keys,
+      core.dense_kernel_bfloat16(&Core::DenseKernelsBFloat16::key), plan.batch * plan.key_steps);
+}
+template <typename Core>
+auto value_projection(const Core& core, const AttentionPlan& plan,
+                      const ConstMatrixRef<typename Core::ScalarType>& value,
+                      MatrixRef<typename Core::ScalarType> values) {
+  const auto& weights = core.weights();
+  return row_projection<typename Core::ScalarType>(
+      core.context_projection(), value, weights.value_kernel, weights.value_bias, values,
+      core.dense_kernel_bfloat16(&Core::DenseKernelsBFloat16::value), plan.batch * plan.key_steps);
+}
+
+// Runs the items of several projections as one region, in the order given (callers put the
+// costliest first): items [0, n0) are the first's, [n0, n0 + n1) the second's, and so on.
+template <typename Scalar, typename Extra, typename... Projections>
+void run_projections(const AttentionPlan& plan, CallBuffers<Scalar>& buffers, const char* region,
+                     Index extra_items, Extra&& extra, const Projections&... projections) {
+  const Index counts[] = {extra_items, projections.items()...};
+  Index total = 0;
+  for (Index count : counts) total += count;
+  buffers.prepare_workers(plan.workers(total), plan.worker_scratch_bytes, plan.tile_entries, 2);
+  parallel_for(
+      total, plan.threads,
+      [&](Index index, int worker) {
+        auto& scratch = buffers.workers[std::size_t(worker)].stage;
+        if (index < extra_items) {
+          extra(index, worker);
+          return;
+        }
+        index -= extra_items;
+        bool done = false;
+        auto try_one = [&](const auto& projection) {
+          if (done) return;
+          if (index < projection.items()) {
+            projection.run_item(index, scratch.view());
+            done = true;
+          } else {
+            index -= projection.items();
+          }
+        };
+        (try_one(projections), ...);
+      },
+      &buffers.pool, region);
+}
+
+// K and V of validated key and value, into `context` (resized; reallocated only when it grows).
+template <typename Core>
+void project_context_into(const Core& core, const AttentionPlan& plan,
+                          const TensorRef3<typename Core::ScalarType>& key,
+                          const TensorRef3<typename Core::ScalarType>& value,
+                          CallBuffers<typename Core::ScalarType>& buffers,
+                          ProjectedContext<typename Core::ScalarType>& context) {
+  context.batch = value.dimension(0);
+  context.key_steps = value.dimension(1);
+  const Index rows = context.batch * context.key_steps;
+  context.keys.resize(rows, plan.dims.projected_key_width());
+  context.values.resize(rows, plan.dims.projected_value_width());
+  run_projections(plan, buffers, "key/value projection", 0, [](Index, int) {},
+                  key_projection(core, plan, key.as_matrix(), context.keys),
+                  value_projection(core, plan, value.as_matrix(), context.values));
+}
+
+// Where K and V of key step s of batch entry b are: row b·S + s − first_row of `keys` and
+// `values` (first_row 0 for a whole projected context).
+template <typename Scalar>
+struct ContextRows {
+  ConstMatrixRef<Scalar> keys, values;
+  Index first_row;
+
+  TileOperands<Scalar> operands(const AttentionPlan& plan, const AttentionItem& tile,
+                                bool bfloat16_operands) const {
+    const Index row = tile.batch * plan.key_steps + tile.key_begin - first_row;
+    const Index Dk = plan.dims.key_dim, Dv = plan.dims.value_dim;
+    return TileOperands<Scalar>{keys.block(row, tile.head * Dk, tile.key_steps, Dk),
+                                values.block(row, tile.head * Dv, tile.key_steps, Dv),
+                                bfloat16_operands};
+  }
+};
+
+// The keys [key_begin, key_end) of one pass over an item; the first pass starts each row's
+// online-softmax state, the last normalises the row.
+struct KeyChunk {
+  Index key_begin, key_end;
+  bool first, last;
+};
+
+// Rows of the online softmax's statistics (m_t, l_t) of item `item`: one block per head,
+// B·T rows each, so that the items of different heads never share a cache line.
+template <typename Scalar>
+auto online_statistics(const AttentionPlan& plan, const AttentionItem& item,
+                       CallBuffers<Scalar>& buffers) {
+  const Index row = (item.head * plan.batch + item.batch) * plan.steps + item.query_begin;
+  return buffers.online_statistics.block(row, 0, item.query_rows, 2);
+}
+
+// A row's output after its last key tile: A[t] / l_t; 0 for a row that saw no key it may see
+// (l_t = 0); NaN for a NaN or +∞ score (l_t NaN), as MaskedSoftmax does.
+template <typename Statistics, typename Heads>
+void normalise_online_rows(const Statistics& statistics, Heads& heads) {
+  using Scalar = typename std::decay_t<Heads>::Scalar;
+  for (Index t = 0; t < heads.rows(); ++t) {
+    const Scalar sum = statistics(t, 1);
+    if (sum > Scalar(0))
+      heads.row(t) *= Scalar(1) / sum;
+    else if (sum == Scalar(0))
+      heads.row(t).setZero();
+    else
+      heads.row(t).setConstant(std::numeric_limits<Scalar>::quiet_NaN());
+  }
+}
+
+// The item with an online softmax over its key tiles that start in `chunk`. Per row t, with m_t
+// the largest score so far and l_t the sum of exp(score − m_t) so far, each key tile j does
+//   m' = max(m_t, max_s S_j[t, s]),  P_j[t, s] = exp(S_j[t, s] − m'),
+//   l_t ← l_t·exp(m_t − m') + Σ_s P_j[t, s],  A[t] ← A[t]·exp(m_t − m') + dropout(P_j)[t]·V_j,
+// and after the last chunk A[t] /= l_t: the softmax's probabilities, normalised after the
+// product instead of before it. (m_t, l_t) live in buffers.online_statistics between chunks.
+template <typename Core, typename Source>
+void attend_item_online(const Core& core, const AttentionPlan& plan, const AttentionItem& item,
+                        const ContextRows<typename Core::ScalarType>& context,
+                        const KeyChunk& chunk,
+                        const AttentionOptions<typename Core::ScalarType>& options,
+                        Source& source, WorkerBuffers<typename Core::ScalarType>& worker,
+                        CallBuffers<typename Core::ScalarType>& buffers) {
+  using Scalar = typename Core::ScalarType;
+  const Index Dv = plan.dims.value_dim;
+  auto heads = buffers.heads.block(item.batch * plan.steps + item.query_begin, item.head * Dv,
+                                   item.query_rows, Dv);
+  auto statistics = online_statistics(plan, item, buffers);
+  if (chunk.first) {
+    heads.setZero();
+    statistics.col(0).setConstant(-std::numeric_limits<Scalar>::infinity());
+    statistics.col(1).setZero();
+  }
+  for (Index index = 0; index < plan.key_tiles(item); ++index) {
+    const AttentionItem tile = plan.key_tile_of(item, index);
+    if (tile.key_begin < chunk.key_begin) continue;
+    if (tile.key_begin >= chunk.key_end) break;
+    attend_key_tile(core, plan, tile, context.operands(plan, tile, core.attends_in_bfloat16()),
+                    options, source, worker, statistics, heads);
+  }
+  if (chunk.last) normalise_online_rows(statistics, heads);
+}
+
+// One item of the tiled forward: every key it may see in one tile, through attend_tile.
+template <typename Core, typename Source>
+void attend_item(const Core& core, const AttentionPlan& plan, const AttentionItem& item,
+                 const ContextRows<typename Core::ScalarType>& context,
+                 const AttentionOptions<typename Core::ScalarType>& options, Source& source,
+                 WorkerBuffers<typename Core::ScalarType>& worker,
+                 CallBuffers<typename Core::ScalarType>& buffers,
+                 AttentionResult<typename Core::ScalarType>& result) {
+  const Index Dv = plan.dims.value_dim;
+  auto heads = buffers.heads.block(item.batch * plan.steps + item.query_begin, item.head * Dv,
+                                   item.query_rows, Dv);
+  if (item.key_steps == 0) {  // every row fully blocked: zero probabilities, zero heads
+    heads.setZero();
+    if (options.return_attention_scores) scores_in_result(plan, item, result).setZero();
+    return;
+  }
+  auto scores = options.return_attention_scores
+                    ? scores_in_result(plan, item, result)
+                    : as_tile(worker.tile(0, item.query_rows, item.key_steps, plan.tile_entries));
+  attend_tile(core, plan, item, context.operands(plan, item, core.attends_in_bfloat16()), options,
+              source, worker, scores, heads);
+}
+
+// What both forms of the attention do first: the result's seed and returned scores sized, the
+// heads and the online-softmax state sized.
+template <typename Scalar>
+void begin_attention(const AttentionPlan& plan, const AttentionOptions<Scalar>& options,
+                     CallBuffers<Scalar>& buffers, AttentionResult<Scalar>& result) {
+  const Index B = plan.batch, T = plan.steps, S = plan.key_steps, H = plan.heads();
+  result.dropout_seed = plan.dropout_rate > 0.0 ? plan.dropout_seed : 0;
+  if (options.return_attention_scores)
+    result.attention_scores.resize(B, H, T, S);
+  else if (result.attention_scores.size() != 0)
+    result.attention_scores = Eigen::Tensor<Scalar, 4, Eigen::RowMajor>();
+  buffers.heads.resize(B * T, plan.dims.projected_value_width());
+  // Rows no item writes (no key steps: every row fully blocked) are 0, as are their heads.
+  if (plan.attention_items() == 0) buffers.heads.setZero();
+  if (plan.online_softmax) buffers.online_statistics.resize(H * B * T, 2);
+}
+
+// Y = A·Wo + bo from the heads, into result.output.
+template <typename Core>
+void project_output(const Core& core, const AttentionPlan& plan,
+                    CallBuffers<typename Core::ScalarType>& buffers,
+                    AttentionResult<typename Core::ScalarType>& result) {
+  using Scalar = typename Core::ScalarType;
+  const Index B = plan.batch, T = plan.steps;
+  result.output.resize(B, T, plan.dims.output_dim);
+  const auto& weights = core.weights();
+  run_projections(
+      plan, buffers, "output projection", 0, [](Index, int) {},
+      row_projection<Scalar>(core.output_projection(), ConstMatrixRef<Scalar>(buffers.heads),
+                     weights.output_kernel, weights.output_bias,
+                     Eigen::Map<RowMatrix<Scalar>>(result.output.data(), B * T,
+                                                   plan.dims.output_dim),
+                     core.dense_kernel_bfloat16(&Core::DenseKernelsBFloat16::output), B * T));
+}
+
+// Every attention item of the plan against a whole K and V (`context`), then the output
+// projection.
+template <typename Core, typename Source>
+void attend(const Core& core, const AttentionPlan& plan,
+            const ProjectedContext<typename Core::ScalarType>& context,
+            const AttentionOptions<typename Core::ScalarType>& options, Source& source,
+            CallBuffers<typename Core::ScalarType>& buffers,
+            AttentionResult<typename Core::ScalarType>& result) {
+  using Scalar = typename Core::ScalarType;
+  begin_attention(plan, options, buffers, result);
+  const ContextRows<Scalar> whole{context.keys, context.values, 0};
+  buffers.prepare_workers(plan.workers(plan.attention_items()), plan.worker_scratch_bytes,
+                          plan.tile_entries, 2);
+  const KeyChunk all_keys{0, plan.key_steps, true, true};
+  parallel_for(
+      plan.attention_items(), plan.threads,
+      [&](Index index, int worker) {
+        auto& worker_buffers = buffers.workers[std::size_t(worker)];
+        const AttentionItem item = plan.attention_item(index);
+        if (plan.online_softmax)
+          attend_item_online(core, plan, item, whole, all_keys, options, source, worker_buffers,
+                             buffers);
+        else
+          attend_item(core, plan, item, whole, options, source, worker_buffers, buffers, result);
+      },
+      &buffers.pool, "attention");
+  project_output(core, plan, buffers, result);
+}
+
+// K and V of batch entry b's key steps in `chunk`, into buffers.context_chunk. The rows
+// projected are the whole row blocks of kProjectionRowBlock (counted from row 0 of all B·S)
+// that hold the chunk: the blocks, and so the bits, of project_context_into.
+template <typename Core>
+ContextRows<typename Core::ScalarType> project_context_chunk(
+    const Core& core, const AttentionPlan& plan, const TensorRef3<typename Core::ScalarType>& key,
+    const TensorRef3<typename Core::ScalarType>& value, Index b, const KeyChunk& chunk,
+    CallBuffers<typename Core::ScalarType>& buffers) {
+  const Index S = plan.key_steps, block = kProjectionRowBlock;
+  const Index first = (b * S + chunk.key_begin) / block * block;
+  const Index end = std::min(plan.batch * S, (b * S + chunk.key_end + block - 1) / block * block);
+  auto keys = buffers.context_chunk.keys.topRows(end - first);
+  auto values = buffers.context_chunk.values.topRows(end - first);
+  run_projections(plan, buffers, "key/value projection", 0, [](Index, int) {},
+                  key_projection(core, plan, key.as_matrix().middleRows(first, end - first), keys),
+                  value_projection(core, plan, value.as_matrix().middleRows(first, end - first), values));
+  return ContextRows<typename Core::ScalarType>{keys, values, first};
+}
+
+// The attention with K and V streamed (plan.context_chunk > 0, so the online softmax runs): per
+// batch entry b and chunk of key steps, that chunk's K and V are projected, then every item of
+// b runs over its key tiles in the chunk, the rows' online-softmax state kept between chunks.
+// Each row meets the same key tiles in the same order as in `attend`, so the bits are the same.
+template <typename Core, typename Source>
+void attend_streamed(const Core& core, const AttentionPlan& plan,
+                     const TensorRef3<typename Core::ScalarType>& key,
+                     const TensorRef3<typename Core::ScalarType>& value,
+                     const AttentionOptions<typename Core::ScalarType>& options, Source& source,
+                     CallBuffers<typename Core::ScalarType>& buffers,
+                     AttentionResult<typename Core::ScalarType>& result) {
+  SDMHA_ASSERT(plan.online_softmax && plan.context_chunk % plan.key_tile == 0);
+  begin_attention(plan, options, buffers, result);
+  const Index S = plan.key_steps, items = plan.heads() * plan.query_tiles;
+  // The chunk's rows widened to whole projection row blocks: at most 2 blocks more.
+  const Index chunk_rows = std::min(plan.context_chunk + 2 * kProjectionRowBlock, plan.batch * S);
+  buffers.context_chunk.keys.resize(chunk_rows, plan.dims.projected_key_width());
+  buffers.context_chunk.values.resize(chunk_rows, plan.dims.projected_value_width());
+  for (Index b = 0; b < plan.batch; ++b)
+    for (Index key_begin = 0; key_begin < S; key_begin += plan.context_chunk) {
+      const KeyChunk chunk{key_begin, std::min(S, key_begin + plan.context_chunk), key_begin == 0,
+                           key_begin + plan.context_chunk >= S};
+      const auto rows = project_context_chunk(core, plan, key, value, b, chunk, buffers);
+      buffers.prepare_workers(plan.workers(items), plan.worker_scratch_bytes, plan.tile_entries,
+                              2);
+      parallel_for(
+          items, plan.threads,
+          [&](Index index, int worker) {
+            attend_item_online(core, plan, plan.attention_item(b * items + index), rows, chunk,
+                               options, source, buffers.workers[std::size_t(worker)], buffers);
+          },
+          &buffers.pool, "attention");
+    }
+  project_output(core, plan, buffers, result);
+}
+
+// The query source's projection (if any) and K and V, in as few regions as its dependencies
+// allow: one region of the query's items (the costliest, on a wide sparse query, first) and K's
+// and V's; or, when the query's items read something built per row block first (the sparse
+// query's CSC by feature), one region of those preparations with K and V, then the query's.
+template <typename Core, typename Source>
+void project_inputs(const Core& core, const AttentionPlan& plan, Source& source,
+                    const TensorRef3<typename Core::ScalarType>& key,
+                    const TensorRef3<typename Core::ScalarType>& value,
+                    CallBuffers<typename Core::ScalarType>& buffers) {
+  auto& context = buffers.context;
+  context.batch = value.dimension(0);
+  context.key_steps = value.dimension(1);
+  const Index rows = context.batch * context.key_steps;
+  context.keys.resize(rows, plan.dims.projected_key_width());
+  context.values.resize(rows, plan.dims.projected_value_width());
+  source.prepare(plan, buffers);
+  const auto keys = key_projection(core, plan, key.as_matrix(), context.keys);
+  const auto values = value_projection(core, plan, value.as_matrix(), context.values);
+  const Index preparations = source.preparation_items(plan);
+  if (preparations == 0) {
+    run_projections(
+        plan, buffers, "projections", source.projection_items(plan),
+        [&](Index index, int worker) { source.project_item(plan, index, buffers, worker); }, keys,
+        values);
+    return;
+  }
+  run_projections(
+      plan, buffers, "query preparation and key/value projection", preparations,
+      [&](Index index, int worker) { source.prepare_item(plan, index, buffers, worker); }, keys,
+      values);
+  run_projections(
+      plan, buffers, "query projection", source.projection_items(plan),
+      [&](Index index, int worker) { source.project_item(plan, index, buffers, worker); });
+}
+
+// The query source's projection alone (K and V given, or streamed).
+template <typename Scalar, typename Source>
+void project_query_source(const AttentionPlan& plan, Source& source, CallBuffers<Scalar>& buffers) {
+  source.prepare(plan, buffers);
+  if (source.preparation_items(plan) > 0)
+    run_projections(
+        plan, buffers, "query preparation", source.preparation_items(plan),
+        [&](Index index, int worker) { source.prepare_item(plan, index, buffers, worker); });
+  run_projections(
+      plan, buffers, "query projection", source.projection_items(plan),
+      [&](Index index, int worker) { source.project_item(plan, index, buffers, worker); });
+}
+
+// The forward of a validated call given key and value: K and V projected whole with the query,
+// or streamed in chunks inside the attention (plan.context_chunk > 0).
+template <typename Core, typename Source>
+void run_forward(const Core& core, const AttentionPlan& plan, Source& source,
+                 const TensorRef3<typename Core::ScalarType>& key,
+                 const TensorRef3<typename Core::ScalarType>& value,
+                 const AttentionOptions<typename Core::ScalarType>& options,
+                 CallBuffers<typename Core::ScalarType>& buffers,
+                 AttentionResult<typename Core::ScalarType>& result) {
+  if (plan.context_chunk > 0) {
+    project_query_source(plan, source, buffers);
+    attend_streamed(core, plan, key, value, options, source, buffers, result);
+    return;
+  }
+  project_inputs(core, plan, source, key, value, buffers);
+  attend(core, plan, buffers.context, options, source, buffers, result);
+}
+
+// The same against keys and values projected once by project_context.
+template <typename Core, typename Source>
+void run_forward(const Core& core, const AttentionPlan& plan, Source& source,
+                 const ProjectedContext<typename Core::ScalarType>& context,
+                 const AttentionOptions<typename Core::ScalarType>& options,
+                 CallBuffers<typename Core::ScalarType>& buffers,
+                 AttentionResult<typename Core::ScalarType>& result) {
+  project_query_source(plan, source, buffers);
+  attend(core, plan, context, options, source, buffers, result);
+}
+
+}  // namespace sdmha::detail
