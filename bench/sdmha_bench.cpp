@@ -1,5 +1,5 @@
 // sdmha_bench — the sparse-query layer against the dense baseline (densify the query, then
-// DenseMHA), whole and stage by stage, on the canonical workloads of ../shared/WORKLOADS.md.
+// DenseMHA), whole and stage by stage, on the canonical workloads of bench/workloads.md.
 //
 //   sdmha_bench [--quick] [--benchmark_filter=...]       a Google Benchmark binary: every
 //                                                       workload × density × threads × case
@@ -8,6 +8,12 @@
 //                                                       interleaved runs), optionally all numbers
 //                                                       as JSON for bench/plot.py; a memory-only
 //                                                       workload (long16k) runs when named
+//   sdmha_bench --scaling [--quick] [--repetitions N] [--workload NAME]...
+//                                                       the scaling model (bench/scaling/
+//                                                       scaling_model.hpp): forward and training
+//                                                       step timed at 1 and 2 threads, predicted
+//                                                       for 2, 16, 32 and 64 from one-thread item
+//                                                       times; seed 1 %, bow 1 %, long 5 %
 //
 // Every case builds its inputs once outside timing, runs once untimed to measure the peak heap
 // bytes of one call and to check its result against the dense path's (relative tolerance), and
@@ -33,6 +39,7 @@
 #include <vector>
 
 #include "allocation_counter.hpp"
+#include "scaling/scaling_model.hpp"
 #include "workloads.hpp"
 
 #ifndef SDMHA_BENCH_COMPILE_FLAGS
@@ -532,7 +539,7 @@ void Problem::build_references() {
 struct Case {
   std::string stage;       // forward, densify, query_projection, key_value_projection, scores, ...
   std::string variant;     // sparse, sparse_regrouped, dense, eigen_csr, or shared (same for both)
-  double flops = 0;        // useful floating-point work of one call, WORKLOADS.md's counting
+  double flops = 0;        // useful floating-point work of one call, bench/workloads.md's counting
   double query_bytes = 0;  // the query form the case reads (CSR or dense); 0 when none
   double items = 0;        // softmax: score entries per call
   double bytes = 0;        // densify: bytes written per call
@@ -1187,7 +1194,8 @@ void print_summary(std::ostream& out, const std::vector<ConfigResult>& results,
          "same as sparse with set_precision(bfloat16); dense =\n"
          "SparseQuery::to_dense + DenseMHA::forward, densify included (and shown alone); speedup "
          "=\n"
-         "dense / sparse; ideal = dense FLOP / sparse FLOP (WORKLOADS.md), the speedup at equal\n"
+         "dense / sparse; ideal = dense FLOP / sparse FLOP (bench/workloads.md), the speedup at "
+         "equal\n"
          "efficiency; peak MB = most heap bytes one call has live at once, inputs excluded (the "
          "dense\n"
          "call's include its densified query; the first call with a fresh Workspace); query MB = "
@@ -1495,11 +1503,38 @@ bool select_workloads(const std::vector<std::string>& names, std::vector<Workloa
   return true;
 }
 
+// `--scaling`: the scaling model on the canonical (or --quick) workloads named by --workload.
+int run_scaling(const std::vector<WorkloadShape>& shapes, const std::vector<char*>& passed_on,
+                int repetitions, const std::string& json_path, bool summary) {
+  if (passed_on.size() > 1 || !json_path.empty() || summary) {
+    std::cerr << "sdmha_bench --scaling: unknown argument "
+              << (passed_on.size() > 1 ? passed_on[1]
+                  : summary            ? "--summary"
+                                       : "--json")
+              << " (expected --quick, --repetitions N, --workload NAME)\n";
+    return 2;
+  }
+  scaling::ScalingSettings settings;
+  if (repetitions > 0) settings.repetitions = repetitions;
+  std::cout << describe_machine().line() << "\nload average before: " << load_average() << "\n";
+  const auto start = std::chrono::steady_clock::now();
+  int status = 1;
+  try {
+    status = scaling::run_scaling_model(shapes, settings, std::cout);
+  } catch (const std::exception& error) {
+    std::cerr << "sdmha_bench --scaling: " << error.what() << "\n";
+  }
+  std::cout << "\nwhole run: "
+            << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()
+            << " s; load average after: " << load_average() << "\n";
+  return status;
+}
+
 }  // namespace sdmha_bench
 
 int main(int argc, char** argv) {
   using namespace sdmha_bench;
-  bool summary = false, quick = false;
+  bool summary = false, quick = false, scaling = false;
   std::string json_path;
   int repetitions = 0;
   std::vector<std::string> workload_names;   // --workload: only these (all when empty)
@@ -1508,6 +1543,8 @@ int main(int argc, char** argv) {
     const std::string argument = argv[i];
     if (argument == "--summary") {
       summary = true;
+    } else if (argument == "--scaling") {
+      scaling = true;
     } else if (argument == "--quick") {
       quick = true;
     } else if (argument == "--json" && i + 1 < argc) {
@@ -1531,6 +1568,7 @@ int main(int argc, char** argv) {
   std::vector<WorkloadShape> memory_shapes = memory_workloads();
   if (!select_workloads(workload_names, shapes, memory_shapes)) return 2;
 
+  if (scaling) return run_scaling(shapes, passed_on, repetitions, json_path, summary);
   if (summary) {
     if (passed_on.size() > 1) {
       std::cerr << "sdmha_bench --summary: unknown argument " << passed_on[1]
