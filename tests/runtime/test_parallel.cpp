@@ -1,0 +1,324 @@
+// Tests of sdmha/detail/parallel.hpp (the runtime) and sdmha/region_trace.hpp: every item of a
+// region runs exactly once whatever the number of workers (1 to 64, on a machine of any size),
+// each worker index names one running thread, items are claimed in index order, the first
+// exception reaches the caller and stops the region, a pool serves many regions and calls, a
+// RegionTrace records what it should, and num_threads = 0 resolves to a sane count.
+// (Suite names match the ThreadSanitizer stage's filter in .ci/hardening.sh.)
+#include "test_support.hpp"
+
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <thread>
+
+namespace sdmha_test {
+namespace {
+
+using sdmha::detail::parallel_for;
+using sdmha::detail::ThreadPool;
+
+// What one item saw: the worker index it was given and the thread that ran it.
+struct ItemRun {
+  std::atomic<int> runs{0};
+  int worker = -1;
+  std::thread::id thread;
+};
+
+// Runs a region of `count` items on `workers` workers and checks that every item ran once, that
+// every worker index is in [0, workers), and that one worker index means one thread and two
+// worker indices two threads.
+void expect_each_item_once(Index count, int workers, ThreadPool* pool) {
+  std::vector<ItemRun> runs(static_cast<std::size_t>(count));
+  parallel_for(
+      count, workers,
+      [&](Index item, int worker) {
+        ItemRun& run = runs[std::size_t(item)];
+        run.runs.fetch_add(1, std::memory_order_relaxed);
+        run.worker = worker;
+        run.thread = std::this_thread::get_id();
+      },
+      pool);
+  std::vector<std::thread::id> thread_of(static_cast<std::size_t>(workers));
+  for (Index item = 0; item < count; ++item) {
+    const ItemRun& run = runs[std::size_t(item)];
+    ASSERT_EQ(run.runs.load(), 1) << "item " << item << " of " << count << " on " << workers;
+    ASSERT_GE(run.worker, 0);
+    ASSERT_LT(run.worker, workers);
+    std::thread::id& thread = thread_of[std::size_t(run.worker)];
+    if (thread == std::thread::id()) thread = run.thread;
+    ASSERT_EQ(thread, run.thread) << "worker " << run.worker << " ran on two threads";
+  }
+  for (std::size_t a = 0; a < thread_of.size(); ++a)
+    for (std::size_t b = a + 1; b < thread_of.size(); ++b)
+      if (thread_of[a] != std::thread::id()) {
+        ASSERT_NE(thread_of[a], thread_of[b])
+            << "workers " << a << " and " << b << " share a thread";
+      }
+}
+
+TEST(ThreadPoolParallelFor, EveryItemRunsExactlyOnceOnAnyNumberOfWorkers) {
+  for (int workers : {1, 2, 3, 16, 64}) {
+    ThreadPool pool;
+    for (Index count :
+         {Index(0), Index(1), Index(2), Index(5), Index(63), Index(64), Index(1000)}) {
+      SCOPED_TRACE(::testing::Message() << workers << " workers, " << count << " items");
+      expect_each_item_once(count, workers, &pool);
+      {
+        const ThreadPool::CallScope call(pool);
+        expect_each_item_once(count, workers, &pool);
+        expect_each_item_once(count, workers, &pool);
+      }
+      expect_each_item_once(count, workers, nullptr);  // threads started for the region
+    }
+    EXPECT_EQ(pool.started_threads(), workers - 1);
+  }
+}
+
+TEST(ThreadPoolParallelFor, SixtyFourWorkersRunManyShortRegionsOnAnyMachine) {
+  // 64 threads on a machine with fewer cores: pollers yield, so the region's items and its join
+  // get the processors. Each region's sum is checked, and the whole run is timed for the report.
+  ThreadPool pool;
+  std::vector<Index> values(256);
+  const auto start = std::chrono::steady_clock::now();
+  {
+    const ThreadPool::CallScope call(pool);
+    for (int region = 0; region < 200; ++region) {
+      parallel_for(
+          Index(values.size()), 64,
+          [&](Index item, int) { values[std::size_t(item)] = item + region; }, &pool);
+      Index sum = 0;
+      for (Index value : values) sum += value;
+      ASSERT_EQ(sum, Index(values.size()) * (Index(values.size()) - 1) / 2 +
+                         Index(values.size()) * region);
+    }
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  RecordProperty("seconds_for_200_regions_on_64_workers", std::to_string(seconds));
+  EXPECT_EQ(pool.started_threads(), 63);
+}
+
+TEST(ThreadPoolParallelFor, EachWorkerClaimsItemsInIndexOrder) {
+  ThreadPool pool;
+  constexpr int kWorkers = 4;
+  constexpr Index kItems = 2000;
+  std::vector<std::vector<Index>> claimed(kWorkers);
+  for (auto& items : claimed) items.reserve(kItems);
+  parallel_for(
+      kItems, kWorkers,
+      [&](Index item, int worker) { claimed[std::size_t(worker)].push_back(item); }, &pool);
+  Index total = 0;
+  for (const auto& items : claimed) {
+    EXPECT_TRUE(std::is_sorted(items.begin(), items.end()));
+    total += Index(items.size());
+  }
+  EXPECT_EQ(total, kItems);
+  // One worker: the plain loop, in order.
+  std::vector<Index> order;
+  parallel_for(
+      5, 1, [&](Index item, int) { order.push_back(item); }, &pool);
+  EXPECT_EQ(order, (std::vector<Index>{0, 1, 2, 3, 4}));
+}
+
+// A region whose item 0 throws at once while every other item takes a few microseconds: the
+// exception reaches the caller, and the workers stop taking items long before the end.
+void expect_exception_stops_region(int workers, ThreadPool* pool) {
+  constexpr Index kItems = 20000;
+  std::atomic<Index> ran{0};
+  const auto body = [&](Index item, int) {
+    if (item == 0) throw std::runtime_error("item 0 failed");
+    ran.fetch_add(1, std::memory_order_relaxed);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(5);
+    while (std::chrono::steady_clock::now() < until) {
+    }
+  };
+  try {
+    parallel_for(kItems, workers, body, pool);
+    ADD_FAILURE() << "no exception from " << workers << " workers";
+  } catch (const std::runtime_error& error) {
+    EXPECT_STREQ(error.what(), "item 0 failed");
+  }
+  if (workers == 1)
+    EXPECT_EQ(ran.load(), 0);
+  else
+    EXPECT_LT(ran.load(), kItems / 2) << workers << " workers";
+}
+
+TEST(ThreadPoolParallelFor, TheFirstExceptionReachesTheCallerAndStopsTheRegion) {
+  ThreadPool pool;
+  for (int workers : {1, 2, 3, 16}) {
+    expect_exception_stops_region(workers, &pool);
+    expect_exception_stops_region(workers, nullptr);
+  }
+  // Every item throwing: one exception comes back, and the pool serves the next region.
+  EXPECT_THROW(parallel_for(
+                   100, 8, [](Index, int) { throw std::logic_error("every item"); }, &pool),
+               std::logic_error);
+  expect_each_item_once(100, 8, &pool);
+}
+
+TEST(ThreadPoolParallelFor, APoolServesManyRegionsAndCallScopes) {
+  ThreadPool pool;
+  std::vector<double> out(333);
+  for (int call = 0; call < 30; ++call) {
+    ThreadPool::CallScope scope(pool);
+    EXPECT_EQ(pool.open_calls(), 1);
+    for (int region = 0; region < 20; ++region) {
+      const int threads = 1 + (call + region) % 6;  // fewer workers than threads, and more
+      const Index count = 1 + (call * 7 + region * 13) % Index(out.size());
+      parallel_for(
+          count, threads,
+          [&](Index item, int worker) {
+            ASSERT_LT(worker, threads);
+            out[std::size_t(item)] = double(item) * 0.5 + call;
+          },
+          &pool);
+      for (Index item = 0; item < count; ++item)
+        ASSERT_EQ(out[std::size_t(item)], double(item) * 0.5 + call);
+    }
+    if (call % 3 == 0) {
+      scope.close();  // closed early: the destructor does nothing more
+      EXPECT_EQ(pool.open_calls(), 0);
+      // Past the spin between calls: the helpers sleep, and the next region wakes them.
+      std::this_thread::sleep_for(std::chrono::microseconds(300));
+      expect_each_item_once(50, 6, &pool);
+    }
+  }
+  EXPECT_EQ(pool.open_calls(), 0);
+  EXPECT_EQ(pool.started_threads(), 5);
+}
+
+TEST(ThreadPoolParallelFor, APoolStopsWhetherItsThreadsPollOrSleep) {
+  for (int round = 0; round < 20; ++round) {
+    ThreadPool pool;
+    const ThreadPool::CallScope call(pool);
+    expect_each_item_once(40, 4, &pool);
+    if (round % 2 == 1) std::this_thread::sleep_for(std::chrono::milliseconds(3));
+  }  // the scope closes, then the pool stops its (polling or sleeping) threads
+}
+
+TEST(ThreadPoolParallelFor, AWorkspaceLeaseMarksACallInFlight) {
+  sdmha::Workspace<float> workspace;
+  {
+    const sdmha::Workspace<float>::Lease lease(workspace, "test");
+    EXPECT_EQ(lease.buffers().pool.open_calls(), 1);
+    SDMHA_EXPECT_THROW_WITH(sdmha::Workspace<float>::Lease(workspace, "second"), sdmha::ConfigError,
+                            "in use by another call");
+    EXPECT_EQ(lease.buffers().pool.open_calls(), 1);
+  }
+  const sdmha::Workspace<float>::Lease again(workspace, "test");
+  EXPECT_EQ(again.buffers().pool.open_calls(), 1);
+}
+
+TEST(ThreadPoolTrace, RecordsNamesItemsWorkersAndTimes) {
+  ThreadPool pool;
+  sdmha::RegionTrace trace;
+  parallel_for(
+      8, 2, [](Index, int) {}, &pool, "not traced");
+  EXPECT_TRUE(trace.regions().empty());
+
+  pool.set_trace(&trace);
+  EXPECT_EQ(pool.trace(), &trace);
+  const auto sleep_item = [](Index item, int) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200 * (item % 3)));
+  };
+  parallel_for(12, 3, sleep_item, &pool, "sleeping items");
+  parallel_for(4, 1, sleep_item, &pool, "one worker");
+  parallel_for(0, 4, sleep_item, &pool, "no items");  // nothing to record
+  parallel_for(6, 2, sleep_item, &pool);
+  EXPECT_THROW(parallel_for(
+                   5, 2, [](Index, int) { throw std::runtime_error("traced"); }, &pool, "failing"),
+               std::runtime_error);
+
+  const auto& regions = trace.regions();
+  ASSERT_EQ(regions.size(), 4u);
+  EXPECT_STREQ(regions[0].name, "sleeping items");
+  EXPECT_STREQ(regions[1].name, "one worker");
+  EXPECT_STREQ(regions[2].name, "");
+  EXPECT_STREQ(regions[3].name, "failing");
+  EXPECT_EQ(regions[1].workers, 1);
+  // Workers that took part: at most those asked for (a helper that arrives after the last item
+  // is claimed sits the region out), and exactly one for a one-worker region.
+  const Index items[] = {12, 4, 6, 5};
+  const int workers[] = {3, 1, 2, 2};
+  double previous_end = 0;
+  for (std::size_t r = 0; r < regions.size(); ++r) {
+    const sdmha::RegionRecord& region = regions[r];
+    EXPECT_EQ(region.items, items[r]);
+    EXPECT_GE(region.workers, 1);
+    EXPECT_LE(region.workers, workers[r]);
+    ASSERT_EQ(region.item_seconds.size(), std::size_t(items[r]));
+    EXPECT_GE(region.begin_seconds, previous_end);
+    EXPECT_GE(region.end_seconds, region.begin_seconds);
+    previous_end = region.end_seconds;
+    for (double seconds : region.item_seconds) {
+      EXPECT_GE(seconds, 0.0);
+      EXPECT_LE(seconds, region.end_seconds - region.begin_seconds);
+    }
+  }
+  // A sleeping item lasts at least its sleep.
+  for (Index item = 0; item < 12; ++item)
+    EXPECT_GE(regions[0].item_seconds[std::size_t(item)], 200e-6 * double(item % 3));
+  EXPECT_LE(regions.back().end_seconds, trace.now_seconds());
+
+  trace.clear();
+  EXPECT_TRUE(trace.regions().empty());
+  EXPECT_LT(trace.now_seconds(), 1.0);
+  pool.set_trace(nullptr);
+  parallel_for(
+      8, 2, [](Index, int) {}, &pool, "after");
+  EXPECT_TRUE(trace.regions().empty());
+}
+
+TEST(ThreadPoolTrace, AWorkspaceTracesItsCallsAndTheResultsStayTheSame) {
+  const auto c = make_case<float>(Shape{}, 5);
+  const sdmha::SparseDenseMHA<float> layer(c.config, c.weights);
+  auto options = c.options;
+  options.num_threads = 2;
+  sdmha::Workspace<float> workspace;
+  EXPECT_EQ(workspace.trace(), nullptr);
+  sdmha::AttentionResult<float> plain, traced;
+  layer.forward(c.query(), c.key, c.value, options, workspace, plain);
+
+  sdmha::RegionTrace trace;
+  workspace.set_trace(&trace);
+  EXPECT_EQ(workspace.trace(), &trace);
+  layer.forward(c.query(), c.key, c.value, options, workspace, traced);
+  workspace.set_trace(nullptr);
+  ASSERT_EQ(plain.output.size(), traced.output.size());
+  EXPECT_EQ(std::memcmp(plain.output.data(), traced.output.data(),
+                        sizeof(float) * std::size_t(plain.output.size())),
+            0);
+  ASSERT_FALSE(trace.regions().empty());
+  for (const sdmha::RegionRecord& region : trace.regions()) {
+    EXPECT_NE(region.name, nullptr);
+    EXPECT_GT(region.items, 0);
+    EXPECT_GE(region.workers, 1);
+    EXPECT_LE(region.workers, 2);
+    EXPECT_EQ(region.item_seconds.size(), std::size_t(region.items));
+  }
+  const std::size_t recorded = trace.regions().size();
+  layer.forward(c.query(), c.key, c.value, options, workspace, traced);
+  EXPECT_EQ(trace.regions().size(), recorded);  // set_trace(nullptr): no more records
+}
+
+TEST(ResolveThreadCount, ZeroTakesThePhysicalCoresAndAPositiveCountIsKept) {
+  const unsigned hardware = std::max(1u, std::thread::hardware_concurrency());
+  const int available = sdmha::detail::resolve_thread_count(0);
+  EXPECT_GE(available, 1);
+  EXPECT_LE(available, int(hardware));
+  EXPECT_EQ(sdmha::detail::resolve_thread_count(0), available);  // read once, the same after
+  const int physical = sdmha::detail::physical_core_count();
+  EXPECT_GE(physical, 0);
+  EXPECT_LE(physical, int(hardware));
+  if (physical > 0) {
+    EXPECT_EQ(available, physical);
+  }
+  for (int requested : {1, 2, 3, 16, 64, 1024}) {
+    EXPECT_EQ(sdmha::detail::resolve_thread_count(requested), requested);
+  }
+}
+
+}  // namespace
+}  // namespace sdmha_test
