@@ -334,8 +334,8 @@ TEST(CustomScoreStage, CustomStagesUnderScaleAlignmentAndFullyMaskedRowOptions) 
 }
 
 // The reference must see a stage that used tile-local steps: its output differs as soon as the
-// project-first forward splits the rows into query tiles (T > 256) or the keys into key tiles
-// (S > 512, online softmax), and not before.
+// project-first forward splits the rows into query tiles (T beyond the plan's tile) or the keys
+// into key tiles (S > 512, online softmax), and not before.
 TEST(CustomScoreStage, TileLocalStepsAreCaughtBeyondTheFirstTile) {
   const std::pair<long, long> sizes[] = {{256, 70}, {260, 70}, {64, 1100}};
   for (const auto& [steps, key_steps] : sizes) {
@@ -349,8 +349,12 @@ TEST(CustomScoreStage, TileLocalStepsAreCaughtBeyondTheFirstTile) {
     const auto output = layer.forward(c.query(), c.key, c.value, options).output;
     const bool matches =
         all_near(output.data(), reference(c.problem, Hooks{kSlopes, {}}).output, kForwardTolerance);
-    EXPECT_EQ(matches, steps <= sdmha::detail::kForwardQueryTile && key_steps <= 512)
-        << "T = " << steps << ", S = " << key_steps;
+    // The plan's forward tile: 256 rows, halved (to 64 at least) while B·H·⌈T/tile⌉ < 256.
+    const Index tile = sdmha::detail::plan_query_tile(
+        sdmha::detail::Pass::forward, false, false, c.problem.batch * c.problem.heads, steps,
+        key_steps, std::min<Index>(key_steps, sdmha::detail::kKeyTile));
+    EXPECT_EQ(matches, steps <= tile && key_steps <= 512)
+        << "T = " << steps << ", S = " << key_steps << ", tile = " << tile;
   }
 }
 

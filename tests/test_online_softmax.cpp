@@ -1,8 +1,9 @@
 // The forward's online softmax over key tiles (detail/forward_pass.hpp, attend_item_online):
 // taken when an item sees more than detail::kKeyTile keys, the softmax and attend-values stages
-// declare it (detail::online_softmax_allowed), and no scores are returned. Checked against the float64 reference, against the
-// stored-probabilities path of the same layer (return_attention_scores forces it), across
-// thread counts, and with a position-dependent score stage whose key tiles start past key 0.
+// declare it (detail::online_softmax_allowed), and no scores are returned. Checked against the
+// float64 reference, against the stored-probabilities path of the same layer
+// (return_attention_scores forces it), across thread counts, and with a position-dependent score
+// stage whose key tiles start past key 0.
 #include <cmath>
 #include <limits>
 
@@ -207,15 +208,13 @@ TYPED_TEST(OnlineSoftmaxTest, CustomSoftmaxGetsWholeRowsUnlessItDeclaresOnline) 
   const auto [declared_small, declared_result] = workspace_bytes(declared_short, short_case);
   const std::size_t declared_large = workspace_bytes(declared_long, long_case).first;
   // Both grow with K and V (B·S rows); only the whole-row path grows by a tile of rows × S too.
-  const std::size_t tile_growth = std::size_t(shape.steps) *
-                                  std::size_t(long_case.problem.key_steps -
-                                              short_case.problem.key_steps) *
-                                  sizeof(Scalar);
+  const std::size_t tile_growth =
+      std::size_t(shape.steps) *
+      std::size_t(long_case.problem.key_steps - short_case.problem.key_steps) * sizeof(Scalar);
   EXPECT_GE(custom_large - custom_small, declared_large - declared_small + tile_growth);
   // The same math either way.
   const auto expected = sdmha_reference::forward(short_case.problem);
-  EXPECT_TRUE(
-      all_near(custom_result.output.data(), expected.output, relative_tolerance<Scalar>()));
+  EXPECT_TRUE(all_near(custom_result.output.data(), expected.output, relative_tolerance<Scalar>()));
   EXPECT_TRUE(
       all_near(declared_result.output.data(), expected.output, relative_tolerance<Scalar>()));
 }

@@ -32,12 +32,6 @@ class DenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, A
                 "the query projection's ScalarType must be the layer's Scalar");
 
  public:
-  using typename Core::AttendValues;
-  using typename Core::ContextProjection;
-  using typename Core::OutputProjection;
-  using typename Core::ScalarType;
-  using typename Core::ScoreKernel;
-  using typename Core::Softmax;
   using Core::attend_values;
   using Core::config;
   using Core::context_projection;
@@ -50,6 +44,12 @@ class DenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, A
   using Core::softmax;
   using Core::weights;
   using Core::workspace_cache_bytes;
+  using typename Core::AttendValues;
+  using typename Core::ContextProjection;
+  using typename Core::OutputProjection;
+  using typename Core::ScalarType;
+  using typename Core::ScoreKernel;
+  using typename Core::Softmax;
   using QueryProjection = QueryProjectionT;
 
   DenseMHA(const MhaConfig& config, MhaWeights<Scalar> weights)
@@ -131,7 +131,8 @@ class DenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, A
     }
     Index projection_items(const detail::AttentionPlan&) const { return projection().items(); }
     Index preparation_items(const detail::AttentionPlan&) const { return 0; }
-    void prepare_item(const detail::AttentionPlan&, Index, detail::CallBuffers<Scalar>&, int) const {}
+    void prepare_item(const detail::AttentionPlan&, Index, detail::CallBuffers<Scalar>&,
+                      int) const {}
     void prepare(const detail::AttentionPlan&, detail::CallBuffers<Scalar>&) {
       projected_query.resize(query.dimension(0) * query.dimension(1),
                              plan.dims.projected_key_width());
@@ -141,8 +142,8 @@ class DenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, A
       projection().run_item(index, buffers.workers[std::size_t(worker)].stage.view());
     }
     void operator()(const detail::AttentionItem& item, const BatchMask& mask,
-                    const ConstMatrixRef<Scalar>& key, bool bfloat16_operands,
-                    StageScratch scratch, MatrixRef<Scalar> scores) const {
+                    const ConstMatrixRef<Scalar>& key, bool bfloat16_operands, StageScratch scratch,
+                    MatrixRef<Scalar> scores) const {
       detail::project_first_scores(layer.core(), plan, item, projected_query, mask, key,
                                    bfloat16_operands, scratch, scores);
     }

@@ -65,12 +65,6 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
 
  public:
   // The layer's state, as the private base holds it (detail/attention_core.hpp).
-  using typename Core::AttendValues;
-  using typename Core::ContextProjection;
-  using typename Core::OutputProjection;
-  using typename Core::ScalarType;
-  using typename Core::ScoreKernel;
-  using typename Core::Softmax;
   using Core::attend_values;
   using Core::config;
   using Core::context_projection;
@@ -83,6 +77,12 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
   using Core::softmax;
   using Core::weights;
   using Core::workspace_cache_bytes;
+  using typename Core::AttendValues;
+  using typename Core::ContextProjection;
+  using typename Core::OutputProjection;
+  using typename Core::ScalarType;
+  using typename Core::ScoreKernel;
+  using typename Core::Softmax;
   using QueryProjection = QueryProjectionT;
   using StorageIndex = typename QueryProjectionT::StorageIndexType;
   using Query = SparseQuery<Scalar, StorageIndex>;
@@ -357,7 +357,8 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
         detail::bias_segment(weights.query_bias, first, columns),
         projected_query.block(block.begin, first, block.rows, columns), scratch};
     if constexpr (detail::reads_bfloat16_kernel<QueryProjection>::value)
-      if (query_kernel_bfloat16_ != nullptr) args.kernel_bfloat16 = &query_kernel_bfloat16_->rounded;
+      if (query_kernel_bfloat16_ != nullptr)
+        args.kernel_bfloat16 = &query_kernel_bfloat16_->rounded;
     return args;
   }
 
@@ -394,9 +395,8 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
   // beyond L2 (the by-feature kernels' condition; each block decides the rest itself).
   bool shares_query_groups(const detail::AttentionPlan& plan) const {
     if constexpr (detail::shares_feature_groups<QueryProjection>::value)
-      return query_windows(plan) > 1 &&
-             QueryProjection::kernel_beyond_cache(plan.dims.query_dim,
-                                                  plan.dims.projected_key_width());
+      return query_windows(plan) > 1 && QueryProjection::kernel_beyond_cache(
+                                            plan.dims.query_dim, plan.dims.projected_key_width());
     return false;
   }
   // A row block's CSC memory: a header (whether it was built, and the built FeatureGroups, whose
@@ -424,8 +424,8 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
       memory.data[0] = std::byte{0};
       if (!QueryProjection::reads_feature_groups(args)) return;
       const auto built = QueryProjection::build_query_groups(
-          args.query, StageScratch{memory.data + kQueryGroupsHeader,
-                                   memory.bytes - kQueryGroupsHeader});
+          args.query,
+          StageScratch{memory.data + kQueryGroupsHeader, memory.bytes - kQueryGroupsHeader});
       std::memcpy(memory.data + 8, &built, sizeof(built));
       memory.data[0] = std::byte{1};
     }
@@ -465,8 +465,8 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
       this->score_kernel()(args);
       return;
     }
-    detail::project_first_scores(core(), plan, item, projected_query, mask, key,
-                                 bfloat16_operands, scratch, scores);
+    detail::project_first_scores(core(), plan, item, projected_query, mask, key, bfloat16_operands,
+                                 scratch, scores);
   }
 
   // Wq rounded to bfloat16 (by column panels), the float Wq it was rounded from (to see it
@@ -538,8 +538,8 @@ struct SparseDenseMHA<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT, AttendVa
   void operator()(const detail::AttentionItem& item, const BatchMask& mask,
                   const ConstMatrixRef<Scalar>& key, bool bfloat16_operands, StageScratch scratch,
                   MatrixRef<Scalar> scores) const {
-    layer.tile_scores(plan, item, query, projected_query, mask, key,
-                      bfloat16_operands, scratch, scores);
+    layer.tile_scores(plan, item, query, projected_query, mask, key, bfloat16_operands, scratch,
+                      scores);
   }
 };
 

@@ -80,13 +80,13 @@ struct BackwardBuffers {
 // when the number of entries changes.
 template <typename Scalar>
 struct CallBuffers {
-  ProjectedContext<Scalar> context;        // K and V, unless the caller passes a context
-  ProjectedContext<Scalar> context_chunk;  // K and V of one chunk of key steps, when streamed
-  RowMatrix<Scalar> projected_query;       // Q (project-first, the dense baseline, backward)
-  RowMatrix<Scalar> heads;                 // [A_0 … A_{H−1}], B·T × H·Dv
-  RowMatrix<Scalar> online_statistics;     // the online softmax's (m_t, l_t), B·T × 2·H
-  std::vector<char> value_is_finite;       // per (b, h, key tile)
-  std::vector<Index> feature_marks;        // the query statistics' scratch (Eq entries)
+  ProjectedContext<Scalar> context;         // K and V, unless the caller passes a context
+  ProjectedContext<Scalar> context_chunk;   // K and V of one chunk of key steps, when streamed
+  RowMatrix<Scalar> projected_query;        // Q (project-first, the dense baseline, backward)
+  RowMatrix<Scalar> heads;                  // [A_0 … A_{H−1}], B·T × H·Dv
+  RowMatrix<Scalar> online_statistics;      // the online softmax's (m_t, l_t), B·T × 2·H
+  std::vector<char> value_is_finite;        // per (b, h, key tile)
+  std::vector<Index> feature_marks;         // the query statistics' scratch (Eq entries)
   std::vector<ScratchBuffer> query_groups;  // per query row block: its CSC by feature, if built
   std::vector<WorkerBuffers<Scalar>> workers;
   BackwardBuffers<Scalar> backward;

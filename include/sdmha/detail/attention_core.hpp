@@ -263,8 +263,9 @@ void finish_plan(const Core& core, AttentionPlan& plan, std::size_t query_stage_
       plan.fully_masked_rows == FullyMaskedRows::zeros && plan.key_steps > kKeyTile &&
       online_softmax_allowed<typename Core::Softmax, typename Core::AttendValues>();
   plan.key_tile = plan.online_softmax ? kKeyTile : plan.key_steps;
-  plan.query_tile = plan_query_tile(plan.pass, plan.regrouped(), plan.causal, plan.batch * plan.heads(),
-                                    plan.steps, plan.key_steps, plan.key_tile);
+  plan.query_tile =
+      plan_query_tile(plan.pass, plan.regrouped(), plan.causal, plan.batch * plan.heads(),
+                      plan.steps, plan.key_steps, plan.key_tile);
   plan.query_tiles = AttentionPlan::block_count(plan.steps, plan.query_tile);
   const Index rows = std::min(plan.query_tile, plan.steps);
   plan.tile_entries = rows * std::max(plan.key_tile, Index(2));

@@ -2,10 +2,12 @@
 // online-softmax forward and the backward's recompute all run one tile through these functions.
 //
 //   tile_probabilities:  S = ScoreKernel(Q_tile, K_tile) + bias (blocked → −∞), P = Softmax(S),
-//                        P' = dropout(P)                  (the tiled forward; the backward's recompute)
+//                        P' = dropout(P)                  (the tiled forward; the backward's
+//                        recompute)
 //   attend_tile:         the above, then A_tile = AttendValues(P', V_tile), written over its rows
 //   attend_key_tile:     S as above, then the online update of (m, l) and of the partial A, and
-//                        A_tile += AttendValues(dropout(exp(S − m')), V_tile)   (the online forward)
+//                        A_tile += AttendValues(dropout(exp(S − m')), V_tile)   (the online
+//                        forward)
 //
 // A tile is one AttentionItem (batch, head, query rows, key range); the stages receive its absolute
 // position. The scores come from the query source (`compute_scores`: project-first from Q, or
@@ -212,8 +214,8 @@ void attend_key_tile(const Stages& stages, const AttentionPlan& plan, const Atte
                      ComputeScores& compute_scores, WorkerBuffers<Scalar>& worker,
                      Statistics& statistics, Heads& heads) {
   const StageScratch scratch = worker.stage.view();
-  TileMap<Scalar> scores = as_tile(worker.tile(0, tile.query_rows, tile.key_steps,
-                                               plan.tile_entries));
+  TileMap<Scalar> scores =
+      as_tile(worker.tile(0, tile.query_rows, tile.key_steps, plan.tile_entries));
   biased_scores(plan, tile, operands, options, compute_scores, scratch, scores);
   online_softmax_update(scores, statistics, heads);
   plan.dropout().apply(scores, tile.batch, tile.head, tile.query_begin, tile.key_begin);

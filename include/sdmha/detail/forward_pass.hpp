@@ -126,13 +126,10 @@ inline Index column_panels_for(Index row_blocks, Index columns, bool bfloat16_ke
 // `whole_rows` rows (all of them, or, for a chunk of K and V, all B·S: a chunk's items are then
 // those of the whole projection, and so are its bits).
 template <typename Scalar, typename Projection>
-RowProjection<Scalar, Projection> row_projection(const Projection& projection,
-                                                 const ConstMatrixRef<Scalar>& input,
-                                                 const RowMatrix<Scalar>& kernel,
-                                                 const Vector<Scalar>& bias,
-                                                 MatrixRef<Scalar> output,
-                                                 const BFloat16Kernel* kernel_bfloat16,
-                                                 Index whole_rows) {
+RowProjection<Scalar, Projection> row_projection(
+    const Projection& projection, const ConstMatrixRef<Scalar>& input,
+    const RowMatrix<Scalar>& kernel, const Vector<Scalar>& bias, MatrixRef<Scalar> output,
+    const BFloat16Kernel* kernel_bfloat16, Index whole_rows) {
   RowProjection<Scalar, Projection> rows{projection, input, kernel, bias, output, kernel_bfloat16};
   rows.column_panels =
       column_panels_for(AttentionPlan::block_count(whole_rows, kProjectionRowBlock), kernel.cols(),
@@ -190,6 +187,7 @@ void run_projections(const AttentionPlan& plan, CallBuffers<Scalar>& buffers, co
           }
         };
         (try_one(projections), ...);
+        (void)try_one;  // unused when there are no projections
       },
       &buffers.pool, region);
 }
@@ -206,9 +204,10 @@ void project_context_into(const Core& core, const AttentionPlan& plan,
   const Index rows = context.batch * context.key_steps;
   context.keys.resize(rows, plan.dims.projected_key_width());
   context.values.resize(rows, plan.dims.projected_value_width());
-  run_projections(plan, buffers, "key/value projection", 0, [](Index, int) {},
-                  key_projection(core, plan, key.as_matrix(), context.keys),
-                  value_projection(core, plan, value.as_matrix(), context.values));
+  run_projections(
+      plan, buffers, "key/value projection", 0, [](Index, int) {},
+      key_projection(core, plan, key.as_matrix(), context.keys),
+      value_projection(core, plan, value.as_matrix(), context.values));
 }
 
 // Where K and V of key step s of batch entry b are: row b·S + s − first_row of `keys` and
@@ -270,8 +269,8 @@ template <typename Core, typename Source>
 void attend_item_online(const Core& core, const AttentionPlan& plan, const AttentionItem& item,
                         const ContextRows<typename Core::ScalarType>& context,
                         const KeyChunk& chunk,
-                        const AttentionOptions<typename Core::ScalarType>& options,
-                        Source& source, WorkerBuffers<typename Core::ScalarType>& worker,
+                        const AttentionOptions<typename Core::ScalarType>& options, Source& source,
+                        WorkerBuffers<typename Core::ScalarType>& worker,
                         CallBuffers<typename Core::ScalarType>& buffers) {
   using Scalar = typename Core::ScalarType;
   const Index Dv = plan.dims.value_dim;
@@ -344,11 +343,11 @@ void project_output(const Core& core, const AttentionPlan& plan,
   const auto& weights = core.weights();
   run_projections(
       plan, buffers, "output projection", 0, [](Index, int) {},
-      row_projection<Scalar>(core.output_projection(), ConstMatrixRef<Scalar>(buffers.heads),
-                     weights.output_kernel, weights.output_bias,
-                     Eigen::Map<RowMatrix<Scalar>>(result.output.data(), B * T,
-                                                   plan.dims.output_dim),
-                     core.dense_kernel_bfloat16(&Core::DenseKernelsBFloat16::output), B * T));
+      row_projection<Scalar>(
+          core.output_projection(), ConstMatrixRef<Scalar>(buffers.heads), weights.output_kernel,
+          weights.output_bias,
+          Eigen::Map<RowMatrix<Scalar>>(result.output.data(), B * T, plan.dims.output_dim),
+          core.dense_kernel_bfloat16(&Core::DenseKernelsBFloat16::output), B * T));
 }
 
 // Every attention item of the plan against a whole K and V (`context`), then the output
@@ -393,9 +392,10 @@ ContextRows<typename Core::ScalarType> project_context_chunk(
   const Index end = std::min(plan.batch * S, (b * S + chunk.key_end + block - 1) / block * block);
   auto keys = buffers.context_chunk.keys.topRows(end - first);
   auto values = buffers.context_chunk.values.topRows(end - first);
-  run_projections(plan, buffers, "key/value projection", 0, [](Index, int) {},
-                  key_projection(core, plan, key.as_matrix().middleRows(first, end - first), keys),
-                  value_projection(core, plan, value.as_matrix().middleRows(first, end - first), values));
+  run_projections(
+      plan, buffers, "key/value projection", 0, [](Index, int) {},
+      key_projection(core, plan, key.as_matrix().middleRows(first, end - first), keys),
+      value_projection(core, plan, value.as_matrix().middleRows(first, end - first), values));
   return ContextRows<typename Core::ScalarType>{keys, values, first};
 }
 
@@ -422,8 +422,7 @@ void attend_streamed(const Core& core, const AttentionPlan& plan,
       const KeyChunk chunk{key_begin, std::min(S, key_begin + plan.context_chunk), key_begin == 0,
                            key_begin + plan.context_chunk >= S};
       const auto rows = project_context_chunk(core, plan, key, value, b, chunk, buffers);
-      buffers.prepare_workers(plan.workers(items), plan.worker_scratch_bytes, plan.tile_entries,
-                              2);
+      buffers.prepare_workers(plan.workers(items), plan.worker_scratch_bytes, plan.tile_entries, 2);
       parallel_for(
           items, plan.threads,
           [&](Index index, int worker) {

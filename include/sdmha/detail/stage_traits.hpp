@@ -40,9 +40,10 @@ struct accumulates_values<
 template <typename Stage, typename = void>
 struct splits_columns : std::false_type {};
 template <typename Stage>
-struct splits_columns<Stage, std::void_t<decltype(Stage::column_window_width(false)),
-                                         decltype(std::declval<typename Stage::Arguments&>()
-                                                      .first_column)>> : std::true_type {};
+struct splits_columns<
+    Stage, std::void_t<decltype(Stage::column_window_width(false)),
+                       decltype(std::declval<typename Stage::Arguments&>().first_column)>>
+    : std::true_type {};
 template <typename Stage, typename = void>
 struct shares_feature_groups : std::false_type {};
 template <typename Stage>

@@ -50,7 +50,7 @@ void check_broadcast(const char* where, const char* name, const BroadcastRef<T>&
 // Checks key (B, S, Ek) and value (B, S, Ev) against the weights and the query's batch.
 template <typename Scalar>
 void check_context(const char* where, const LayerDims& dims, Index batch,
-                          const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value) {
+                   const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value) {
   auto check_tensor = [&](const char* name, const TensorRef3<Scalar>& tensor, Index width) {
     if (tensor.dimension(0) != batch)
       fail<ShapeError>(where, name, " has batch ", tensor.dimension(0),
@@ -72,7 +72,7 @@ void check_context(const char* where, const LayerDims& dims, Index batch,
 // Checks a ProjectedContext against the weights and the query's batch.
 template <typename Scalar>
 void check_context(const char* where, const LayerDims& dims, Index batch,
-                          const ProjectedContext<Scalar>& context) {
+                   const ProjectedContext<Scalar>& context) {
   if (context.batch != batch)
     fail<ShapeError>(where, "context has batch ", context.batch, "; expected the query's batch ",
                      batch);
@@ -83,10 +83,10 @@ void check_context(const char* where, const LayerDims& dims, Index batch,
                      context.batch * context.key_steps, " x ", dims.projected_key_width());
   if (context.values.rows() != context.keys.rows() ||
       context.values.cols() != dims.projected_value_width())
-    fail<ShapeError>(
-        where, "context.values is ", context.values.rows(), " x ", context.values.cols(),
-        "; expected batch * key_steps x num_heads * value_dim = ", context.keys.rows(), " x ",
-        dims.projected_value_width());
+    fail<ShapeError>(where, "context.values is ", context.values.rows(), " x ",
+                     context.values.cols(),
+                     "; expected batch * key_steps x num_heads * value_dim = ", context.keys.rows(),
+                     " x ", dims.projected_value_width());
 }
 
 // Checks the options against (B, T, S): masks, bias, dropout rate, threads, scale, sizes.
@@ -97,8 +97,7 @@ void check_options(const char* where, const LayerDims& dims, Index batch, Index 
   if (padding.dimension(0) != 0 || padding.dimension(1) != 0) {
     if (padding.dimension(0) != batch || padding.dimension(1) != key_steps)
       fail<ShapeError>(where, "key_padding_mask is (", padding.dimension(0), ", ",
-                       padding.dimension(1), "); expected (B, S) = (", batch, ", ", key_steps,
-                       ")");
+                       padding.dimension(1), "); expected (B, S) = (", batch, ", ", key_steps, ")");
   }
   if (!(options.dropout_rate >= 0.0 && options.dropout_rate < 1.0))
     fail<ConfigError>(where, "dropout_rate = ", options.dropout_rate,
