@@ -52,10 +52,10 @@ class DenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, A
   using typename Core::Softmax;
   using QueryProjection = QueryProjectionT;
 
-  DenseMHA(const MhaConfig& config, MhaWeights<Scalar> weights)
-      : Core(config, std::make_shared<MhaWeights<Scalar>>(std::move(weights))) {}
-  DenseMHA(const MhaConfig& config, std::shared_ptr<MhaWeights<Scalar>> weights)
-      : Core(config, std::move(weights)) {}
+  DenseMHA(const MhaConfig& layer_config, MhaWeights<Scalar> layer_weights)
+      : Core(layer_config, std::make_shared<MhaWeights<Scalar>>(std::move(layer_weights))) {}
+  DenseMHA(const MhaConfig& layer_config, std::shared_ptr<MhaWeights<Scalar>> layer_weights)
+      : Core(layer_config, std::move(layer_weights)) {}
 
   QueryProjection& query_projection() { return query_projection_; }
   const QueryProjection& query_projection() const { return query_projection_; }

@@ -89,11 +89,11 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
 
   // Takes the weights over (move them in: no copy). Validates the configuration and the
   // weights' shapes (ConfigError, ShapeError).
-  SparseDenseMHA(const MhaConfig& config, MhaWeights<Scalar> weights)
-      : Core(config, std::make_shared<MhaWeights<Scalar>>(std::move(weights))) {}
+  SparseDenseMHA(const MhaConfig& layer_config, MhaWeights<Scalar> layer_weights)
+      : Core(layer_config, std::make_shared<MhaWeights<Scalar>>(std::move(layer_weights))) {}
   // Shares weights that the caller keeps: a training step updates them in place and calls again.
-  SparseDenseMHA(const MhaConfig& config, std::shared_ptr<MhaWeights<Scalar>> weights)
-      : Core(config, std::move(weights)) {}
+  SparseDenseMHA(const MhaConfig& layer_config, std::shared_ptr<MhaWeights<Scalar>> layer_weights)
+      : Core(layer_config, std::move(layer_weights)) {}
 
   QueryProjection& query_projection() { return query_projection_; }
   const QueryProjection& query_projection() const { return query_projection_; }
