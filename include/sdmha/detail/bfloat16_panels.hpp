@@ -122,9 +122,9 @@ void bfloat16_window_product(const CsrView<float, StorageIndex>& x, const BFloat
   if (x.rows == 0) return;  // the output may be empty (null): no offsets into it
   for (Index i = 0; i < panel_segment_count(first_column, columns); ++i) {
     const PanelSegment s = panel_segment(weight, first_column, columns, i);
-    const bool beyond_cache = double(x.cols) * double(weight.panel_width(s.panel)) *
-                                  sizeof(Eigen::bfloat16) >
-                              kCoreCacheBytes;
+    const bool beyond_cache =
+        double(x.cols) * double(weight.panel_width(s.panel)) * sizeof(Eigen::bfloat16) >
+        kCoreCacheBytes;
     const Eigen::bfloat16* panel = weight.panel(s.panel) + s.offset;
     const float* segment_bias = bias != nullptr ? bias + s.window_offset : nullptr;
     float* out = output + s.window_offset;
@@ -297,8 +297,8 @@ inline bool whole_panel_segment(const PanelSegment& s) {
 inline BlockLines segment_lines(const BFloat16Panels& weight, const PanelSegment& s, Index first,
                                 Index features) {
   const Index columns = whole_panel_segment(s) ? kBFloat16PanelColumns : kHalfPanelColumns;
-  return {reinterpret_cast<const char*>(weight.panel(s.panel) +
-                                        first * kBFloat16PanelColumns + s.offset),
+  return {reinterpret_cast<const char*>(weight.panel(s.panel) + first * kBFloat16PanelColumns +
+                                        s.offset),
           features, columns * Index(sizeof(Eigen::bfloat16)) / 64};
 }
 
@@ -333,8 +333,8 @@ void bfloat16_window_by_feature_blocks(const CsrView<float, StorageIndex>& x,
                              std::min(features, block_features));
       }
       if (whole_panel_segment(s)) {
-        add_feature_block<kBFloat16PanelColumns>(x, panel, s.width, end, next, out,
-                                                 output_stride, cursors);
+        add_feature_block<kBFloat16PanelColumns>(x, panel, s.width, end, next, out, output_stride,
+                                                 cursors);
       } else {
         add_feature_block<kHalfPanelColumns>(x, panel, s.width, end, next, out, output_stride,
                                              cursors);

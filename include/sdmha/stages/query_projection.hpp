@@ -51,9 +51,9 @@ struct SparseQueryProjection {
   // (build_query_groups) and read by each.
   struct Arguments {
     CsrView<Scalar, StorageIndex> query;  // rows × Eq
-    ConstMatrixRef<Scalar> kernel;  // Eq × w, row-major (Wq or a window of it): a stored value
-                                    // reads one contiguous row
-    ConstVectorRef<Scalar> bias;    // w, or empty for no bias
+    ConstMatrixRef<Scalar> kernel;     // Eq × w, row-major (Wq or a window of it): a stored value
+                                       // reads one contiguous row
+    ConstVectorRef<Scalar> bias;       // w, or empty for no bias
     mutable MatrixRef<Scalar> output;  // rows × w
     StageScratch workspace = {};       // workspace_size() bytes for this call's sizes
     // Wq rounded to bfloat16 (all of it, Eq × N), or null: the float kernel is read.
@@ -292,11 +292,10 @@ struct SparseQueryProjection {
     const Index alignment = window_alignment(bfloat16);
     if (first % alignment == 0 && (end == columns || end % alignment == 0)) return;
     if (bfloat16)
-      detail::fail<ShapeError>(where, "first_column is ", first, " and the window ends at ", end,
-                               "; expected multiples of ", alignment,
-                               " (half of kernel_bfloat16's panel width ",
-                               detail::kBFloat16PanelColumns, ") or, for the end, kernel_columns ",
-                               columns);
+      detail::fail<ShapeError>(
+          where, "first_column is ", first, " and the window ends at ", end,
+          "; expected multiples of ", alignment, " (half of kernel_bfloat16's panel width ",
+          detail::kBFloat16PanelColumns, ") or, for the end, kernel_columns ", columns);
     detail::fail<ShapeError>(where, "first_column is ", first, " and the window ends at ", end,
                              "; expected multiples of ", alignment,
                              " (a cache line of Scalar) or, for the end, kernel_columns ", columns);
