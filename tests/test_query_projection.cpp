@@ -975,3 +975,66 @@ TEST(QueryProjectionBFloat16Test, CanImplementRejectsAMismatchedOrDoubleKernel) 
 
 }  // namespace
 }  // namespace sdmha_test
+
+namespace sdmha_test {
+namespace {
+
+// Q in windows of Wq's columns (first_column, kernel_columns), with and without a CSC built once
+// for the rows (build_query_groups), is bitwise the whole call: by rows (Wq in L2) and by feature
+// (Wq beyond L2), widths that leave a narrower last window.
+TEST(QueryProjectionWindows, WindowsEqualTheWholeCallBitForBit) {
+  using WindowProjection = sdmha::SparseQueryProjection<float>;
+  const std::pair<Index, Index> shapes[] = {{512, 200}, {8192, 136}};  // Eq, N
+  std::mt19937_64 random(17);
+  std::normal_distribution<float> normal;
+  for (const auto& [features, columns] : shapes) {
+    const Index rows = 96, per_row = std::max<Index>(2, features / 40);
+    Eigen::SparseMatrix<float, Eigen::RowMajor, int> x(rows, features);
+    std::vector<Eigen::Triplet<float, int>> entries;
+    for (Index r = 0; r < rows; ++r)
+      for (Index k = 0; k < per_row; ++k)
+        entries.emplace_back(int(r), int((k * 37 + r * 11) % features), normal(random));
+    x.setFromTriplets(entries.begin(), entries.end());
+    x.makeCompressed();
+    const Index stored = x.nonZeros();
+    const auto query = sdmha::SparseQuery<float>::from_eigen(1, rows, std::move(x));
+    const auto& view = query.csr();
+    sdmha::RowMatrix<float> kernel(features, columns);
+    for (Index i = 0; i < kernel.size(); ++i) kernel.data()[i] = normal(random);
+    sdmha::Vector<float> bias(columns);
+    for (Index i = 0; i < columns; ++i) bias[i] = normal(random);
+    const WindowProjection projection;
+    sdmha::detail::ScratchBuffer scratch, groups_memory;
+    sdmha::TileSizes sizes;
+    sizes.rows = rows;
+    sizes.features = features;
+    sizes.output_width = columns;
+    sizes.nonzeros = stored;
+    scratch.reserve(WindowProjection::workspace_size(sizes));
+    groups_memory.reserve(WindowProjection::query_groups_bytes(features, stored));
+    sdmha::RowMatrix<float> whole(rows, columns), windowed(rows, columns), shared(rows, columns);
+    projection({view, kernel, bias, whole, scratch.view()});
+    const auto groups = WindowProjection::build_query_groups(view, groups_memory.view());
+    const Index width = WindowProjection::column_window_width(false);
+    for (Index first = 0; first < columns; first += width) {
+      const Index w = std::min(width, columns - first);
+      for (const bool prebuilt : {false, true}) {
+        sdmha::RowMatrix<float>& out = prebuilt ? shared : windowed;
+        WindowProjection::Arguments args{view, kernel.middleCols(first, w), bias.segment(first, w),
+                                         out.middleCols(first, w), scratch.view()};
+        args.first_column = first;
+        args.kernel_columns = columns;
+        if (prebuilt && WindowProjection::reads_feature_groups(args)) args.feature_groups = &groups;
+        WindowProjection::can_implement(args);
+        projection(args);
+      }
+    }
+    EXPECT_EQ(0, std::memcmp(whole.data(), windowed.data(), sizeof(float) * whole.size()))
+        << "Eq " << features;
+    EXPECT_EQ(0, std::memcmp(whole.data(), shared.data(), sizeof(float) * whole.size()))
+        << "Eq " << features;
+  }
+}
+
+}  // namespace
+}  // namespace sdmha_test
