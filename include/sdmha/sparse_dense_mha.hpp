@@ -489,7 +489,7 @@ template <typename Scalar, typename QueryProjectionT, typename ScoreKernelT, typ
 struct SparseDenseMHA<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT, AttendValuesT,
                       OutputProjectionT, ContextProjectionT>::QuerySource {
   const SparseDenseMHA& layer;
-  const detail::AttentionPlan& plan;
+  const detail::AttentionPlan& call_plan;  // the tiles' (the passes hand theirs in as `plan`)
   const Query& query;
   RowMatrix<Scalar>& projected_query;
   bool always_project = false;  // Q even for regrouped scores (the backward's dK needs it)
@@ -538,8 +538,8 @@ struct SparseDenseMHA<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT, AttendVa
   void operator()(const detail::AttentionItem& item, const BatchMask& mask,
                   const ConstMatrixRef<Scalar>& key, bool bfloat16_operands, StageScratch scratch,
                   MatrixRef<Scalar> scores) const {
-    layer.tile_scores(plan, item, query, projected_query, mask, key, bfloat16_operands, scratch,
-                      scores);
+    layer.tile_scores(call_plan, item, query, projected_query, mask, key, bfloat16_operands,
+                      scratch, scores);
   }
 };
 

@@ -490,10 +490,12 @@ void run(const Setup& setup, const sdmha_reference::Result& expected) {
 // set_precision(Precision::bfloat16) computes tests/reference's float64 model of the mode
 // (Problem::bfloat16_projections and bfloat16_attention: Wq, Wk, Wv, Wo, the key, the value and
 // the heads as inputs of their projections, scale·q and k in the scores, p and v in P·V rounded
-// to bfloat16) with float32 sums and a float32 softmax, except on a value tile (here one per
-// batch entry and head: S ≤ 6 is one key tile, and no online softmax) holding a NaN, ±∞ or an
-// entry of magnitude 2¹²⁷ or more, which takes the float32 product that skips zero
-// probabilities. The check is that model with float32's own error carried through as bounds,
+// to bfloat16) with float32 sums and a float32 softmax, except on a value tile holding a NaN, ±∞
+// or an entry of magnitude 2¹²⁷ or more, which takes the float32 product that skips zero
+// probabilities. A tile is one query tile's rows and the keys they may read (S ≤ 6 is one key
+// tile, and no online softmax), which a causal tile cuts short of S: the model does not follow
+// the layer's tiling, so where V_bh holds such an entry either product is allowed for its
+// rows. The check is that model with float32's own error carried through as bounds,
 // entry by entry, so that it is exact where float32 is and only as loose as float32 can be:
 // - a float32 sum of terms that are exact (a product of two bfloat16 values is exact in float32)
 //   and a bias, in any order, is within (n + 3)·2⁻²⁴ of the sum of their magnitudes (Higham's γ,
@@ -589,9 +591,10 @@ struct BFloat16Model {
   sdmha_reference::Problem problem;  // the mode's model, on the inputs as float holds them
   sdmha_reference::Result result;
   Projection query, key, value;  // the projections' float32 error
-  // Per (b, h): 0 P·V rounded (V finite below 2¹²⁷), 1 the float32 product skipping zero
-  // probabilities (V holds a NaN or ±∞), 2 either (V near 2¹²⁷, which float32 sums may reach).
-  std::vector<char> value_path;
+  // Per (b, h): whether P·V may also be the float32 product skipping zero probabilities (V_bh
+  // holds a NaN or ±∞, which some tiles read and others may not; or entries near 2¹²⁷, which
+  // float32 sums may reach), besides bf16(P)·bf16(V).
+  std::vector<char> either_product;
   std::vector<double> probability_error;  // B·H·T·S
   std::vector<double> head, head_error;   // B·T·H·Dv: an interval holding the forward's heads
   std::vector<double> output, output_error;
@@ -606,7 +609,7 @@ void projection_errors(BFloat16Model& m) {
       projection_error(p.key, B * S, p.key_in_dim, p.key_kernel, p.key_bias, H * p.key_dim, true);
   m.value =
       projection_error(p.value, B * S, p.value_in_dim, p.value_kernel, p.value_bias, H * Dv, true);
-  m.value_path.assign(static_cast<std::size_t>(B * H), 0);
+  m.either_product.assign(static_cast<std::size_t>(B * H), 0);
   for (long b = 0; b < B; ++b)
     for (long h = 0; h < H; ++h) {
       bool finite = true, small = true;
@@ -616,7 +619,7 @@ void projection_errors(BFloat16Model& m) {
           finite = finite && std::isfinite(m.result.value[i]);
           small = small && m.value.magnitude[i] < kHuge;
         }
-      m.value_path[std::size_t(b * H + h)] = !finite ? 1 : small ? 0 : 2;
+      m.either_product[std::size_t(b * H + h)] = !finite || !small;
     }
 }
 
@@ -696,14 +699,14 @@ void probability_errors(BFloat16Model& m, long b, long h, long t) {
 }
 
 // Row (b, h, t)'s heads as an interval: around the rounded product bf16(P)·bf16(V), the float32
-// product skipping zero probabilities, or both, as value_path says.
+// product skipping zero probabilities too where either_product says.
 void head_interval(BFloat16Model& m, long b, long h, long t) {
   const auto& p = m.problem;
   const long T = p.steps, S = p.key_steps, H = p.heads, Dv = p.value_dim;
   const std::size_t row = std::size_t(((b * H + h) * T + t) * S);
   const double* probability = m.result.probabilities.data() + row;
   const double* probability_error = m.probability_error.data() + row;
-  const char path = m.value_path[std::size_t(b * H + h)];
+  const bool either = m.either_product[std::size_t(b * H + h)] != 0;
   for (long d = 0; d < Dv; ++d) {
     FloatSum rounded_sum, plain_sum;
     double plain = 0.0;
@@ -723,8 +726,7 @@ void head_interval(BFloat16Model& m, long b, long h, long t) {
     const double rounded = m.result.heads[i], rounded_error = rounded_sum.error() + kTiny;
     const double plain_error = plain_sum.error() + kTiny;
     double low = rounded - rounded_error, high = rounded + rounded_error;
-    if (path == 1) low = high = plain;
-    if (path != 0) {
+    if (either) {
       low = std::min(low, plain) - plain_error;
       high = std::max(high, plain) + plain_error;
     }

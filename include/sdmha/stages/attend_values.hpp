@@ -33,8 +33,8 @@ struct AttendValues {
     ConstMatrixRef<Scalar> probabilities;  // rows × keys
     ConstMatrixRef<Scalar> value;          // keys × Dv
     mutable MatrixRef<Scalar> output;      // rows × Dv
-    // Whether every entry of `value` is finite, when the caller knows it already (a layer checks
-    // V_h once per (batch, head), not once per query tile); unknown means this stage checks.
+    // Whether every entry of `value` is finite, when the caller knows it already (the layer
+    // checks the rows its tile reads); unknown means this stage checks.
     std::optional<bool> value_is_finite = std::nullopt;
     StageScratch workspace = {};
     // Float only: with V_h finite, A_h = bf16(P)·bf16(V_h), the operands rounded to bfloat16,
