@@ -77,8 +77,9 @@ fi
 
 # ---- 2. ThreadSanitizer, the threaded tests ------------------------------------------------------
 # The tests that run threads: one layer shared by 8 threads (Concurrency) and the thread-count
-# invariance tests (the layer and the backward pass on 1 to 8 workers), and the Workspace and
-# ThreadPool tests (persistent worker threads kept between calls).
+# invariance tests (the layer and the backward pass on 1 to 8 workers), the backward's ordered
+# sums of dK and dV across tile groups (BackwardTiles: up to 64 workers, and a failing tile), and
+# the Workspace and ThreadPool tests (persistent worker threads kept between calls).
 if wanted tsan; then
 banner "2/4 ThreadSanitizer (build-tsan/, clang)"
 tsan_flags="-fsanitize=thread -fno-omit-frame-pointer"
@@ -86,7 +87,7 @@ cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
   -DCMAKE_CXX_FLAGS="$tsan_flags" -DCMAKE_CXX_FLAGS_DEBUG="-g -O1" \
   -DCMAKE_EXE_LINKER_FLAGS="$tsan_flags" -DSDMHA_BUILD_EXAMPLES=OFF -DSDMHA_BUILD_TOOLS=OFF "${common[@]}"
 cmake --build build-tsan -j"$JOBS" --target sdmha_tests
-tsan_filter='Concurrency*:*ThreadCount*:*Workspace*:ThreadPool*'
+tsan_filter='Concurrency*:*ThreadCount*:*Workspace*:ThreadPool*:BackwardTiles*'
 echo "running build-tsan/tests/sdmha_tests --gtest_filter=$tsan_filter"
 TSAN_OPTIONS=halt_on_error=1:abort_on_error=1:second_deadlock_stack=1 \
   build-tsan/tests/sdmha_tests --gtest_filter="$tsan_filter"

@@ -410,6 +410,75 @@ TYPED_TEST(BackwardTest, ThreadCountDoesNotChangeGradientsBitwise) {
   }
 }
 
+// Four 64-row query tiles per (b, h) (T = 200; S = 600 keeps the backward's tiles at 64 rows)
+// and B·H = 2·heads: the backward's items are (b, h, query tile), one tile per group (too few
+// (b, h) for 64 items alone), each group's terms of dK and dV added in group order.
+Shape many_tiles_shape(long heads) {
+  Shape s;
+  s.steps = 200;
+  s.key_steps = 600;
+  s.heads = heads;
+  s.key_dim = 8;
+  return s;
+}
+
+// Whichever worker runs a group, the same bits on 1 to 64 threads (more threads than cores).
+TEST(BackwardTiles, EveryThreadCountGivesTheSameBits) {
+  Shape s = many_tiles_shape(3);
+  s.random_mask = true;
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "not causal");
+    s.causal = causal;
+    auto c = make_case<float>(s, 72);
+    const auto d_output = random_d_output(c, 73);
+    const Layer<float> layer(c.config, c.weights);
+    const auto query = c.query();
+    auto options = c.options;
+    options.num_threads = 1;
+    const auto single = layer.backward(query, c.key, c.value, d_output, options);
+    for (int threads : {2, 3, 16, 64}) {
+      options.num_threads = threads;
+      EXPECT_TRUE(same_bits(c, single, layer.backward(query, c.key, c.value, d_output, options)))
+          << threads << " threads";
+    }
+  }
+}
+
+// The default score kernel, whose backward throws on one tile: the tile of rows 64… of head 1.
+template <typename Scalar>
+struct ThrowingScoreBackward : sdmha::ScoreKernel<Scalar> {
+  using differentiates = ThrowingScoreBackward;
+  void backward(const typename sdmha::ScoreKernel<Scalar>::BackwardArguments& args) const {
+    if (args.head == 1 && args.query_begin == 64) throw std::runtime_error("tile (h 1, t 64)");
+    sdmha::ScoreKernel<Scalar>::backward(args);
+  }
+};
+
+// A tile that throws ends the call with its exception, on one thread and on several (the items
+// that wait for its turn to add to dK and dV give up rather than wait forever), and the same
+// workspace then serves a call that succeeds, with the same bits as a fresh one.
+TEST(BackwardTiles, AFailingTileEndsTheCallWithItsException) {
+  auto c = make_case<float>(many_tiles_shape(2), 74);
+  const auto d_output = random_d_output(c, 75);
+  const sdmha::SparseDenseMHA<float, sdmha::SparseQueryProjection<float>,
+                              ThrowingScoreBackward<float>>
+      failing(c.config, c.weights);
+  const Layer<float> layer(c.config, c.weights);
+  const auto query = c.query();
+  for (int threads : {1, 4, 16}) {
+    auto options = c.options;
+    options.num_threads = threads;
+    sdmha::Workspace<float> workspace;
+    sdmha::MhaGradients<float> gradients;
+    SDMHA_EXPECT_THROW_WITH(
+        failing.backward(query, c.key, c.value, d_output, options, workspace, gradients),
+        std::runtime_error, "tile (h 1, t 64)");
+    layer.backward(query, c.key, c.value, d_output, options, workspace, gradients);
+    EXPECT_TRUE(same_bits(c, gradients, layer.backward(query, c.key, c.value, d_output, options)))
+        << threads << " threads";
+  }
+}
+
 TYPED_TEST(BackwardTest, ReusingTheProjectedContextGivesTheSameGradients) {
   Shape s;
   s.steps = 9;

@@ -14,9 +14,9 @@
 //   3. OutputProjection:  dWo = Aᵀ·dY, dbo = 1ᵀ·dY                          (weight tiles)
 //   4. QueryProjection:   dWq = Xᵀ·dQ, dbq = 1ᵀ·dQ, dX = dQ·Wqᵀ at X's stored positions
 //   5. ContextProjection: dWk = keyᵀ·dK, dbk, dkey = dK·Wkᵀ; likewise V.
-// One (b, h) item owns its blocks of A, dQ, dK and dV and sums dK_bh, dV_bh over its tiles in
-// order (a task runs one item, or a fixed group of them for a broadcast bias's gradient), and
-// weight gradients go in fixed tiles: no sum depends on the thread count.
+// One (b, h, query tile) item owns its rows of A and dQ and adds its terms of dK_bh, dV_bh in
+// tile order (a broadcast bias's gradient: one task per fixed group of (b, h), tiles in order);
+// weight and bias gradients go in fixed tiles and panels: no sum depends on the thread count.
 #pragma once
 
 #include <algorithm>
@@ -122,9 +122,9 @@ struct Backward {
     attention(layer, plan, query, context, options, buffers, gradients);
     kernel_gradient(plan, layer.output_projection(), buffers.heads, d_output_matrix, buffers,
                     gradients.output_kernel);
-    bias_gradient(use_bias, d_output_matrix, gradients.output_bias);
+    bias_gradient(plan, use_bias, d_output_matrix, gradients.output_bias, buffers);
     query_gradients(layer, plan, query, buffers, gradients);
-    bias_gradient(use_bias, scratch.d_queries, gradients.query_bias);
+    bias_gradient(plan, use_bias, scratch.d_queries, gradients.query_bias, buffers);
     context_gradients(plan, layer.context_projection(), key.as_matrix(), weights.key_kernel,
                       scratch.d_keys, use_bias, buffers, gradients.key_kernel, gradients.key_bias,
                       gradients.key);
@@ -144,21 +144,150 @@ struct Backward {
                         const ProjectedContext<Scalar>& context,
                         const AttentionOptions<Scalar>& options, Buffers& buffers,
                         MhaGradients<Scalar>& gradients) {
-    const Index B = plan.batch, T = plan.steps, S = plan.key_steps, H = plan.heads();
+    const Index B = plan.batch, T = plan.steps, S = plan.key_steps;
     BackwardBuffers<Scalar>& scratch = buffers.backward;
     buffers.heads.resize(B * T, plan.dims.projected_value_width());
     scratch.d_queries.resize(B * T, plan.dims.projected_key_width());
-    scratch.d_keys.setZero(B * S, plan.dims.projected_key_width());
-    scratch.d_values.setZero(B * S, plan.dims.projected_value_width());
+    // Zeroed per (b, h) by the item that sums into it first (head_sums), not here: in parallel.
+    scratch.d_keys.resize(B * S, plan.dims.projected_key_width());
+    scratch.d_values.resize(B * S, plan.dims.projected_value_width());
     start_bias_gradient(plan, options, buffers, gradients);
     // Without key or query steps there is no (b, h) item: A and dQ are 0 (or empty), dK = dV = 0.
     if (plan.attention_items() == 0) {
       buffers.heads.setZero();
       scratch.d_queries.setZero();
+      scratch.d_keys.setZero();
+      scratch.d_values.setZero();
       return;
     }
-    // One task per (b, h) item, or per group of items sharing a broadcast bias's gradient.
     const BiasGradientTasks tasks = bias_gradient_tasks(plan, options);
+    if (tasks.grouping == BiasGradientTasks::Grouping::per_item)
+      attention_by_tiles(layer, plan, query, context, options, buffers, gradients);
+    else
+      attention_by_tasks(layer, plan, query, context, options, buffers, gradients);
+    finish_bias_gradient(plan, options, buffers, gradients);
+  }
+
+  // Items (b, h, group of query tiles), group-major (every (b, h)'s group g before any group
+  // g + 1), with groups fixed by the problem (backward_tile_groups). Each item recomputes its
+  // tiles in order, writing its rows of A, dQ and the bias gradient, and sums its terms of dK_bh
+  // and dV_bh: group 0 straight into them, a later group into the worker's partial sums, added
+  // to dK_bh, dV_bh in group order once its (b, h)'s turn comes (the group before hands it on).
+  // Each sum is thus one order whatever the thread count. A turn is awaited only after the
+  // item's own work, and the group it waits for was claimed before it: no item waits on one
+  // that has not started. One group per (b, h) (B·H alone makes enough items) is the plain
+  // per-(b, h) loop, with no partial sums and no waits.
+  static void attention_by_tiles(const Layer& layer, const AttentionPlan& plan, const Query& query,
+                                 const ProjectedContext<Scalar>& context,
+                                 const AttentionOptions<Scalar>& options, Buffers& buffers,
+                                 MhaGradients<Scalar>& gradients) {
+    const Index heads_total = plan.batch * plan.heads();
+    const TileGroups groups = backward_tile_groups(plan);
+    buffers.prepare_workers(
+        plan.workers(groups.count * heads_total), plan.worker_scratch_bytes, plan.tile_entries,
+        3 + int(groups.count > 1 ? partial_sum_tiles(plan) : 0), plan.query_tile);
+    OrderedTurns& turns = buffers.backward.tile_turns;
+    turns.reset(heads_total);
+    const BiasGradientTarget target{
+        bias_gradient_wanted(options) ? gradients.attention_bias.data() : nullptr, false};
+    parallel_for(
+        groups.count * heads_total, plan.threads,
+        [&](Index index, int worker) {
+          const Index group = index / heads_total, bh = index % heads_total;
+          const Index b = bh / plan.heads(), h = bh % plan.heads();
+          const Index first = group * groups.tiles,
+                      last = std::min(first + groups.tiles, plan.query_tiles);
+          WorkerBuffers<Scalar>& own = buffers.workers[std::size_t(worker)];
+          // Key ranges start at key 0 and grow with the tile: the group's last is the widest.
+          const Index keys = plan.tile_of(b, h, last - 1).key_steps;
+          GradientSums sums = group == 0 ? zeroed_head_sums(plan, b, h, buffers.backward)
+                                         : partial_sums(plan, keys, own);
+          try {
+            const HeadFlags flags = head_flags(plan, context, buffers.backward.d_heads, b, h);
+            for (Index tile = first; tile < last; ++tile) {
+              const AttentionItem item = plan.tile_of(b, h, tile);
+              attention_tile(layer, plan, item, query, context, options, flags, target, own,
+                             buffers, sums.keys.topRows(item.key_steps),
+                             sums.values.topRows(item.key_steps));
+            }
+          } catch (...) {
+            turns.abandon();
+            throw;
+          }
+          if (group > 0) {
+            if (!turns.await(bh, group)) return;  // an earlier item failed; the call rethrows it
+            GradientSums whole = head_sums(plan, b, h, keys, buffers.backward);
+            whole.keys += sums.keys;
+            whole.values += sums.values;
+          }
+          turns.pass(bh, group + 1);
+        },
+        &buffers.pool, "backward attention");
+  }
+
+  // Query tiles per group and groups per (b, h): at least kBackwardItemsWanted items where the
+  // tiles allow (`long`, B·H = 16 and 32 tiles: 4 groups of 8), one group when B·H alone gives
+  // that many. More groups would cost more partial sums (S × (Dk + Dv) written and added per
+  // group) for balance that 16 workers do not need.
+  static constexpr Index kBackwardItemsWanted = 64;
+  struct TileGroups {
+    Index tiles = 1, count = 1;
+  };
+  static TileGroups backward_tile_groups(const AttentionPlan& plan) {
+    const Index heads_total = std::max<Index>(plan.batch * plan.heads(), 1);
+    const Index wanted = std::clamp<Index>((kBackwardItemsWanted + heads_total - 1) / heads_total,
+                                           1, std::max<Index>(plan.query_tiles, 1));
+    TileGroups groups;
+    groups.tiles = (plan.query_tiles + wanted - 1) / wanted;
+    groups.count = plan.query_tiles > 0 ? (plan.query_tiles + groups.tiles - 1) / groups.tiles : 0;
+    return groups;
+  }
+
+  // Where a group's terms of dK_bh and dV_bh (its first `keys` key rows) are summed: dK_bh, dV_bh
+  // themselves, or the worker's partial sums (in its tiles after the three of the tile itself,
+  // zeroed for the stages to add into).
+  struct GradientSums {
+    MatrixRef<Scalar> keys, values;
+  };
+  static GradientSums head_sums(const AttentionPlan& plan, Index b, Index h, Index keys,
+                                BackwardBuffers<Scalar>& scratch) {
+    const Index row = b * plan.key_steps, Dk = plan.dims.key_dim, Dv = plan.dims.value_dim;
+    return GradientSums{scratch.d_keys.block(row, h * Dk, keys, Dk),
+                        scratch.d_values.block(row, h * Dv, keys, Dv)};
+  }
+  // dK_bh and dV_bh whole (all S keys), zeroed: the first sums into them.
+  static GradientSums zeroed_head_sums(const AttentionPlan& plan, Index b, Index h,
+                                       BackwardBuffers<Scalar>& scratch) {
+    GradientSums sums = head_sums(plan, b, h, plan.key_steps, scratch);
+    sums.keys.setZero();
+    sums.values.setZero();
+    return sums;
+  }
+  static Index partial_sum_tiles(const AttentionPlan& plan) {
+    const Index entries =
+        plan.key_steps * (plan.dims.key_dim + plan.dims.value_dim) + plan.tile_entries - 1;
+    return std::max<Index>(entries / std::max<Index>(plan.tile_entries, 1), 1);
+  }
+  static GradientSums partial_sums(const AttentionPlan& plan, Index keys,
+                                   WorkerBuffers<Scalar>& worker) {
+    const Index Dk = plan.dims.key_dim, Dv = plan.dims.value_dim;
+    Scalar* first = worker.tile(3, 0, 0, plan.tile_entries).data();
+    Eigen::Map<RowMatrix<Scalar>> key_sums(first, keys, Dk),
+        value_sums(first + keys * Dk, keys, Dv);
+    key_sums.setZero();
+    value_sums.setZero();
+    return GradientSums{key_sums, value_sums};
+  }
+
+  // One task per (b, h) item, or per group of items sharing a broadcast bias's gradient: a
+  // task's items and tiles in order, dK_bh and dV_bh summed in place.
+  static void attention_by_tasks(const Layer& layer, const AttentionPlan& plan, const Query& query,
+                                 const ProjectedContext<Scalar>& context,
+                                 const AttentionOptions<Scalar>& options, Buffers& buffers,
+                                 MhaGradients<Scalar>& gradients) {
+    const BiasGradientTasks tasks = bias_gradient_tasks(plan, options);
+    const Index H = plan.heads();
+    BackwardBuffers<Scalar>& scratch = buffers.backward;
     buffers.prepare_workers(plan.workers(tasks.count), plan.worker_scratch_bytes, plan.tile_entries,
                             3, plan.query_tile);
     parallel_for(
@@ -170,15 +299,19 @@ struct Backward {
           else if (bias_gradient_wanted(options))
             target = BiasGradientTarget{gradients.attention_bias.data(), tasks.items > 1};
           for (Index k = 0; k < tasks.items_of(task); ++k) {
-            const Index item = tasks.item(task, k), b = item / H, h = item % H;
+            const Index head_item = tasks.item(task, k), b = head_item / H, h = head_item % H;
             const HeadFlags flags = head_flags(plan, context, scratch.d_heads, b, h);
-            for (Index tile = 0; tile < plan.query_tiles; ++tile)
-              attention_tile(layer, plan, plan.tile_of(b, h, tile), query, context, options, flags,
-                             target, buffers.workers[std::size_t(worker)], buffers);
+            GradientSums sums = zeroed_head_sums(plan, b, h, scratch);
+            for (Index tile = 0; tile < plan.query_tiles; ++tile) {
+              const AttentionItem item = plan.tile_of(b, h, tile);
+              attention_tile(layer, plan, item, query, context, options, flags, target,
+                             buffers.workers[std::size_t(worker)], buffers,
+                             sums.keys.topRows(item.key_steps),
+                             sums.values.topRows(item.key_steps));
+            }
           }
         },
-        &buffers.pool);
-    finish_bias_gradient(plan, options, buffers, gradients);
+        &buffers.pool, "backward attention");
   }
 
   static HeadFlags head_flags(const AttentionPlan& plan, const ProjectedContext<Scalar>& context,
@@ -199,7 +332,8 @@ struct Backward {
                              const ProjectedContext<Scalar>& context,
                              const AttentionOptions<Scalar>& options, const HeadFlags& flags,
                              const BiasGradientTarget& bias_gradient, WorkerBuffers<Scalar>& worker,
-                             Buffers& buffers) {
+                             Buffers& buffers, MatrixRef<Scalar> d_keys,
+                             MatrixRef<Scalar> d_values) {
     const Index T = plan.steps, S = plan.key_steps, Dk = plan.dims.key_dim,
                 Dv = plan.dims.value_dim;
     const Index b = item.batch, h = item.head, rows = item.query_rows, keys = item.key_steps;
@@ -242,9 +376,7 @@ struct Backward {
     layer.attend_values()(values_args);
 
     typename Layer::AttendValues::BackwardArguments d_values_args{
-        position, dropped,  value_bh,
-        d_heads,  d_scores, scratch.d_values.block(key_row, h * Dv, keys, Dv),
-        stage};
+        position, dropped, value_bh, d_heads, d_scores, d_values, stage};
     Layer::AttendValues::can_implement(d_values_args);
     layer.attend_values().backward(d_values_args);
     dropout.apply(d_scores, b, h, item.query_begin, item.key_begin);
@@ -254,15 +386,8 @@ struct Backward {
     layer.softmax().backward(d_softmax_args);
     add_bias_gradient(plan, item, options, d_scores, bias_gradient);
     typename Layer::ScoreKernel::BackwardArguments d_score_args{
-        position,
-        query_bh,
-        key_bh,
-        Scalar(plan.scale),
-        d_scores,
-        d_queries,
-        scratch.d_keys.block(key_row, h * Dk, keys, Dk),
-        flags.keys_finite,
-        stage};
+        position, query_bh,          key_bh, Scalar(plan.scale), d_scores, d_queries,
+        d_keys,   flags.keys_finite, stage};
     Layer::ScoreKernel::can_implement(d_score_args);
     layer.score_kernel().backward(d_score_args);
   }
@@ -426,7 +551,7 @@ struct Backward {
           Projection::can_implement(args);
           projection.backward(args);
         },
-        &buffers.pool);
+        &buffers.pool, "input gradient");
   }
 
   // dW = inputᵀ·dY over all rows, one fixed tile of dW per work item.
@@ -454,7 +579,25 @@ struct Backward {
           Projection::can_implement(args);
           projection.backward(args);
         },
-        &buffers.pool);
+        &buffers.pool, "weight gradient");
+  }
+
+  // all_finite(matrix), one item per block of kFiniteRowBlock rows (a flag each), then their AND.
+  static constexpr Index kFiniteRowBlock = 256;
+  static bool all_finite_in_blocks(const AttentionPlan& plan, const ConstMatrixRef<Scalar>& matrix,
+                                   Buffers& buffers) {
+    const Index blocks = AttentionPlan::block_count(matrix.rows(), kFiniteRowBlock);
+    std::vector<char>& flags = buffers.backward.block_flags;
+    flags.assign(std::size_t(blocks), 0);
+    parallel_for(
+        blocks, plan.threads,
+        [&](Index index, int) {
+          const RowBlock block = AttentionPlan::block(index, matrix.rows(), kFiniteRowBlock);
+          flags[std::size_t(index)] =
+              all_finite<Scalar>(matrix.middleRows(block.begin, block.rows));
+        },
+        &buffers.pool, "finiteness");
+    return std::all_of(flags.begin(), flags.end(), [](char flag) { return flag != 0; });
   }
 
   // The gradient of a dense projection's kernel. A row of the input that no query attends (a
@@ -471,7 +614,7 @@ struct Backward {
       d_weight.setZero();
       return;
     }
-    if (all_finite<Scalar>(input)) {
+    if (all_finite_in_blocks(plan, input, buffers)) {
       kernel_gradient_tiles(plan, projection, input, d_output, d_weight, buffers);
       return;
     }
@@ -496,17 +639,30 @@ struct Backward {
                           scratch.gathered_output.topRows(count), d_weight, buffers);
   }
 
-  // dbias = 1ᵀ·dY; 0 without rows, where column sums would take blocks of dY's null data.
+  // dbias = 1ᵀ·dY, one item per fixed panel of kBiasPanel columns (each column one sum over the
+  // rows in one order, whatever the thread count); 0 without rows, where column sums would take
+  // blocks of dY's null data.
+  static constexpr Index kBiasPanel = 64;
   template <typename Matrix>
-  static void bias_gradient(bool use_bias, const Matrix& d_output, Vector<Scalar>& d_bias) {
+  static void bias_gradient(const AttentionPlan& plan, bool use_bias, const Matrix& d_output,
+                            Vector<Scalar>& d_bias, Buffers& buffers) {
     if (!use_bias) {
       d_bias.resize(0);
-    } else if (d_output.rows() == 0) {
-      d_bias.setZero(d_output.cols());
-    } else {
-      d_bias.resize(d_output.cols());
-      d_bias.noalias() = d_output.colwise().sum().transpose();
+      return;
     }
+    if (d_output.rows() == 0) {
+      d_bias.setZero(d_output.cols());
+      return;
+    }
+    d_bias.resize(d_output.cols());
+    parallel_for(
+        AttentionPlan::block_count(d_output.cols(), kBiasPanel), plan.threads,
+        [&](Index index, int) {
+          const RowBlock panel = AttentionPlan::block(index, d_output.cols(), kBiasPanel);
+          d_bias.segment(panel.begin, panel.rows).noalias() =
+              d_output.middleCols(panel.begin, panel.rows).colwise().sum().transpose();
+        },
+        &buffers.pool, "bias gradient");
   }
 
   // dW, db and d_input of the key or the value projection.
@@ -519,7 +675,7 @@ struct Backward {
                                 Vector<Scalar>& d_bias,
                                 Eigen::Tensor<Scalar, 3, Eigen::RowMajor>& d_input) {
     kernel_gradient(plan, projection, input, d_projected, buffers, d_kernel);
-    bias_gradient(use_bias, d_projected, d_bias);
+    bias_gradient(plan, use_bias, d_projected, d_bias, buffers);
     d_input.resize(plan.batch, plan.key_steps, kernel.rows());
     input_gradient(
         plan, projection, d_projected, kernel,
@@ -531,6 +687,7 @@ struct Backward {
 
   // dWq and dX, by feature over X's CSC when Wq is beyond L2 (bow), else by rows; then dX in
   // from_coo's entry order when the query came from COO.
+  static constexpr Index kEntryBlock = Index(1) << 14;  // COO entries per item of the reorder
   static void query_gradients(const Layer& layer, const AttentionPlan& plan, const Query& query,
                               Buffers& buffers, MhaGradients<Scalar>& gradients) {
     BackwardBuffers<Scalar>& scratch = buffers.backward;
@@ -543,9 +700,16 @@ struct Backward {
     else
       query_gradients_by_rows(layer, plan, query, buffers, d_stored, gradients.query_kernel);
     if (!coo_to_stored.empty()) {
-      gradients.query_values.resize(Index(coo_to_stored.size()));
-      for (std::size_t entry = 0; entry < coo_to_stored.size(); ++entry)
-        gradients.query_values[Index(entry)] = d_stored[Index(coo_to_stored[entry])];
+      const Index entries = Index(coo_to_stored.size());
+      gradients.query_values.resize(entries);
+      parallel_for(
+          AttentionPlan::block_count(entries, kEntryBlock), plan.threads,
+          [&](Index index, int) {
+            const RowBlock block = AttentionPlan::block(index, entries, kEntryBlock);
+            for (Index entry = block.begin; entry < block.begin + block.rows; ++entry)
+              gradients.query_values[entry] = d_stored[Index(coo_to_stored[std::size_t(entry)])];
+          },
+          &buffers.pool, "query values in COO order");
     }
   }
 
@@ -575,11 +739,13 @@ struct Backward {
           QueryProjection::can_implement(values_args);
           layer.query_projection().backward(values_args);
         },
-        &buffers.pool);
+        &buffers.pool, "query gradients by feature");
   }
 
-  // By rows: dWq in fixed column panels, dX in the projection's row blocks. Without query rows
-  // (B·T = 0) dWq is 0; the panels would be offsets on dQ's null data.
+  // By rows: dWq in fixed column panels of kQueryKernelPanel (each reads all of X's CSR, so
+  // narrow panels cost only its rereading), dX in the projection's row blocks. Without query
+  // rows (B·T = 0) dWq is 0; the panels would be offsets on dQ's null data.
+  static constexpr Index kQueryKernelPanel = 64;
   static void query_gradients_by_rows(const Layer& layer, const AttentionPlan& plan,
                                       const Query& query, Buffers& buffers,
                                       Vector<Scalar>& d_stored, RowMatrix<Scalar>& d_kernel) {
@@ -587,18 +753,18 @@ struct Backward {
     const RowMatrix<Scalar>& d_queries = buffers.backward.d_queries;
     const Index width = plan.dims.projected_key_width();
     if (csr.rows == 0) d_kernel.setZero();
-    const Index panels = csr.rows > 0 ? AttentionPlan::block_count(width, kWeightTile) : 0;
+    const Index panels = csr.rows > 0 ? AttentionPlan::block_count(width, kQueryKernelPanel) : 0;
     parallel_for(
         panels, plan.threads,
         [&](Index index, int) {
-          const RowBlock panel = AttentionPlan::block(index, width, kWeightTile);
+          const RowBlock panel = AttentionPlan::block(index, width, kQueryKernelPanel);
           typename QueryProjection::KernelGradientArguments args{
               csr, d_queries.middleCols(panel.begin, panel.rows),
               d_kernel.middleCols(panel.begin, panel.rows)};
           QueryProjection::can_implement(args);
           layer.query_projection().backward(args);
         },
-        &buffers.pool);
+        &buffers.pool, "query kernel gradient");
     constexpr Index block_rows = kQueryProjectionRowBlock;
     const Index blocks = AttentionPlan::block_count(csr.rows, block_rows);
     std::vector<Index>& block_start = buffers.backward.block_start;
@@ -620,7 +786,7 @@ struct Backward {
           QueryProjection::can_implement(args);
           layer.query_projection().backward(args);
         },
-        &buffers.pool);
+        &buffers.pool, "query values gradient");
   }
 };
 

@@ -343,6 +343,10 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
     }
   }
 
+  static Index query_row_blocks(const Query& query) {
+    return detail::AttentionPlan::block_count(query.rows(), detail::kQueryProjectionRowBlock);
+  }
+
   // The Arguments of query row block `index` and Wq's columns [first, first + columns).
   typename QueryProjection::Arguments query_block_arguments(const Query& query, Index index,
                                                             Index first, Index columns,
@@ -367,12 +371,15 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
   void project_query_item(const detail::AttentionPlan& plan, const Query& query, Index index,
                           StageScratch scratch, const detail::ScratchBuffer* groups,
                           RowMatrix<Scalar>& projected_query) const {
-    const Index windows = query_windows(plan), N = plan.dims.projected_key_width();
+    const Index N = plan.dims.projected_key_width();
     if constexpr (detail::splits_columns<QueryProjection>::value) {
+      // Window-major: the row blocks' items of one window follow one another, so that workers
+      // running them at once read the same columns of Wq (one pass from memory, shared in L3).
+      const Index blocks = query_row_blocks(query);
       const Index width = QueryProjection::column_window_width(query_kernel_is_bfloat16());
-      const Index first = index % windows * width, columns = std::min(width, N - first);
+      const Index first = index / blocks * width, columns = std::min(width, N - first);
       auto args =
-          query_block_arguments(query, index / windows, first, columns, projected_query, scratch);
+          query_block_arguments(query, index % blocks, first, columns, projected_query, scratch);
       args.kernel_columns = N;
       args.first_column = first;
       if constexpr (detail::shares_feature_groups<QueryProjection>::value) {
@@ -497,9 +504,7 @@ struct SparseDenseMHA<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT, AttendVa
   bool projects(const detail::AttentionPlan& plan) const {
     return always_project || !plan.regrouped();
   }
-  Index row_blocks() const {
-    return detail::AttentionPlan::block_count(query.rows(), detail::kQueryProjectionRowBlock);
-  }
+  Index row_blocks() const { return SparseDenseMHA::query_row_blocks(query); }
   Index projection_items(const detail::AttentionPlan& plan) const {
     return projects(plan) ? row_blocks() * layer.query_windows(plan) : 0;
   }
@@ -529,7 +534,7 @@ struct SparseDenseMHA<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT, AttendVa
   }
   void project_item(const detail::AttentionPlan& plan, Index index,
                     detail::CallBuffers<Scalar>& buffers, int worker) const {
-    const Index block = index / layer.query_windows(plan);
+    const Index block = index % row_blocks();  // window-major, as project_query_item
     const detail::ScratchBuffer* groups =
         preparation_items(plan) > 0 ? &buffers.query_groups[std::size_t(block)] : nullptr;
     layer.project_query_item(plan, query, index, buffers.workers[std::size_t(worker)].stage.view(),

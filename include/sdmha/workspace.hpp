@@ -53,18 +53,59 @@ struct WorkerBuffers {
   std::size_t bytes() const { return stage.bytes() + tiles.bytes() + row_flags.capacity(); }
 };
 
+// Turns for sums taken in a fixed order across work items: per slot, the index of the next
+// item allowed to add (the backward's terms of dK_bh and dV_bh, one slot per (b, h), in query
+// tile order). An item waits for its turn and passes it on; an item that fails abandons the
+// call, and every wait then ends.
+class OrderedTurns {
+ public:
+  // `slots` slots at turn 0; grows the memory only when there are more slots than ever before.
+  void reset(Index slots) {
+    if (Index(turns_.size()) < slots)
+      turns_ = std::vector<std::atomic<Index>>(static_cast<std::size_t>(slots));
+    for (Index slot = 0; slot < slots; ++slot)
+      turns_[std::size_t(slot)].store(0, std::memory_order_relaxed);
+    abandoned_.store(false, std::memory_order_relaxed);
+  }
+  // Until `slot` is at `turn` (true, the writes of the item that passed it visible), or the call
+  // was abandoned (false). Polls, then yields the processor (with more threads than cores, the
+  // item it waits for may need this core).
+  bool await(Index slot, Index turn) const {
+    const std::atomic<Index>& word = turns_[std::size_t(slot)];
+    for (int poll = 0;; ++poll) {
+      if (word.load(std::memory_order_acquire) == turn) return true;
+      if (abandoned_.load(std::memory_order_acquire)) return false;
+      if (poll < 256)
+        cpu_relax();
+      else
+        std::this_thread::yield();
+    }
+  }
+  void pass(Index slot, Index turn) {
+    turns_[std::size_t(slot)].store(turn, std::memory_order_release);
+  }
+  void abandon() { abandoned_.store(true, std::memory_order_release); }
+  std::size_t bytes() const { return turns_.capacity() * sizeof(std::atomic<Index>); }
+
+ private:
+  std::vector<std::atomic<Index>> turns_;
+  std::atomic<bool> abandoned_{false};
+};
+
 // What one backward call works in besides the forward's buffers.
 template <typename Scalar>
 struct BackwardBuffers {
   RowMatrix<Scalar> d_heads, d_queries, d_keys, d_values;  // dA, dQ, dK, dV
   RowMatrix<Scalar> gathered_input, gathered_output;  // rows of a non-finite input with a gradient
   std::vector<Index> gathered_rows, block_start;
+  std::vector<char> block_flags;    // per row block of an input: all finite
   Vector<Scalar> d_stored;          // dX in CSR order when from_coo's order differs
   ScratchBuffer feature_groups;     // the whole query's CSC, for the query gradients by feature
   RowMatrix<Scalar> bias_partials;  // a broadcast bias's gradient: one partial sum per run
   // The backward's per-call arena, grow-only: partial sums of dK/dV and of the bias gradients'
   // column sums, finiteness flags, the CSC's buckets (carved per region by backward.hpp).
   ScratchBuffer scratch;
+  OrderedTurns tile_turns;  // dK_bh, dV_bh: each (b, h)'s query tiles add in order
 
   std::size_t bytes() const {
     auto matrix_bytes = [](const auto& m) { return std::size_t(m.size()) * sizeof(Scalar); };
@@ -72,7 +113,7 @@ struct BackwardBuffers {
            matrix_bytes(d_values) + matrix_bytes(gathered_input) + matrix_bytes(gathered_output) +
            matrix_bytes(d_stored) + matrix_bytes(bias_partials) +
            (gathered_rows.capacity() + block_start.capacity()) * sizeof(Index) +
-           feature_groups.bytes() + scratch.bytes();
+           block_flags.capacity() + feature_groups.bytes() + scratch.bytes() + tile_turns.bytes();
   }
 };
 

@@ -70,7 +70,7 @@ struct ContextStreaming {
 constexpr Index kBackwardTileEntries = Index(1) << 15;
 // Tiles of a weight gradient (rows × columns of dW), and features per block of the query
 // gradients by feature: fixed, so that every entry of a gradient is one sum in one order.
-constexpr Index kWeightTile = 256;
+constexpr Index kWeightTile = 128;
 constexpr Index kFeatureBlock = 1024;
 
 enum class Pass { forward, backward };
