@@ -14,8 +14,9 @@
 //   3. OutputProjection:  dWo = Aᵀ·dY, dbo = 1ᵀ·dY                          (weight tiles)
 //   4. QueryProjection:   dWq = Xᵀ·dQ, dbq = 1ᵀ·dQ, dX = dQ·Wqᵀ at X's stored positions
 //   5. ContextProjection: dWk = keyᵀ·dK, dbk, dkey = dK·Wkᵀ; likewise V.
-// One (b, h, query tile) item owns its rows of A and dQ and adds its terms of dK_bh, dV_bh in
-// tile order (a broadcast bias's gradient: one task per fixed group of (b, h), tiles in order);
+// One (b, h, group of query tiles) item owns its rows of A and dQ and adds its terms of dK_bh,
+// dV_bh in group order (a broadcast bias's gradient: one task per fixed group of (b, h), tiles in
+// order);
 // weight and bias gradients go in fixed tiles and panels: no sum depends on the thread count.
 #pragma once
 
@@ -148,7 +149,7 @@ struct Backward {
     BackwardBuffers<Scalar>& scratch = buffers.backward;
     buffers.heads.resize(B * T, plan.dims.projected_value_width());
     scratch.d_queries.resize(B * T, plan.dims.projected_key_width());
-    // Zeroed per (b, h) by the item that sums into it first (head_sums), not here: in parallel.
+    // Zeroed per (b, h) by the item that sums into it first (zeroed_head_sums): in parallel.
     scratch.d_keys.resize(B * S, plan.dims.projected_key_width());
     scratch.d_values.resize(B * S, plan.dims.projected_value_width());
     start_bias_gradient(plan, options, buffers, gradients);
