@@ -81,7 +81,9 @@ void write_step(std::ostream& out, const StepResult& step, const std::vector<int
     out << (k ? ",\n      " : "\n      ") << "{\"name\": " << json_string(r.name)
         << ", \"items\": " << r.items << ", \"work_ms\": " << json_number(r.work() * 1e3)
         << ", \"largest_item_ms\": " << json_number(r.largest_item() * 1e3)
-        << ", \"overhead_two_us\": " << json_number(r.overhead_two * 1e6) << ", \"span_ms\": {";
+        << ", \"overhead_two_us\": " << json_number(r.overhead_two * 1e6)
+        << ", \"claim_ns\": " << json_number(r.claim_seconds * 1e9)
+        << ", \"slowdown_two\": " << json_number(r.slowdown) << ", \"span_ms\": {";
     for (std::size_t i = 0; i < r.measured.size(); ++i)
       out << (i ? ", " : "") << "\"" << r.measured[i].first
           << "\": " << json_number(r.measured[i].second * 1e3);
@@ -158,7 +160,6 @@ int run(int argc, char** argv) {
   settings.measured_threads = {1, 2};
   settings.repetitions = 5;
   settings.trace_repetitions = 3;
-  settings.measured_trace_repetitions = 2;
   std::vector<std::string> names;
   std::string json_path;
   bool quick = false;

@@ -187,20 +187,32 @@ inline double overhead_at(double overhead_at_two, int workers) {
 struct RegionProfile {
   std::string name;
   Index items = 0;
-  std::vector<double> item_seconds;                   // per item index, the median over repetitions
-  double span_seconds = 0;                            // the median span at one thread
-  double gap_seconds = 0;                             // the median serial stretch before it
-  double overhead_two = 0;                            // o(2), measured (the replay)
-  std::vector<std::pair<int, double>> measured;       // (threads, median span) where traced
+  std::vector<double> item_seconds;              // per item index, the median over repetitions
+  double span_seconds = 0;                       // the median span at one thread
+  double gap_seconds = 0;                        // the median serial stretch before it
+  double overhead_two = 0;                       // o(2): fork and join, measured (the replay)
+  double claim_seconds = 0;                      // c: one contended claim, measured (the replay)
+  double slowdown = 1;                           // s: items' time with 2 threads running ÷ alone
+  std::vector<std::pair<int, double>> measured;  // (threads, median span) where traced
   std::vector<std::pair<int, double>> measured_work;  // (threads, median Σ item times) there
 
   double work() const { return std::accumulate(item_seconds.begin(), item_seconds.end(), 0.0); }
   double largest_item() const {
     return item_seconds.empty() ? 0.0 : *std::max_element(item_seconds.begin(), item_seconds.end());
   }
+  int workers(int threads) const {
+    return int(std::min<Index>(std::max(threads, 1), std::max<Index>(items, 1)));
+  }
+  // On one worker, the items' one-thread times. On W >= 2: each item s times its one-thread time
+  // plus one claim, list-scheduled; the fork and join; and the first round of claims, which
+  // meet on the queue's counter at once (W - 1 claims before the last worker's first item).
   double predicted(int threads) const {
-    const int workers = int(std::min<Index>(std::max(threads, 1), std::max<Index>(items, 1)));
-    return list_schedule_makespan(item_seconds, workers) + overhead_at(overhead_two, workers);
+    const int lanes = workers(threads);
+    if (lanes <= 1) return work();
+    std::vector<double> contended(item_seconds);
+    for (double& item : contended) item = item * slowdown + claim_seconds;
+    return list_schedule_makespan(contended, lanes) + overhead_at(overhead_two, lanes) +
+           (lanes - 1) * claim_seconds;
   }
   double measured_at(int threads) const {
     for (const auto& [t, seconds] : measured)
@@ -234,43 +246,58 @@ struct TracedCalls {
   std::vector<double> begin, end;
 };
 
-inline TracedCalls trace_calls(StepRunner& runner, Step step, int repetitions) {
-  sdmha::RegionTrace trace;
-  TracedCalls calls;
-  runner.workspace().set_trace(&trace);
+// `repetitions` traced calls on each runner, each after an untraced call of its own, interleaved
+// (repetition r of every runner, then r + 1), so that a drift of the machine's speed hits every
+// thread count alike and repetition r of two runners can be compared. One TracedCalls per runner,
+// in the runners' order.
+inline std::vector<TracedCalls> trace_calls(const std::vector<StepRunner*>& runners, Step step,
+                                            int repetitions) {
+  std::vector<sdmha::RegionTrace> traces(runners.size());
+  std::vector<TracedCalls> calls(runners.size());
+  const auto detach = [&] {
+    for (StepRunner* runner : runners) runner->workspace().set_trace(nullptr);
+  };
   try {
-    runner.run(step);  // the trace's own records grow once, untimed
-    for (int repetition = 0; repetition < repetitions; ++repetition) {
-      trace.clear();
-      calls.begin.push_back(trace.now_seconds());
-      runner.run(step);
-      calls.end.push_back(trace.now_seconds());
-      calls.regions.push_back(trace.regions());
+    for (std::size_t i = 0; i < runners.size(); ++i) {
+      runners[i]->workspace().set_trace(&traces[i]);
+      runners[i]->run(step);  // the trace's own records grow once, untimed
     }
+    for (int repetition = 0; repetition < repetitions; ++repetition)
+      for (std::size_t i = 0; i < runners.size(); ++i) {
+        runners[i]->run(step);  // steady state: after a call of its own (see steady_seconds)
+        traces[i].clear();
+        calls[i].begin.push_back(traces[i].now_seconds());
+        runners[i]->run(step);
+        calls[i].end.push_back(traces[i].now_seconds());
+        calls[i].regions.push_back(traces[i].regions());
+      }
   } catch (...) {
-    runner.workspace().set_trace(nullptr);
+    detach();
     throw;
   }
-  runner.workspace().set_trace(nullptr);
-  for (const auto& call : calls.regions) {
-    bool same = call.size() == calls.regions.front().size();
-    for (std::size_t k = 0; same && k < call.size(); ++k)
-      same = call[k].items == calls.regions.front()[k].items &&
-             std::strcmp(call[k].name, calls.regions.front()[k].name) == 0;
-    if (!same)
-      throw std::runtime_error(std::string("the ") + step_name(step) +
-                               " ran different regions in two repetitions");
-  }
+  detach();
+  for (const TracedCalls& runner_calls : calls)
+    for (const auto& call : runner_calls.regions) {
+      const auto& first = runner_calls.regions.front();
+      bool same = call.size() == first.size();
+      for (std::size_t k = 0; same && k < call.size(); ++k)
+        same = call[k].items == first[k].items && std::strcmp(call[k].name, first[k].name) == 0;
+      if (!same)
+        throw std::runtime_error(std::string("the ") + step_name(step) +
+                                 " ran different regions in two repetitions");
+    }
   return calls;
 }
 
 inline double span(const sdmha::RegionRecord& record) {
   return record.end_seconds - record.begin_seconds;
 }
+inline double item_sum(const sdmha::RegionRecord& record) {
+  return std::accumulate(record.item_seconds.begin(), record.item_seconds.end(), 0.0);
+}
 
 // The one-thread profile of a call: per region, item medians, span and the serial gap before it.
-inline CallProfile profile_call(StepRunner& one_thread, Step step, int repetitions) {
-  const TracedCalls calls = trace_calls(one_thread, step, repetitions);
+inline CallProfile profile_call(const TracedCalls& calls, Step step) {
   CallProfile profile;
   profile.step = step;
   const std::size_t count = calls.regions.front().size();
@@ -305,34 +332,41 @@ inline CallProfile profile_call(StepRunner& one_thread, Step step, int repetitio
   return profile;
 }
 
-// Each region's median span in calls traced on `runner` (another thread count), where that run's
-// regions are the profile's (same names and items in the same order); false when they are not.
-inline bool add_measured_spans(CallProfile& profile, StepRunner& runner, int repetitions) {
-  const TracedCalls calls = trace_calls(runner, profile.step, repetitions);
+// Each region's median span and Σ item times in `calls`, traced at `threads` threads, where
+// their regions are the profile's (same names and items in the same order); false when not.
+// At 2 threads also each region's slowdown s: per repetition, its items' time there ÷ in the
+// same repetition at one thread (`one_thread`, traced beside it), the median; at least 1 (an
+// item does not run faster for having company: below 1 is the machine's noise).
+inline bool add_measured_spans(CallProfile& profile, const TracedCalls& calls, int threads,
+                               const TracedCalls& one_thread) {
   const auto& first = calls.regions.front();
   if (first.size() != profile.regions.size()) return false;
   for (std::size_t k = 0; k < first.size(); ++k)
     if (first[k].items != profile.regions[k].items) return false;
   for (std::size_t k = 0; k < first.size(); ++k) {
-    std::vector<double> spans, work;
-    for (const auto& call : calls.regions) {
-      spans.push_back(span(call[k]));
-      work.push_back(
-          std::accumulate(call[k].item_seconds.begin(), call[k].item_seconds.end(), 0.0));
+    std::vector<double> spans, work, ratios;
+    for (std::size_t r = 0; r < calls.regions.size(); ++r) {
+      spans.push_back(span(calls.regions[r][k]));
+      work.push_back(item_sum(calls.regions[r][k]));
+      const double alone = item_sum(one_thread.regions[r][k]);
+      if (alone > 0) ratios.push_back(work.back() / alone);
     }
-    profile.regions[k].measured.emplace_back(runner.threads(), median_of(spans));
-    profile.regions[k].measured_work.emplace_back(runner.threads(), median_of(work));
+    RegionProfile& region = profile.regions[k];
+    region.measured.emplace_back(threads, median_of(spans));
+    region.measured_work.emplace_back(threads, median_of(work));
+    if (threads == 2 && !ratios.empty()) region.slowdown = std::max(1.0, median_of(ratios));
   }
   return true;
 }
 
-// o(2) of every region: the call's regions replayed `repetitions` times on the pool of a
-// 2-thread workspace, inside one lease as a call holds it, each region with its item count of
-// trivial items (each writes its own byte) after its serial stretch spun on the calling thread.
-inline void measure_overheads(CallProfile& profile, sdmha::Workspace<float>& two_threads,
-                              int repetitions) {
+// The median time of `region`'s replay on the 2-thread pool with `items` trivial items (each
+// writes its own byte) after its serial stretch spun on the calling thread, inside one lease
+// per replay as a call holds it.
+inline std::vector<double> replay_regions(const CallProfile& profile,
+                                          sdmha::Workspace<float>& two_threads, int repetitions,
+                                          const std::function<Index(const RegionProfile&)>& items) {
   Index most_items = 1;
-  for (const RegionProfile& r : profile.regions) most_items = std::max(most_items, r.items);
+  for (const RegionProfile& r : profile.regions) most_items = std::max(most_items, items(r));
   std::vector<char> written(static_cast<std::size_t>(most_items));
   std::vector<std::vector<double>> samples(profile.regions.size());
   for (int repetition = 0; repetition < repetitions + 1; ++repetition) {
@@ -342,14 +376,35 @@ inline void measure_overheads(CallProfile& profile, sdmha::Workspace<float>& two
       spin_for(region.gap_seconds);
       const double seconds = seconds_of([&] {
         sdmha::detail::parallel_for(
-            region.items, 2, [&](Index item, int) { written[std::size_t(item)] = 1; },
+            items(region), 2, [&](Index item, int) { written[std::size_t(item)] = 1; },
             &lease.buffers().pool, "scaling overhead");
       });
       if (repetition > 0) samples[k].push_back(seconds);  // the first replay warms the pool
     }
   }
-  for (std::size_t k = 0; k < profile.regions.size(); ++k)
-    profile.regions[k].overhead_two = median_of(samples[k]);
+  std::vector<double> medians;
+  for (const auto& region_samples : samples) medians.push_back(median_of(region_samples));
+  return medians;
+}
+
+// o(2) and c of every region from two replays of the call's regions on a 2-thread pool: with
+// min(items, 2) trivial items, the fork and the join alone: o(2); with all its items, which the
+// two workers claim one at a time from one counter as fast as they can, so that every claim
+// moves the counter's cache line between the cores: c = (that − o(2)) ÷ items, the cost of a
+// claim at its worst (a real item's claim meets the other worker's less often).
+inline void measure_overheads(CallProfile& profile, sdmha::Workspace<float>& two_threads,
+                              int repetitions) {
+  const std::vector<double> fork_join =
+      replay_regions(profile, two_threads, repetitions,
+                     [](const RegionProfile& r) { return std::min<Index>(r.items, 2); });
+  const std::vector<double> claiming = replay_regions(
+      profile, two_threads, repetitions, [](const RegionProfile& r) { return r.items; });
+  for (std::size_t k = 0; k < profile.regions.size(); ++k) {
+    RegionProfile& region = profile.regions[k];
+    region.overhead_two = fork_join[k];
+    region.claim_seconds =
+        region.items > 2 ? std::max(0.0, claiming[k] - fork_join[k]) / double(region.items) : 0.0;
+  }
 }
 
 // ---- Regions grouped by name (a name may run several times per call) ----
@@ -394,20 +449,25 @@ inline std::string fixed(double value, int decimals) {
 
 // Why a region takes the time it does on `threads` threads, in words.
 inline std::string cap_reason(const RegionProfile& region, int threads) {
-  const int workers = int(std::min<Index>(threads, std::max<Index>(region.items, 1)));
+  const int workers = region.workers(threads);
   const double time = region.predicted(threads);
-  const double overhead = overhead_at(region.overhead_two, workers);
-  const double ideal = region.work() / threads;
+  const double claims = region.items * region.claim_seconds / workers;
+  const double overhead =
+      overhead_at(region.overhead_two, workers) + (workers - 1) * region.claim_seconds + claims;
+  const double ideal = region.work() * region.slowdown / threads;
+  const double largest = region.largest_item() * region.slowdown + region.claim_seconds;
   std::ostringstream why;
   if (overhead >= 0.5 * time) {
-    why << "bound by its fork-join overhead, o(" << workers << ") = " << fixed(overhead * 1e6, 1)
-        << " us";
+    why << "bound by its fork, join and claims: o(" << workers
+        << ") = " << fixed(overhead_at(region.overhead_two, workers) * 1e6, 1) << " us, claims "
+        << fixed((overhead - overhead_at(region.overhead_two, workers)) * 1e6, 1) << " us";
   } else if (region.items < threads) {
     why << "bound by its item count: " << region.items << " items for " << threads << " workers";
-  } else if (region.largest_item() >= 0.8 * (time - overhead)) {
-    why << "bound by its largest item, " << fixed(region.largest_item() * 1e3, 3) << " ms";
+  } else if (largest >= 0.8 * (time - overhead)) {
+    why << "bound by its largest item, " << fixed(largest * 1e3, 3) << " ms";
   } else {
-    why << "bound by its work: " << fixed(ideal * 1e3, 3) << " ms an even share, "
+    why << "bound by its work: " << fixed(ideal * 1e3, 3)
+        << " ms an even share (s = " << fixed(region.slowdown, 2) << "), "
         << fixed((time - overhead) / std::max(ideal, 1e-12), 2) << "x that scheduled";
   }
   return why.str();
@@ -434,9 +494,8 @@ struct ScalingSettings {
   std::vector<int> measured_threads = {1, 2};            // timed, untraced
   std::vector<int> predicted_threads = {2, 16, 32, 64};  // the model's thread counts (tables)
   int repetitions = 9;                                   // timed calls per step and thread count
-  int trace_repetitions = 5;                             // traced one-thread calls per step
-  int measured_trace_repetitions = 3;                    // traced calls at the other counts
-  int overhead_repetitions = 20;                         // replays for o(2)
+  int trace_repetitions = 7;      // traced calls per step and thread count, interleaved
+  int overhead_repetitions = 20;  // replays for o(2)
   bool model = true;
 };
 
@@ -461,16 +520,30 @@ struct WorkloadResult {
   double seconds = 0;   // wall time of this workload's run
 };
 
-// Every step at every measured thread count, `repetitions` times, interleaved (thread counts
-// and steps in turn, so that a burst of load from elsewhere hits them alike).
+// Steady state: a timed call follows an untimed call of the same step on the same thread count,
+// as in a serving or training loop. After a call on another thread count, during which a helper
+// core idled (on a virtual machine, one whose virtual CPU the host put to sleep), the first call
+// runs at that core's lowered clock: up to 10-20 % slower at 2 threads, measured, however quick
+// the pool's wake-up.
+inline double steady_seconds(StepRunner& runner, Step step) {
+  runner.run(step);
+  return seconds_of([&] { runner.run(step); });
+}
+
+// Every step at every measured thread count, `repetitions` times in rounds of kRound steady
+// calls (thread counts and steps in turn, so that a burst of load from elsewhere hits them alike).
 inline void measure_steps(std::vector<std::unique_ptr<StepRunner>>& runners, int repetitions,
                           WorkloadResult& result) {
+  constexpr int kRound = 3;
   std::vector<std::vector<double>> forward(runners.size()), training(runners.size());
-  for (int repetition = 0; repetition < repetitions; ++repetition)
-    for (std::size_t i = 0; i < runners.size(); ++i) {
-      forward[i].push_back(seconds_of([&] { runners[i]->run(Step::forward); }));
-      training[i].push_back(seconds_of([&] { runners[i]->run(Step::training); }));
-    }
+  for (int done = 0; done < repetitions; done += kRound)
+    for (std::size_t i = 0; i < runners.size(); ++i)
+      for (Step step : {Step::forward, Step::training}) {
+        std::vector<double>& samples = step == Step::forward ? forward[i] : training[i];
+        samples.push_back(steady_seconds(*runners[i], step));
+        for (int more = 1; more < std::min(kRound, repetitions - done); ++more)
+          samples.push_back(seconds_of([&] { runners[i]->run(step); }));
+      }
   for (std::size_t i = 0; i < runners.size(); ++i) {
     result.forward.measured_seconds.emplace_back(runners[i]->threads(), median_of(forward[i]));
     result.training.measured_seconds.emplace_back(runners[i]->threads(), median_of(training[i]));
@@ -503,11 +576,15 @@ inline WorkloadResult run_workload(const WorkloadShape& shape, const ScalingSett
   if (settings.model) {
     StepRunner* two =
         runners[std::size_t(std::find(counts.begin(), counts.end(), 2) - counts.begin())].get();
+    std::vector<StepRunner*> traced;
+    for (auto& runner : runners) traced.push_back(runner.get());
     for (StepResult* step : {&result.forward, &result.training}) {
       log << shape.name << ": tracing the " << step_name(step->step) << "\n" << std::flush;
-      step->profile = profile_call(*runners.front(), step->step, settings.trace_repetitions);
+      const std::vector<TracedCalls> calls =
+          trace_calls(traced, step->step, settings.trace_repetitions);
+      step->profile = profile_call(calls.front(), step->step);
       for (std::size_t i = 1; i < runners.size(); ++i)
-        if (!add_measured_spans(step->profile, *runners[i], settings.measured_trace_repetitions))
+        if (!add_measured_spans(step->profile, calls[i], runners[i]->threads(), calls.front()))
           log << "  (at " << runners[i]->threads()
               << " threads the regions differ from one thread's: no measured spans)\n";
       measure_overheads(step->profile, two->workspace(), settings.overhead_repetitions);
@@ -522,13 +599,18 @@ inline WorkloadResult run_workload(const WorkloadShape& shape, const ScalingSett
 inline void print_model_header(std::ostream& out, const ScalingSettings& settings) {
   out << "The model, per call: every parallel region's items timed at one thread (median of "
       << settings.trace_repetitions
-      << " traced calls, per item); serial time = the call - the regions' spans. A region at P\n"
-         "threads = makespan of its items claimed in index order by the first free worker (list "
-         "scheduling) on min(P, items) workers + o(P); o(2) measured per region by replaying the "
-         "call's regions with trivial items on the 2-thread pool, o(P) = o(2)*(1 + log2(P/2)) "
-         "(a tree of wake-ups).\nThe call = serial + sum of regions. The model IGNORES shared "
-         "memory bandwidth and L3 contention (each item keeps its one-thread time at any P): "
-         "it is an upper bound on the speedup where regions stream memory.\n";
+      << " traced calls, per item); serial time = the call - the regions' spans. A region at P "
+         "threads = makespan of its items, each s times its one-thread time plus one claim c, "
+         "claimed in index order by the first free worker (list scheduling) on W = min(P, items) "
+         "workers, + o(W) + (W - 1)*c (the first claims, all at once). Measured per region on 2 "
+         "threads: s = its items' time with 2 threads running / alone (traced calls interleaved "
+         "with the one-thread ones; shared caches, memory bandwidth, clocks), o(2) = fork and "
+         "join (its serial stretch and min(items, 2) trivial items replayed on the 2-thread "
+         "pool), c = (the replay with all its items trivial - o(2)) / items; o(P) = "
+         "o(2)*(1 + log2(P/2)) (a tree of wake-ups).\nThe call = serial + sum of regions. The "
+         "model holds s at its 2-thread value for every P: where many cores share one memory "
+         "bus, regions that stream memory slow down more, and its speedups at 16-64 threads "
+         "are upper bounds there.\n";
 }
 
 // How much longer the items took with more threads running (Σ item times there ÷ at one
@@ -567,8 +649,8 @@ inline void print_step_table(std::ostream& out, const StepResult& step,
       columns.push_back(threads);
   std::sort(columns.begin(), columns.end());
   char cell[96];
-  std::snprintf(cell, sizeof cell, "%-28s %4s %7s %9s %8s", "region", "runs", "items", "1 thr ms",
-                "o(2) us");
+  std::snprintf(cell, sizeof cell, "%-28s %4s %7s %9s %7s %6s %5s", "region", "runs", "items",
+                "1 thr ms", "o(2) us", "c ns", "s");
   out << "\n"
       << step_name(step.step) << " (ms; 'meas' = traced at that thread count here):\n"
       << cell;
@@ -578,11 +660,14 @@ inline void print_step_table(std::ostream& out, const StepResult& step,
   }
   out << " | largest item ms\n";
   for (const RegionGroup& group : group_regions(profile)) {
-    std::snprintf(cell, sizeof cell, "%-28.28s %4zu %7ld %9.3f %8.1f", group.name.c_str(),
-                  group.runs.size(), long(group.items()),
-                  group.sum([](const RegionProfile& r) { return r.work(); }) * 1e3,
-                  group.sum([](const RegionProfile& r) { return r.overhead_two; }) * 1e6 /
-                      double(group.runs.size()));
+    const double runs = double(group.runs.size()),
+                 work = group.sum([](const RegionProfile&r) { return r.work(); });
+    const double slowed = group.sum([](const RegionProfile& r) { return r.work() * r.slowdown; });
+    std::snprintf(cell, sizeof cell, "%-28.28s %4zu %7ld %9.3f %7.1f %6.0f %5.2f",
+                  group.name.c_str(), group.runs.size(), long(group.items()), work * 1e3,
+                  group.sum([](const RegionProfile& r) { return r.overhead_two; }) * 1e6 / runs,
+                  group.sum([](const RegionProfile& r) { return r.claim_seconds; }) * 1e9 / runs,
+                  work > 0 ? slowed / work : 1.0);
     out << cell;
     for (int threads : columns) {
       const double measured =
@@ -595,14 +680,14 @@ inline void print_step_table(std::ostream& out, const StepResult& step,
                   group.sum([](const RegionProfile& r) { return r.largest_item(); }) * 1e3);
     out << cell;
   }
-  std::snprintf(cell, sizeof cell, "%-28s %4s %7s %9.3f %8s", "(serial, between regions)", "", "",
+  std::snprintf(cell, sizeof cell, "%-28s %4s %7s %9.3f %20s", "(serial, between regions)", "", "",
                 profile.serial_seconds * 1e3, "");
   out << cell;
   for (std::size_t c = 0; c < columns.size(); ++c) {
     std::snprintf(cell, sizeof cell, " | %10s %8.3f", "", profile.serial_seconds * 1e3);
     out << cell;
   }
-  std::snprintf(cell, sizeof cell, "\n%-28s %4s %7s %9.3f %8s", "call", "", "",
+  std::snprintf(cell, sizeof cell, "\n%-28s %4s %7s %9.3f %20s", "call", "", "",
                 profile.one_thread() * 1e3, "");
   out << cell;
   for (int threads : columns) {
@@ -612,8 +697,8 @@ inline void print_step_table(std::ostream& out, const StepResult& step,
     out << cell;
   }
   out << "\n";
-  std::snprintf(cell, sizeof cell, "%-28s %4s %7s %9s %8s", "speedup over 1 thread", "", "", "1.00",
-                "");
+  std::snprintf(cell, sizeof cell, "%-28s %4s %7s %9s %20s", "speedup over 1 thread", "", "",
+                "1.00", "");
   out << cell;
   const double one = step.measured_at(1);
   for (int threads : columns) {
