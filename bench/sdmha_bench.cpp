@@ -18,7 +18,7 @@
 // Every case builds its inputs once outside timing, runs once untimed to measure the peak heap
 // bytes of one call and to check its result against the dense path's (relative tolerance), and
 // only then is timed. A disagreement skips the case with an error and makes the exit code 1.
-// The stage cases walk the layer's own plan of a forward call (detail::LayerInternals: its
+// The stage cases walk the layer's own plan of a forward call (bench/layer_internals.hpp: its
 // attention items, row blocks, threads and per-worker scratch), never a split of their own.
 #include <benchmark/benchmark.h>
 #include <nlohmann/json.hpp>
@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "allocation_counter.hpp"
+#include "layer_internals.hpp"
 #include "scaling/scaling_model.hpp"
 #include "workloads.hpp"
 
@@ -88,7 +89,7 @@ std::string compare(const char* what, const sdmha::ConstMatrixRef<float>& actual
 }
 
 using Layer = sdmha::SparseDenseMHA<float>;
-using Internals = sdmha::detail::LayerInternals<Layer>;
+using Internals = LayerInternals;
 using sdmha::detail::AttentionItem;
 using sdmha::detail::AttentionPlan;
 using sdmha::detail::RowBlock;
@@ -342,7 +343,7 @@ void project_rows(LayerPlan& plan, const Projection& projection,
 }
 
 // The dense baseline's query projection: DenseProjection of the dense query in blocks of
-// kQueryProjectionRowBlock rows, as DenseMHA::forward goes. DenseMHA has no LayerInternals, so
+// kQueryProjectionRowBlock rows, as DenseMHA::forward goes. DenseMHA has no such pass, so
 // the scratch of its query stage is sized here from the TileSizes DenseMHA::forward gives it
 // (and its query_projection() has no const accessor: a default stage object stands in).
 void dense_query_projection(const Problem& p, LayerPlan& plan, const Matrix& dense_query,

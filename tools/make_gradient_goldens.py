@@ -12,7 +12,7 @@ is stored rounded to float32: this forward is the one the goldens were made with
 case's COO order), every kernel and bias in the Keras layout, `key` (absent when the case has no
 key: its key is its value) and `value` (then the sum of both paths). float32 cases are
 differentiated from their float32 numbers in float64 and stored in float32, like their outputs.
-The C++ test is tests/test_goldens.cpp (GradientGoldens). The torch-layout case is left out: its
+The C++ test is tests/semantics/test_goldens.cpp (GradientGoldens). The torch-layout case is left out: its
 gradients would only repeat a Keras case's through the weight mapping, which the forward goldens
 already cover.
 """

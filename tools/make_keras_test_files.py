@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Regenerates the Keras 3 fixtures in tests/data/keras/ that tests/test_io_keras.cpp reads.
+"""Regenerates the Keras 3 fixtures in tests/data/keras/ that tests/io/test_io_keras.cpp reads.
 
 Usage (needs numpy and h5py; on Debian, python3-numpy and python3-h5py):
 
@@ -35,7 +35,7 @@ Every array is drawn from fixed seeds; the weights are float32 (Keras' default v
 and the expected outputs are float64, computed here with Keras' math from those float32 values:
 Q = query·Wq + bq, K = key·Wk + bk, V = value·Wv + bv with kernels (E, H, D); Q scaled by
 1/sqrt(key_dim); scores Q·Kᵀ per head; softmax over the keys; P·V; output = Σ_h ctx_h·Wo[h] + bo
-with Wo (H, Dv, O). Regenerate only together with tests/test_io_keras.cpp.
+with Wo (H, Dv, O). Regenerate only together with tests/io/test_io_keras.cpp.
 
 Files:
     functional_bias.weights.h5   model.save_weights of a Functional model (Keras >= 3.6 layout,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerates the NumPy fixtures in tests/data/npy/ that tests/test_io_npy.cpp reads.
+"""Regenerates the NumPy fixtures in tests/data/npy/ that tests/io/test_io_npy.cpp reads.
 
 Usage (needs numpy; on Debian, python3-numpy):
 

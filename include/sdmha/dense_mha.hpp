@@ -77,25 +77,25 @@ class DenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, A
                const TensorRef3<Scalar>& value, const AttentionOptions<Scalar>& options,
                Workspace<Scalar>& workspace, AttentionResult<Scalar>& result) const {
     constexpr const char* where = "DenseMHA::forward";
-    const LayerDims dims = this->dims();
+    const LayerDims shape = this->dims();
     const Index B = query.dimension(0), T = query.dimension(1);
-    if (query.dimension(2) != dims.query_dim)
+    if (query.dimension(2) != shape.query_dim)
       detail::fail<ShapeError>(where, "query has width ", query.dimension(2),
-                               "; expected the query kernel's input width ", dims.query_dim);
-    if (query.data() == nullptr && B * T * dims.query_dim > 0)
+                               "; expected the query kernel's input width ", shape.query_dim);
+    if (query.data() == nullptr && B * T * shape.query_dim > 0)
       detail::fail<ShapeError>(where, "query has no data; expected ", B, " x ", T, " x ",
-                               dims.query_dim, " values");
-    detail::check_context<Scalar>(where, dims, B, key, value);
+                               shape.query_dim, " values");
+    detail::check_context<Scalar>(where, shape, B, key, value);
     // The lease first: planning draws the call's dropout seed, which a refused call must not use.
     const typename Workspace<Scalar>::Lease lease(workspace, where);
     auto& buffers = lease.buffers();
     const Index S = value.dimension(1);
-    detail::check_options(where, dims, B, T, S, options);
-    auto plan = detail::start_plan(dims, B, T, S, options, detail::Pass::forward);
+    detail::check_options(where, shape, B, T, S, options);
+    auto plan = detail::start_plan(shape, B, T, S, options, detail::Pass::forward);
     TileSizes block;
     block.rows = detail::kQueryProjectionRowBlock;
-    block.input_width = dims.query_dim;
-    block.output_width = dims.projected_key_width();
+    block.input_width = shape.query_dim;
+    block.output_width = shape.projected_key_width();
     detail::finish_plan(core(), plan, detail::stage_workspace_size<QueryProjection>(block));
     QuerySource source{*this, plan, query, buffers.projected_query};
     detail::run_forward(core(), plan, source, key, value, options, buffers, result);
@@ -107,7 +107,8 @@ class DenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, A
   }
 
  private:
-  friend struct detail::ContextStreamingHook;
+  template <typename Tag>
+  friend struct detail::InternalAccess;
   const Core& core() const { return *this; }
   Core& core() { return *this; }
 

@@ -2,15 +2,17 @@
 //
 // The layer composes its stages, each a template parameter with a default:
 //
-//   X (CSR) ──QueryProjection──▶ Q ─┐                           (project_first)
-//   X (CSR) ────────────────────────┼─ScoreKernel─▶ S ─Softmax─▶ P ─AttendValues─▶ A
-//   ─OutputProjection─▶ Y key  ──ContextProjection──▶ K ──┘                    value
-//   ──ContextProjection──▶ V ─┘
+// clang-format off
+//   X (CSR) ─QueryProjection─▶ Q ─┐      (sparse_regrouped: X itself, Q never formed)
+//   key ───ContextProjection─▶ K ─┴─ScoreKernel─▶ S ─Softmax─▶ P ─┐
+//   value ─ContextProjection─▶ V ─────────────────────────────────┴─AttendValues─▶ A
+//   A ─OutputProjection─▶ Y
+// clang-format on
 //
-// With ScoreStrategy::sparse_regrouped the score kernel reads X's CSR rows directly and Q is
-// never formed. A call validates its inputs, plans its work (detail::AttentionPlan), then walks
-// the plan: forward below, backward in sdmha/backward.hpp, stage by stage in reverse. The math
-// is Keras 3's MultiHeadAttention (docs/keras_pytorch.md).
+// With ScoreStrategy::sparse_regrouped the score kernel reads X's CSR rows directly. A call
+// validates its inputs, plans its work (detail::AttentionPlan), then walks the plan: forward below
+// (the query's items in detail/sparse_query_source.hpp), backward in sdmha/backward.hpp, stage by
+// stage in reverse. The math is Keras 3's MultiHeadAttention (docs/keras_pytorch.md).
 #pragma once
 
 #include <cstddef>
@@ -35,9 +37,6 @@ namespace sdmha {
 namespace detail {
 template <typename Layer>
 struct Backward;
-
-template <typename Layer>
-struct LayerInternals;
 }  // namespace detail
 
 template <typename Scalar, typename QueryProjectionT = SparseQueryProjection<Scalar>,
@@ -58,9 +57,8 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
                 "the query projection and the score kernel must read the same CSR StorageIndex");
   template <typename Layer>
   friend struct detail::Backward;
-  template <typename Layer>
-  friend struct detail::LayerInternals;
-  friend struct detail::ContextStreamingHook;
+  template <typename Tag>
+  friend struct detail::InternalAccess;
   struct QuerySource;
 
  public:
@@ -178,12 +176,12 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
                const AttentionOptions<Scalar>& options, Workspace<Scalar>& workspace,
                AttentionResult<Scalar>& result) const {
     constexpr const char* where = "SparseDenseMHA::forward";
-    const LayerDims dims = checked_query(where, query);
-    detail::check_context<Scalar>(where, dims, query.batch(), key, value);
+    const LayerDims shape = checked_query(where, query);
+    detail::check_context<Scalar>(where, shape, query.batch(), key, value);
     const typename Workspace<Scalar>::Lease lease(workspace, where);
     auto& buffers = lease.buffers();
     const auto plan =
-        plan_call(where, dims, query, value.dimension(1), options, detail::Pass::forward, buffers);
+        plan_call(where, shape, query, value.dimension(1), options, detail::Pass::forward, buffers);
     QuerySource source{*this, plan, query, buffers.projected_query};
     detail::run_forward(core(), plan, source, key, value, options, buffers, result);
   }
@@ -201,12 +199,12 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
                const AttentionOptions<Scalar>& options, Workspace<Scalar>& workspace,
                AttentionResult<Scalar>& result) const {
     constexpr const char* where = "SparseDenseMHA::forward";
-    const LayerDims dims = checked_query(where, query);
-    detail::check_context<Scalar>(where, dims, query.batch(), context);
+    const LayerDims shape = checked_query(where, query);
+    detail::check_context<Scalar>(where, shape, query.batch(), context);
     const typename Workspace<Scalar>::Lease lease(workspace, where);
     auto& buffers = lease.buffers();
     const auto plan =
-        plan_call(where, dims, query, context.key_steps, options, detail::Pass::forward, buffers);
+        plan_call(where, shape, query, context.key_steps, options, detail::Pass::forward, buffers);
     QuerySource source{*this, plan, query, buffers.projected_query};
     detail::run_forward(core(), plan, source, context, options, buffers, result);
   }
@@ -262,22 +260,22 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
 
  private:
   LayerDims checked_query(const char* where, const Query& query) const {
-    const LayerDims dims = this->dims();
-    if (query.features() != dims.query_dim)
+    const LayerDims shape = this->dims();
+    if (query.features() != shape.query_dim)
       detail::fail<ShapeError>(where, "query has ", query.features(),
                                " features; expected the query kernel's input width ",
-                               dims.query_dim);
-    return dims;
+                               shape.query_dim);
+    return shape;
   }
 
   // Validates the options and decides the call: sizes, threads, strategy, tiles, scratch.
-  detail::AttentionPlan plan_call(const char* where, const LayerDims& dims, const Query& query,
+  detail::AttentionPlan plan_call(const char* where, const LayerDims& shape, const Query& query,
                                   Index key_steps, const AttentionOptions<Scalar>& options,
                                   detail::Pass pass, detail::CallBuffers<Scalar>& buffers) const {
     // Before check_options, which draws the dropout generator's seed: a refused call draws none.
     check_query_kernel_precision(where, options, pass);
-    detail::check_options(where, dims, query.batch(), query.steps(), key_steps, options);
-    auto plan = detail::start_plan(dims, query.batch(), query.steps(), key_steps, options, pass);
+    detail::check_options(where, shape, query.batch(), query.steps(), key_steps, options);
+    auto plan = detail::start_plan(shape, query.batch(), query.steps(), key_steps, options, pass);
     const ScoreStrategy requested =
         query_kernel_bfloat16_ != nullptr ? ScoreStrategy::project_first : options.score_strategy;
     const bool count_features = detail::counts_distinct_features(requested, plan, query.nonzeros());
@@ -286,8 +284,8 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
     plan.strategy = detail::choose_strategy(requested, plan, query.nonzeros());
     TileSizes block;
     block.rows = detail::kQueryProjectionRowBlock;
-    block.features = dims.query_dim;
-    block.output_width = dims.projected_key_width();
+    block.features = shape.query_dim;
+    block.output_width = shape.projected_key_width();
     block.nonzeros = plan.query.block_nonzeros_largest;
     detail::finish_plan(core(), plan, detail::stage_workspace_size<QueryProjection>(block));
     return plan;
@@ -328,116 +326,6 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
     detail::project_context_into(core(), plan, key, value, buffers, context);
   }
 
-  // Q = X·Wq + bq goes in items of (row block of kQueryProjectionRowBlock rows) × (window of
-  // the stage's column_window_width columns, when it takes windows): each entry of Q is one
-  // window's, the same sequence of FMAs as in a whole-block call. With a Wq beyond L2 the
-  // by-feature kernel reads X's CSC, built once per row block (a preparation item) and shared
-  // by the block's windows.
-  bool query_kernel_is_bfloat16() const { return query_kernel_bfloat16_ != nullptr; }
-  Index query_windows(const detail::AttentionPlan& plan) const {
-    if constexpr (detail::splits_columns<QueryProjection>::value) {
-      const Index width = QueryProjection::column_window_width(query_kernel_is_bfloat16());
-      return std::max<Index>(1, (plan.dims.projected_key_width() + width - 1) / width);
-    } else {
-      return 1;
-    }
-  }
-
-  static Index query_row_blocks(const Query& query) {
-    return detail::AttentionPlan::block_count(query.rows(), detail::kQueryProjectionRowBlock);
-  }
-
-  // The Arguments of query row block `index` and Wq's columns [first, first + columns).
-  typename QueryProjection::Arguments query_block_arguments(const Query& query, Index index,
-                                                            Index first, Index columns,
-                                                            RowMatrix<Scalar>& projected_query,
-                                                            StageScratch scratch) const {
-    const auto& weights = this->weights();
-    const detail::RowBlock block =
-        detail::AttentionPlan::block(index, query.rows(), detail::kQueryProjectionRowBlock);
-    typename QueryProjection::Arguments args{
-        query.csr().middle_rows(block.begin, block.rows),
-        weights.query_kernel.middleCols(first, columns),
-        detail::bias_segment(weights.query_bias, first, columns),
-        projected_query.block(block.begin, first, block.rows, columns), scratch};
-    if constexpr (detail::reads_bfloat16_kernel<QueryProjection>::value)
-      if (query_kernel_bfloat16_ != nullptr)
-        args.kernel_bfloat16 = &query_kernel_bfloat16_->rounded;
-    return args;
-  }
-
-  // Item `index` of the query projection: row block index / windows, window index % windows.
-  // `groups`: the block's CSC memory (built by build_query_block_groups), or null.
-  void project_query_item(const detail::AttentionPlan& plan, const Query& query, Index index,
-                          StageScratch scratch, const detail::ScratchBuffer* groups,
-                          RowMatrix<Scalar>& projected_query) const {
-    const Index N = plan.dims.projected_key_width();
-    if constexpr (detail::splits_columns<QueryProjection>::value) {
-      // Window-major: the row blocks' items of one window follow one another, so that workers
-      // running them at once read the same columns of Wq (one pass from memory, shared in L3).
-      const Index blocks = query_row_blocks(query);
-      const Index width = QueryProjection::column_window_width(query_kernel_is_bfloat16());
-      const Index first = index / blocks * width, columns = std::min(width, N - first);
-      auto args =
-          query_block_arguments(query, index % blocks, first, columns, projected_query, scratch);
-      args.kernel_columns = N;
-      args.first_column = first;
-      if constexpr (detail::shares_feature_groups<QueryProjection>::value) {
-        typename QueryProjection::FeatureGroups built;  // outlives the call below
-        if (groups != nullptr && read_query_groups(*groups, built)) args.feature_groups = &built;
-        QueryProjection::can_implement(args);
-        query_projection_(args);
-        return;
-      }
-      QueryProjection::can_implement(args);
-      query_projection_(args);
-    } else {
-      const auto args = query_block_arguments(query, index, 0, N, projected_query, scratch);
-      QueryProjection::can_implement(args);
-      query_projection_(args);
-    }
-  }
-
-  // Whether the query projection's windows share a CSC per row block: the stage can, and Wq is
-  // beyond L2 (the by-feature kernels' condition; each block decides the rest itself).
-  bool shares_query_groups(const detail::AttentionPlan& plan) const {
-    if constexpr (detail::shares_feature_groups<QueryProjection>::value)
-      return query_windows(plan) > 1 && QueryProjection::kernel_beyond_cache(
-                                            plan.dims.query_dim, plan.dims.projected_key_width());
-    return false;
-  }
-  // A row block's CSC memory: a header (whether it was built, and the built FeatureGroups, whose
-  // arrays point past the header), then the arrays (query_groups_bytes).
-  static constexpr std::size_t kQueryGroupsHeader = 128;
-  template <typename Groups>
-  static bool read_query_groups(const detail::ScratchBuffer& memory, Groups& groups) {
-    static_assert(std::is_trivially_copyable<Groups>::value &&
-                  sizeof(Groups) + 8 <= kQueryGroupsHeader);
-    const std::byte* header = memory.view().data;
-    if (header[0] == std::byte{0}) return false;
-    std::memcpy(&groups, header + 8, sizeof(Groups));
-    return true;
-  }
-  // Builds row block `index`'s CSC into `groups` when its windows will read one, and says so in
-  // the header either way.
-  void build_query_block_groups(const detail::AttentionPlan& plan, const Query& query, Index index,
-                                detail::ScratchBuffer& groups,
-                                RowMatrix<Scalar>& projected_query) const {
-    if constexpr (detail::shares_feature_groups<QueryProjection>::value) {
-      const Index N = plan.dims.projected_key_width();
-      auto args = query_block_arguments(query, index, 0, N, projected_query, StageScratch{});
-      args.kernel_columns = N;
-      const StageScratch memory = groups.view();
-      memory.data[0] = std::byte{0};
-      if (!QueryProjection::reads_feature_groups(args)) return;
-      const auto built = QueryProjection::build_query_groups(
-          args.query,
-          StageScratch{memory.data + kQueryGroupsHeader, memory.bytes - kQueryGroupsHeader});
-      std::memcpy(memory.data + 8, &built, sizeof(built));
-      memory.data[0] = std::byte{1};
-    }
-  }
-
   // Q = X·Wq + bq in the plan's blocks of query rows, into `projected_query` (resized), as a
   // region of its own (the backward's, and the bench's stage case).
   void project_query(const detail::AttentionPlan& plan, const Query& query,
@@ -457,12 +345,12 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
     const Index T = plan.steps, Dk = plan.dims.key_dim;
     const Scalar scale = Scalar(plan.scale);
     if (plan.regrouped()) {
-      const auto& weights = this->weights();
+      const auto& kernels = this->weights();
       typename ScoreKernelT::SparseArguments args{
           item.position(),
           query.csr().middle_rows(item.batch * T + item.query_begin, item.query_rows),
-          weights.query_kernel.middleCols(item.head * Dk, Dk),
-          detail::bias_segment(weights.query_bias, item.head * Dk, Dk),
+          kernels.query_kernel.middleCols(item.head * Dk, Dk),
+          detail::bias_segment(kernels.query_bias, item.head * Dk, Dk),
           key,
           scale,
           mask,
@@ -488,87 +376,7 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
   std::shared_ptr<const QueryKernelSnapshot> query_kernel_bfloat16_;
 };
 
-// The sparse query as the forward pass's query source (detail/forward_pass.hpp): Q projected in
-// row blocks of X (none with regrouped scores, which read X's rows in each tile), and a tile's
-// scores by the plan's strategy.
-template <typename Scalar, typename QueryProjectionT, typename ScoreKernelT, typename SoftmaxT,
-          typename AttendValuesT, typename OutputProjectionT, typename ContextProjectionT>
-struct SparseDenseMHA<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT, AttendValuesT,
-                      OutputProjectionT, ContextProjectionT>::QuerySource {
-  const SparseDenseMHA& layer;
-  const detail::AttentionPlan& call_plan;  // the tiles' (the passes hand theirs in as `plan`)
-  const Query& query;
-  RowMatrix<Scalar>& projected_query;
-  bool always_project = false;  // Q even for regrouped scores (the backward's dK needs it)
-
-  bool projects(const detail::AttentionPlan& plan) const {
-    return always_project || !plan.regrouped();
-  }
-  Index row_blocks() const { return SparseDenseMHA::query_row_blocks(query); }
-  Index projection_items(const detail::AttentionPlan& plan) const {
-    return projects(plan) ? row_blocks() * layer.query_windows(plan) : 0;
-  }
-  // One item per row block building its CSC, before any window runs (0: none needed).
-  Index preparation_items(const detail::AttentionPlan& plan) const {
-    return projects(plan) && layer.shares_query_groups(plan) ? row_blocks() : 0;
-  }
-  void prepare(const detail::AttentionPlan& plan, detail::CallBuffers<Scalar>& buffers) {
-    if (!projects(plan)) return;
-    projected_query.resize(query.rows(), plan.dims.projected_key_width());
-    if (preparation_items(plan) == 0) return;
-    if (buffers.query_groups.size() < std::size_t(row_blocks()))
-      buffers.query_groups.resize(std::size_t(row_blocks()));
-    for (Index block = 0; block < row_blocks(); ++block) {
-      const auto rows =
-          detail::AttentionPlan::block(block, query.rows(), detail::kQueryProjectionRowBlock);
-      buffers.query_groups[std::size_t(block)].reserve(
-          SparseDenseMHA::kQueryGroupsHeader +
-          QueryProjection::query_groups_bytes(
-              query.features(), query.csr().middle_rows(rows.begin, rows.rows).nonzeros()));
-    }
-  }
-  void prepare_item(const detail::AttentionPlan& plan, Index index,
-                    detail::CallBuffers<Scalar>& buffers, int) const {
-    layer.build_query_block_groups(plan, query, index, buffers.query_groups[std::size_t(index)],
-                                   projected_query);
-  }
-  void project_item(const detail::AttentionPlan& plan, Index index,
-                    detail::CallBuffers<Scalar>& buffers, int worker) const {
-    const Index block = index % row_blocks();  // window-major, as project_query_item
-    const detail::ScratchBuffer* groups =
-        preparation_items(plan) > 0 ? &buffers.query_groups[std::size_t(block)] : nullptr;
-    layer.project_query_item(plan, query, index, buffers.workers[std::size_t(worker)].stage.view(),
-                             groups, projected_query);
-  }
-  void operator()(const detail::AttentionItem& item, const BatchMask& mask,
-                  const ConstMatrixRef<Scalar>& key, bool bfloat16_operands, StageScratch scratch,
-                  MatrixRef<Scalar> scores) const {
-    layer.tile_scores(call_plan, item, query, projected_query, mask, key, bfloat16_operands,
-                      scratch, scores);
-  }
-};
-
-namespace detail {
-
-// What the bench reaches of a layer to time its stages one by one over the same plan as
-// forward: the plan of a call, and the query projection pass.
-template <typename Layer>
-struct LayerInternals {
-  using Scalar = typename Layer::ScalarType;
-  static AttentionPlan plan(const Layer& layer, const typename Layer::Query& query, Index key_steps,
-                            const AttentionOptions<Scalar>& options, Pass pass,
-                            CallBuffers<Scalar>& buffers) {
-    const LayerDims dims = layer.checked_query("plan", query);
-    return layer.plan_call("plan", dims, query, key_steps, options, pass, buffers);
-  }
-  static void project_query(const Layer& layer, const AttentionPlan& plan,
-                            const typename Layer::Query& query, CallBuffers<Scalar>& buffers,
-                            RowMatrix<Scalar>& projected_query) {
-    layer.project_query(plan, query, buffers, projected_query);
-  }
-};
-
-}  // namespace detail
 }  // namespace sdmha
 
+#include "sdmha/detail/sparse_query_source.hpp"
 #include "sdmha/backward.hpp"

@@ -103,7 +103,8 @@ struct BackwardBuffers {
   ScratchBuffer feature_groups;     // the whole query's CSC, for the query gradients by feature
   RowMatrix<Scalar> bias_partials;  // a broadcast bias's gradient: one partial sum per run
   // The backward's per-call arena, grow-only: partial sums of dK/dV and of the bias gradients'
-  // column sums, finiteness flags, the CSC's buckets (carved per region by backward.hpp).
+  // column sums, finiteness flags, the CSC's buckets (carved per region by
+  // detail/backward_projections.hpp).
   ScratchBuffer scratch;
   OrderedTurns tile_turns;  // dK_bh, dV_bh: each (b, h)'s query tiles add in order
 

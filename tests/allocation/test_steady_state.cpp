@@ -4,10 +4,12 @@
 // with a Workspace and an MhaGradients kept.
 //
 // Its own executable because it counts every heap block of the process: operator new is
-// replaced and malloc & co. are wrapped by the linker (bench/allocation_counter.hpp, shared with
-// the bench), which the rest of the suite should not run under.
+// replaced and malloc & co. are wrapped by the linker (tests/support/allocation_counter.hpp, which
+// the bench shares), which the rest of the suite should not run under.
 #include "allocation_counter.hpp"
 #include "test_support.hpp"
+
+#include "internal_access.hpp"
 
 #include <limits>
 
@@ -139,7 +141,7 @@ TEST(SteadyState, StreamedContextAndBFloat16KernelsAllocateNothingOnceWarm) {
   streaming.budget_bytes = 0;
   streaming.chunk_bytes = std::size_t(s.heads * (s.key_dim + s.value_dim)) * sizeof(float) *
                           std::size_t(sdmha::detail::kKeyTile);
-  sdmha::detail::ContextStreamingHook::set(layer, streaming);
+  sdmha_test::ContextStreamingHook::set(layer, streaming);
   layer.set_precision(sdmha::Precision::bfloat16);
   const auto query = c.query();
   for (int threads : {1, 2}) {

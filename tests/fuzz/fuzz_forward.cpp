@@ -29,7 +29,7 @@
 // way there) are held to either product; the poison must never reach the output. Also: the
 // returned probabilities within their float32 bounds, the same bits on one thread and over the
 // mode's own ProjectedContext, and sparse_regrouped refused with a ConfigError. S ≤ 6, so the
-// online softmax (S > 512) is not reached; tests/test_bfloat16_layer.cpp covers it.
+// online softmax (S > 512) is not reached; tests/layer/test_bfloat16_layer.cpp covers it.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -36,6 +36,13 @@
 
 namespace sdmha::detail {
 
+// The one door to a layer's private state for code outside the library that must reach it: the
+// tests (which lower the streaming sizes to stream small problems) and the bench (which walks the
+// layer's own plan stage by stage). Declared here, never defined: each of them defines its own
+// specialization, on a tag of its own, beside its code (tests/support/, bench/).
+template <typename Tag>
+struct InternalAccess;
+
 // The stage scratch of the key/value projection for a plan's row blocks (or, backward, all rows).
 template <typename ContextProjection>
 std::size_t context_scratch_bytes(const AttentionPlan& plan) {
@@ -239,16 +246,8 @@ class AttentionCore {
   std::uint64_t weight_accesses_ = 0;       // calls of the non-const weights()
   WorkspaceCache<Scalar> workspace_cache_;  // for the calls given no Workspace
 
-  friend struct ContextStreamingHook;
-};
-
-// A layer's streaming sizes (ContextStreaming's defaults unless set): its forward given key and
-// value streams K and V beyond the budget. For tests, which lower them to stream small problems.
-struct ContextStreamingHook {
-  template <typename Layer>
-  static void set(Layer& layer, const ContextStreaming& streaming) {
-    layer.core().context_streaming_ = streaming;
-  }
+  template <typename Tag>
+  friend struct InternalAccess;
 };
 
 // Fills in the plan's tiles and each worker's scratch: the largest of what the stages ask for

@@ -59,7 +59,7 @@ constexpr Index kKeyTile = 512;
 constexpr std::size_t kContextBudgetBytes = std::size_t(16) << 20;
 constexpr std::size_t kContextChunkBytes = std::size_t(4) << 20;
 
-// A layer's streaming sizes: the defaults above, lowered by tests (detail::ContextStreamingHook)
+// A layer's streaming sizes: the defaults above, lowered by tests (through detail::InternalAccess)
 // to stream small problems in several chunks.
 struct ContextStreaming {
   std::size_t budget_bytes = kContextBudgetBytes;

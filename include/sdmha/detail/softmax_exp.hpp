@@ -27,7 +27,7 @@
 // vectorised exp, a loop the compiler vectorises for the flush, and Eigen's sum. Relative to
 // exp, the AVX-512 exp errs by less than 1·ε (0.72 ε at most over every float argument, +0.003 ε
 // on average), Eigen 3.4's float exp by up to 3ε and upwards on average, so the AVX-512 path is
-// the more accurate too (the bounds tests/test_masked_softmax.cpp holds them to).
+// the more accurate too (the bounds tests/stages/test_masked_softmax.cpp holds them to).
 #pragma once
 
 #include <algorithm>

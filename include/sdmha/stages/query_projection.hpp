@@ -68,12 +68,12 @@ struct SparseQueryProjection {
     const FeatureGroups* feature_groups = nullptr;
   };
 
-  // Two register-blocked kernels (detail/csr_dense_product.hpp gives the reasons). By rows: a
-  // panel of output columns stays in vector registers across a row's stored values. By features:
-  // for a kernel larger than L2 that the rows use at least twice per feature on average, X is
-  // regrouped by feature so that Wq streams through once, in order, instead of one random row per
-  // stored value. Both add each row's values in ascending feature order with one FMA each, so
-  // sorted rows give the same bits whichever is taken.
+  // Two register-blocked kernels (detail/csr_dense_product.hpp, csr_by_feature.hpp give the
+  // reasons). By rows: a panel of output columns stays in vector registers across a row's stored
+  // values. By features: for a kernel larger than L2 that the rows use at least twice per feature
+  // on average, X is regrouped by feature so that Wq streams through once, in order, instead of
+  // one random row per stored value. Both add each row's values in ascending feature order with
+  // one FMA each, so sorted rows give the same bits whichever is taken.
   static bool kernel_beyond_cache(Index features, Index columns) {
     return double(features) * double(columns) * sizeof(Scalar) > detail::kCoreCacheBytes;
   }

@@ -1,6 +1,7 @@
-// bench/allocation_counter.hpp — counts the bench's heap: bytes live now and the peak since a mark.
+// tests/support/allocation_counter.hpp — counts the heap of the process that includes it (the
+// steady-state test's, the bench's): bytes live now and the peak since a mark.
 //
-// Every heap block of the bench passes through one counter:
+// Every heap block of the process passes through one counter:
 //  - operator new and delete (all of C++17's overloads: plain, array, nothrow, sized, aligned) are
 //    replaced here and take their memory from malloc / aligned_alloc;
 //  - malloc, free, calloc, realloc and aligned_alloc are wrapped by the linker

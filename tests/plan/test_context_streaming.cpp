@@ -1,22 +1,23 @@
 // Context streaming (detail/attention_core.hpp, attend_streamed): a forward given key and value
 // that runs the online softmax and whose K and V exceed the layer's budget projects them per
 // batch entry in chunks of whole key tiles instead of whole. The budget and chunk size are
-// lowered here through detail::ContextStreamingHook so that small problems stream in several
-// chunks and a ragged tail. Streamed results must be bitwise those of the unstreamed path (same
-// key tiles, same order of updates per row), for both layers, every kind of mask, a bias,
-// dropout and any thread count; and they agree with the float64 reference.
+// lowered here through ContextStreamingHook (support/internal_access.hpp) so that small problems
+// stream in several chunks and a ragged tail. Streamed results must be bitwise those of the
+// unstreamed path (same key tiles, same order of updates per row), for both layers, every kind of
+// mask, a bias, dropout and any thread count; and they agree with the float64 reference.
 #include <cstring>
 #include <limits>
 
+#include "internal_access.hpp"
 #include "test_support.hpp"
 
 namespace {
 
 using namespace sdmha_test;
 using sdmha::detail::ContextStreaming;
-using sdmha::detail::ContextStreamingHook;
 using sdmha::detail::kForwardQueryTile;
 using sdmha::detail::kKeyTile;
+using sdmha_test::ContextStreamingHook;
 
 template <typename T>
 using Tensor2 = Eigen::Tensor<T, 2, Eigen::RowMajor>;

@@ -1,4 +1,4 @@
-// tests/gradient_check.hpp — every gradient of a layer's backward against central finite
+// tests/support/gradient_check.hpp — every gradient of a layer's backward against central finite
 // differences of its forward, in double: the check that the backward tests, the custom-stage
 // tests and the semantics tests share.
 #pragma once

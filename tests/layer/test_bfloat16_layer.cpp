@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "internal_access.hpp"
 #include "test_support.hpp"
 
 namespace sdmha_test {
@@ -184,7 +185,7 @@ TEST(BFloat16LayerTest, StreamedContextIsBitwiseTheWholeOne) {
   streaming.budget_bytes = 0;
   streaming.chunk_bytes = std::size_t(s.heads * (s.key_dim + s.value_dim)) * sizeof(float) *
                           std::size_t(sdmha::detail::kKeyTile);
-  sdmha::detail::ContextStreamingHook::set(streamed, streaming);
+  sdmha_test::ContextStreamingHook::set(streamed, streaming);
   const auto query = c.query();
   EXPECT_TRUE(same_bits(whole.forward(query, c.key, c.value, c.options).output,
                         streamed.forward(query, c.key, c.value, c.options).output));

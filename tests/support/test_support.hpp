@@ -1,4 +1,4 @@
-// tests/test_support.hpp — what every test file shares (and the precompiled header of the suite):
+// tests/support/test_support.hpp — what every test file shares (and the precompiled header of the suite):
 // SDMHA_ASSERT turned into an exception, tolerances, and random problems built twice, once for
 // sdmha and once for the float64 reference in tests/reference/.
 #pragma once
