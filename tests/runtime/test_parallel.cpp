@@ -2,13 +2,17 @@
 // region runs exactly once whatever the number of workers (1 to 64, on a machine of any size),
 // each worker index names one running thread, items are claimed in index order, the first
 // exception reaches the caller and stops the region, a pool serves many regions and calls, a
-// RegionTrace records what it should, and num_threads = 0 resolves to a sane count.
+// RegionTrace records what it should, a body that runs ranges gets them whole on one worker,
+// and num_threads = 0 resolves to a sane count.
 // (Suite names match the ThreadSanitizer stage's filter in .ci/hardening.sh.)
 #include "test_support.hpp"
 
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <mutex>
+#include <utility>
+#include <vector>
 #include <stdexcept>
 #include <thread>
 
@@ -301,6 +305,76 @@ TEST(ThreadPoolTrace, AWorkspaceTracesItsCallsAndTheResultsStayTheSame) {
   const std::size_t recorded = trace.regions().size();
   layer.forward(c.query(), c.key, c.value, options, workspace, traced);
   EXPECT_EQ(trace.regions().size(), recorded);  // set_trace(nullptr): no more records
+}
+
+// A body that runs ranges: records each range it was handed (a single item is [item, item + 1))
+// and marks each item of it.
+struct RangeRecorder {
+  std::vector<std::atomic<int>>& runs;
+  std::mutex& mutex;
+  std::vector<std::pair<Index, Index>>& ranges;
+  void operator()(Index item, int worker) const { run_range(item, item + 1, worker); }
+  void run_range(Index begin, Index end, int) const {
+    for (Index item = begin; item < end; ++item)
+      runs[std::size_t(item)].fetch_add(1, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(mutex);
+    ranges.emplace_back(begin, end);
+  }
+};
+
+TEST(ThreadPoolParallelFor, ABodyThatRunsRangesGetsOneRangeOnOneWorkerAndSingleItemsOnMore) {
+  static_assert(sdmha::detail::runs_ranges<RangeRecorder>::value);
+  static_assert(!sdmha::detail::runs_ranges<std::function<void(Index, int)>>::value);
+  ThreadPool pool;
+  for (int workers : {1, 2, 3, 8}) {
+    for (Index count : {1, 7, 64, 1000}) {
+      for (ThreadPool* where : {&pool, static_cast<ThreadPool*>(nullptr)}) {
+        std::vector<std::atomic<int>> runs(static_cast<std::size_t>(count));
+        std::mutex mutex;
+        std::vector<std::pair<Index, Index>> ranges;
+        parallel_for(count, workers, RangeRecorder{runs, mutex, ranges}, where);
+        for (Index item = 0; item < count; ++item)
+          ASSERT_EQ(runs[std::size_t(item)].load(), 1)
+              << "item " << item << " of " << count << " on " << workers;
+        if (workers == 1 || count == 1) {
+          ASSERT_EQ(ranges.size(), 1u) << "one worker runs the region as one range";
+          EXPECT_EQ(ranges[0], std::make_pair(Index(0), count));
+        } else {
+          ASSERT_EQ(ranges.size(), std::size_t(count)) << "several workers claim single items";
+        }
+      }
+    }
+  }
+}
+
+TEST(ThreadPoolTrace, OneWorkerRunsARangeBodyWholeAndSharesItsTimeEqually) {
+  ThreadPool pool;
+  sdmha::RegionTrace trace;
+  pool.set_trace(&trace);
+  std::vector<std::atomic<int>> runs(6);
+  std::mutex mutex;
+  std::vector<std::pair<Index, Index>> ranges;
+  struct Slow {
+    RangeRecorder recorder;
+    void operator()(Index item, int worker) const { run_range(item, item + 1, worker); }
+    void run_range(Index begin, Index end, int worker) const {
+      std::this_thread::sleep_for(std::chrono::milliseconds(3));
+      recorder.run_range(begin, end, worker);
+    }
+  };
+  parallel_for(6, 1, Slow{{runs, mutex, ranges}}, &pool, "ranges");
+  ASSERT_EQ(trace.regions().size(), 1u);
+  const sdmha::RegionRecord& region = trace.regions()[0];
+  EXPECT_EQ(region.items, 6);
+  EXPECT_EQ(region.workers, 1);
+  ASSERT_EQ(ranges.size(), 1u);
+  double total = 0;
+  for (double seconds : region.item_seconds) {
+    EXPECT_EQ(seconds, region.item_seconds[0]);
+    total += seconds;
+  }
+  EXPECT_GE(total, 3e-3);
+  EXPECT_LE(total, region.end_seconds - region.begin_seconds);
 }
 
 TEST(ResolveThreadCount, ZeroTakesThePhysicalCoresAndAPositiveCountIsKept) {

@@ -1,6 +1,6 @@
-// tests/support/test_support.hpp — what every test file shares (and the precompiled header of the suite):
-// SDMHA_ASSERT turned into an exception, tolerances, and random problems built twice, once for
-// sdmha and once for the float64 reference in tests/reference/.
+// tests/support/test_support.hpp — what every test file shares (and the precompiled header of the
+// suite): SDMHA_ASSERT turned into an exception, tolerances, and random problems built twice, once
+// for sdmha and once for the float64 reference in tests/reference/.
 #pragma once
 
 #include <stdexcept>

@@ -43,12 +43,14 @@ namespace sdmha::detail {
 template <typename Tag>
 struct InternalAccess;
 
-// The stage scratch of the key/value projection for a plan's row blocks (or, backward, all rows).
+// The stage scratch of the key/value projection for a plan's row blocks, or all rows (backward,
+// or fused on one worker: projection_scratch_rows).
 template <typename ContextProjection>
 std::size_t context_scratch_bytes(const AttentionPlan& plan) {
+  const Index rows = std::max(plan.batch * plan.key_steps, Index(1));
   TileSizes sizes;
-  sizes.rows = plan.pass == Pass::forward ? kProjectionRowBlock
-                                          : std::max(plan.batch * plan.key_steps, Index(1));
+  sizes.rows =
+      plan.pass == Pass::forward ? projection_scratch_rows<ContextProjection>(plan, rows) : rows;
   sizes.input_width = std::max(plan.dims.key_in_dim, plan.dims.value_in_dim);
   sizes.output_width = std::max(plan.dims.projected_key_width(), plan.dims.projected_value_width());
   return stage_workspace_size<ContextProjection>(sizes);
@@ -280,8 +282,10 @@ void finish_plan(const Core& core, AttentionPlan& plan, std::size_t query_stage_
     tile.nonzeros = plan.query.batch_nonzeros_largest;
   }
   TileSizes output;
-  output.rows = plan.pass == Pass::forward ? kProjectionRowBlock
-                                           : std::max(plan.batch * plan.steps, Index(1));
+  const Index output_rows = std::max(plan.batch * plan.steps, Index(1));
+  output.rows = plan.pass == Pass::forward
+                    ? projection_scratch_rows<typename Core::OutputProjection>(plan, output_rows)
+                    : output_rows;
   output.input_width = plan.dims.projected_value_width();
   output.output_width = plan.dims.output_dim;
   plan.worker_scratch_bytes =

@@ -15,6 +15,8 @@
 //   void prepare_item(plan, index, buffers, worker)
 //   Index projection_items(plan)                  items of its projection (0: none, e.g. regrouped)
 //   void project_item(plan, index, buffers, worker)
+//   void project_items(plan, begin, end, buffers, worker)   optional: items [begin, end) at once,
+//                                                 the same bits as one by one (see ItemQueue)
 //   operator()(tile, mask, keys, bfloat16_operands, scratch, scores)   a tile's masked scores
 //
 // The dense projections (K, V, the output, the dense query) in fixed items, and the region that
@@ -23,6 +25,8 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
+#include <utility>
 
 #include "sdmha/config.hpp"
 #include "sdmha/detail/attention_plan.hpp"
@@ -287,6 +291,52 @@ void attend_streamed(const Core& core, const AttentionPlan& plan,
   project_output(core, plan, buffers, result);
 }
 
+// Whether a query source runs ranges of its projection items at once (project_items).
+template <typename Source, typename Scalar, typename = void>
+struct projects_ranges : std::false_type {};
+template <typename Source, typename Scalar>
+struct projects_ranges<Source, Scalar,
+                       std::void_t<decltype(std::declval<const Source&>().project_items(
+                           std::declval<const AttentionPlan&>(), Index(0), Index(0),
+                           std::declval<CallBuffers<Scalar>&>(), 0))>> : std::true_type {};
+
+// The region body of a source's projection items, handed ranges when the source runs them.
+template <typename Source, typename Scalar>
+struct QueryProjectionItems {
+  const AttentionPlan& plan;
+  const Source& source;
+  CallBuffers<Scalar>& buffers;
+  void operator()(Index index, int worker) const {
+    source.project_item(plan, index, buffers, worker);
+  }
+};
+template <typename Source, typename Scalar>
+struct QueryProjectionRanges : QueryProjectionItems<Source, Scalar> {
+  void run_range(Index begin, Index end, int worker) const {
+    this->source.project_items(this->plan, begin, end, this->buffers, worker);
+  }
+};
+
+// The region body of a source's projection items: ranges when the source runs them.
+template <typename Scalar, typename Source>
+auto query_projection_body(const AttentionPlan& plan, const Source& source,
+                           CallBuffers<Scalar>& buffers) {
+  const QueryProjectionItems<Source, Scalar> by_item{plan, source, buffers};
+  if constexpr (projects_ranges<Source, Scalar>::value)
+    return QueryProjectionRanges<Source, Scalar>{by_item};
+  else
+    return by_item;
+}
+
+// The query source's projection items alone, as one region (after its preparation items).
+template <typename Scalar, typename Source>
+void run_query_projection(const AttentionPlan& plan, Source& source, CallBuffers<Scalar>& buffers) {
+  const Index items = source.projection_items(plan);
+  buffers.prepare_workers(plan.workers(items), plan.worker_scratch_bytes, plan.tile_entries, 2);
+  parallel_for(items, plan.threads, query_projection_body(plan, source, buffers), &buffers.pool,
+               "query projection");
+}
+
 // The query source's projection (if any) and K and V, in as few regions as its dependencies
 // allow: one region of the query's items (the costliest, on a wide sparse query, first) and K's
 // and V's; or, when the query's items read something built per row block first (the sparse
@@ -307,19 +357,15 @@ void project_inputs(const Core& core, const AttentionPlan& plan, Source& source,
   const auto values = value_projection(core, plan, value.as_matrix(), context.values);
   const Index preparations = source.preparation_items(plan);
   if (preparations == 0) {
-    run_projections(
-        plan, buffers, "projections", source.projection_items(plan),
-        [&](Index index, int worker) { source.project_item(plan, index, buffers, worker); }, keys,
-        values);
+    run_projections(plan, buffers, "projections", source.projection_items(plan),
+                    query_projection_body(plan, source, buffers), keys, values);
     return;
   }
   run_projections(
       plan, buffers, "query preparation and key/value projection", preparations,
       [&](Index index, int worker) { source.prepare_item(plan, index, buffers, worker); }, keys,
       values);
-  run_projections(
-      plan, buffers, "query projection", source.projection_items(plan),
-      [&](Index index, int worker) { source.project_item(plan, index, buffers, worker); });
+  run_query_projection(plan, source, buffers);
 }
 
 // The query source's projection alone (K and V given, or streamed).
@@ -330,9 +376,7 @@ void project_query_source(const AttentionPlan& plan, Source& source, CallBuffers
     run_projections(
         plan, buffers, "query preparation", source.preparation_items(plan),
         [&](Index index, int worker) { source.prepare_item(plan, index, buffers, worker); });
-  run_projections(
-      plan, buffers, "query projection", source.projection_items(plan),
-      [&](Index index, int worker) { source.project_item(plan, index, buffers, worker); });
+  run_query_projection(plan, source, buffers);
 }
 
 // The forward of a validated call given key and value: K and V projected whole with the query,

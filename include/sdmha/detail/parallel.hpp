@@ -30,6 +30,7 @@
 #endif
 
 #include "sdmha/config.hpp"
+#include "sdmha/detail/item_queue.hpp"
 #include "sdmha/region_trace.hpp"
 
 namespace sdmha::detail {
@@ -123,40 +124,6 @@ bool spin_until(Ready&& ready, Budget&& budget, bool yield) {
   }
 }
 
-// Items [0, count) handed out one at a time, in index order, to whichever worker asks (an atomic
-// counter), and the first exception any item throws. After a failure the counter jumps to the
-// end: the other workers finish the item they hold and take no more. Which worker runs an item
-// does not matter: an item writes its own output, and a worker's scratch is sized by the plan
-// for any item before the region starts (CallBuffers::prepare_workers).
-class ItemQueue {
- public:
-  explicit ItemQueue(Index count) : count_(count) {}
-
-  template <typename Body>
-  void run_items(Body& body, int worker) noexcept {
-    try {
-      for (Index item = next_.fetch_add(1, std::memory_order_relaxed); item < count_;
-           item = next_.fetch_add(1, std::memory_order_relaxed))
-        body(item, worker);
-    } catch (...) {
-      if (!failed_.exchange(true, std::memory_order_acq_rel)) failure_ = std::current_exception();
-      next_.store(count_, std::memory_order_relaxed);
-    }
-  }
-  // On the calling thread once every worker is done (their writes published by the join).
-  void rethrow_failure() {
-    if (failure_) std::rethrow_exception(failure_);
-  }
-
- private:
-  // The counter every worker updates, on a cache line of its own (the queue lives on the
-  // caller's stack, among its locals).
-  alignas(64) std::atomic<Index> next_{0};
-  Index count_;
-  alignas(64) std::atomic<bool> failed_{false};
-  std::exception_ptr failure_;
-};
-
 // Worker threads that outlive the calls they serve, so that a repeated call neither starts
 // threads nor allocates. run() is not reentrant: one region at a time per pool (a Workspace owns
 // one and is used by one thread at a time). Threads are started on first need, up to the most
@@ -231,7 +198,7 @@ class ThreadPool {
       finished_.store(0, std::memory_order_relaxed);
       post(helpers);
     }
-    queue.run_items(body, 0);
+    queue.run(body, 0);
     const int entered = helpers > 0 ? join() : 0;
     queue.rethrow_failure();
     return entered + 1;
@@ -257,7 +224,7 @@ class ThreadPool {
 
   template <typename Body>
   static void invoke(ItemQueue& queue, void* body, int worker) {
-    queue.run_items(*static_cast<Body*>(body), worker);
+    queue.run(*static_cast<Body*>(body), worker);
   }
 
   // Starts threads until `wanted` exist (or creation fails); returns how many there are to use.
@@ -401,13 +368,17 @@ class ThreadPool {
   RegionTrace* trace_ = nullptr;
 };
 
-// Runs the region's items on `workers` workers: in a loop on the calling thread for one, on
-// `pool` when given, else on threads started for this region (a thread that cannot be created
-// means fewer workers: the others claim its items). Returns the workers that took part.
+// Runs the region's items on `workers` workers: on the calling thread for one (a range body
+// runs them as one range), on `pool` when given, else on threads started for this region (a
+// thread that cannot be created means fewer workers: the others claim its items). Returns the
+// workers that took part.
 template <typename Body>
 int run_region(Index count, int workers, Body& body, ThreadPool* pool) {
   if (workers == 1) {
-    for (Index item = 0; item < count; ++item) body(item, 0);
+    if constexpr (runs_ranges<Body>::value)
+      body.run_range(0, count, 0);
+    else
+      for (Index item = 0; item < count; ++item) body(item, 0);
     return 1;
   }
   if (pool != nullptr) return pool->run(count, workers, body);
@@ -416,29 +387,45 @@ int run_region(Index count, int workers, Body& body, ThreadPool* pool) {
   spawned.reserve(static_cast<std::size_t>(workers - 1));
   for (int worker = 1; worker < workers; ++worker) {
     try {
-      spawned.emplace_back([&queue, &body, worker] { queue.run_items(body, worker); });
+      spawned.emplace_back([&queue, &body, worker] { queue.run(body, worker); });
     } catch (const std::system_error&) {
       break;
     }
   }
-  queue.run_items(body, 0);
+  queue.run(body, 0);
   for (auto& thread : spawned) thread.join();
   queue.rethrow_failure();
   return static_cast<int>(spawned.size()) + 1;
 }
+
+// A body that records each item's duration in `item_seconds`; a range body's range (one worker)
+// timed whole and its time shared equally by its items, which is what each cost there.
+template <typename Body>
+struct TimedBody {
+  Body& body;
+  double* item_seconds;
+  void operator()(Index item, int worker) {
+    const auto start = std::chrono::steady_clock::now();
+    body(item, worker);
+    item_seconds[item] = seconds_since(start);
+  }
+  template <typename Self = Body, typename = std::enable_if_t<runs_ranges<Self>::value>>
+  void run_range(Index begin, Index end, int worker) {
+    const auto start = std::chrono::steady_clock::now();
+    body.run_range(begin, end, worker);
+    std::fill(item_seconds + begin, item_seconds + end, seconds_since(start) / double(end - begin));
+  }
+  static double seconds_since(std::chrono::steady_clock::time_point start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+};
 
 // A region recorded in `trace`: its span, its workers and each item's duration.
 template <typename Body>
 void run_traced_region(Index count, int workers, Body& body, ThreadPool& pool, RegionTrace& trace,
                        const char* region) {
   const std::size_t record = trace.begin_region(region, count);
-  double* const item_seconds = trace.item_seconds(record);
-  auto timed = [&](Index item, int worker) {
-    const auto start = std::chrono::steady_clock::now();
-    body(item, worker);
-    item_seconds[item] =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  };
+  TimedBody<Body> timed{body, trace.item_seconds(record)};
   int took_part = workers;
   try {
     took_part = run_region(count, workers, timed, &pool);
@@ -453,8 +440,9 @@ void run_traced_region(Index count, int workers, Body& body, ThreadPool& pool, R
 // caller's thread included), on `pool`'s threads when one is given, else on threads started for
 // this call. `worker` is in [0, worker_count) and names one running thread, so an item may use
 // that worker's scratch. Items are claimed in index order by whichever worker is free (see
-// ItemQueue); the first exception thrown by any item is rethrown, and the other workers stop at
-// their next item. `region` names the region in the pool's RegionTrace, when it has one.
+// ItemQueue; on one worker, a body with run_range gets all items as one range: runs_ranges).
+// The first exception thrown by any item is rethrown, and the other workers stop at their next
+// item. `region` names the region in the pool's RegionTrace, when it has one.
 template <typename Body>
 void parallel_for(Index count, int threads, Body&& body, ThreadPool* pool = nullptr,
                   const char* region = "") {

@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <tuple>
+#include <type_traits>
 
 #include "sdmha/config.hpp"
 #include "sdmha/detail/attention_plan.hpp"
@@ -63,6 +65,22 @@ struct RowProjection {
     if constexpr (reads_bfloat16_kernel<Projection>::value) args.kernel_bfloat16 = kernel_bfloat16;
     Projection::can_implement(args);
     projection(args);
+  }
+  // Every item as one call, when the stage gives each entry the same bits in any block of the
+  // product and `scratch` holds the whole product's packing (the plan sizes it so when its
+  // regions run on one worker: projection_scratch_rows); returns false, having done nothing,
+  // otherwise. One call packs each block of the kernel once instead of once per row block.
+  bool run_whole(StageScratch scratch) const {
+    if (!same_bits_in_any_block<Projection>(kernel_bfloat16 != nullptr)) return false;
+    TileSizes sizes;
+    sizes.rows = input.rows();
+    sizes.input_width = kernel.rows();
+    sizes.output_width = kernel.cols();
+    if (scratch.bytes < stage_workspace_size<Projection>(sizes)) return false;
+    typename Projection::Arguments args{input, kernel, bias_view(bias), output, scratch};
+    Projection::can_implement(args);
+    projection(args);
+    return true;
   }
   Index panel_width() const {
     const Index width = (kernel.cols() + column_panels - 1) / column_panels;
@@ -119,6 +137,54 @@ auto value_projection(const Core& core, const AttentionPlan& plan,
       core.dense_kernel_bfloat16(&Core::DenseKernelsBFloat16::value), plan.batch * plan.key_steps);
 }
 
+// The region body of run_projections: item `index` is the extra items' first, then each
+// projection's in turn. On one worker it runs as one range: the extra items, then each
+// projection whole where run_whole can (the same bits as item by item).
+template <typename Scalar, typename Extra, typename... Projections>
+struct ProjectionItems {
+  CallBuffers<Scalar>& buffers;
+  Index extra_items;
+  Extra& extra;
+  std::tuple<const Projections&...> projections;
+
+  void operator()(Index index, int worker) const {
+    if (index < extra_items) {
+      extra(index, worker);
+      return;
+    }
+    index -= extra_items;
+    const StageScratch scratch = buffers.workers[std::size_t(worker)].stage.view();
+    bool done = false;
+    auto try_one = [&](const auto& projection) {
+      if (done) return;
+      if (index < projection.items()) {
+        projection.run_item(index, scratch);
+        done = true;
+      } else {
+        index -= projection.items();
+      }
+    };
+    std::apply([&](const auto&... each) { (try_one(each), ...); }, projections);
+  }
+  void run_range(Index begin, Index end, int worker) const {
+    SDMHA_ASSERT(begin == 0 && end == extra_items + total_items());  // one worker: the whole region
+    if constexpr (runs_ranges<Extra>::value)
+      extra.run_range(0, extra_items, worker);
+    else
+      for (Index index = 0; index < extra_items; ++index) extra(index, worker);
+    const StageScratch scratch = buffers.workers[std::size_t(worker)].stage.view();
+    auto run_one = [&](const auto& projection) {
+      if (!projection.run_whole(scratch))
+        for (Index item = 0; item < projection.items(); ++item) projection.run_item(item, scratch);
+    };
+    std::apply([&](const auto&... each) { (run_one(each), ...); }, projections);
+  }
+  Index total_items() const {
+    return std::apply([](const auto&... each) { return (Index(0) + ... + each.items()); },
+                      projections);
+  }
+};
+
 // Runs the items of several projections as one region, in the order given (callers put the
 // costliest first): items [0, n0) are the first's, [n0, n0 + n1) the second's, and so on.
 template <typename Scalar, typename Extra, typename... Projections>
@@ -128,29 +194,19 @@ void run_projections(const AttentionPlan& plan, CallBuffers<Scalar>& buffers, co
   Index total = 0;
   for (Index count : counts) total += count;
   buffers.prepare_workers(plan.workers(total), plan.worker_scratch_bytes, plan.tile_entries, 2);
-  parallel_for(
-      total, plan.threads,
-      [&](Index index, int worker) {
-        auto& scratch = buffers.workers[std::size_t(worker)].stage;
-        if (index < extra_items) {
-          extra(index, worker);
-          return;
-        }
-        index -= extra_items;
-        bool done = false;
-        auto try_one = [&](const auto& projection) {
-          if (done) return;
-          if (index < projection.items()) {
-            projection.run_item(index, scratch.view());
-            done = true;
-          } else {
-            index -= projection.items();
-          }
-        };
-        (try_one(projections), ...);
-        (void)try_one;  // unused when there are no projections
-      },
-      &buffers.pool, region);
+  parallel_for(total, plan.threads,
+               ProjectionItems<Scalar, std::remove_reference_t<Extra>, Projections...>{
+                   buffers, extra_items, extra, std::tie(projections...)},
+               &buffers.pool, region);
+}
+
+// The rows a worker's scratch is sized for in a forward projection of `rows` rows: its fixed row
+// blocks, or all of them when the plan's regions run on one worker and the stage fuses blocks
+// (RowProjection::run_whole).
+template <typename Projection>
+Index projection_scratch_rows(const AttentionPlan& plan, Index rows) {
+  const bool whole = plan.threads == 1 && same_bits_in_any_block<Projection>(false);
+  return std::max<Index>(1, whole ? rows : std::min(rows, kProjectionRowBlock));
 }
 
 // K and V of validated key and value, into `context` (resized; reallocated only when it grows).

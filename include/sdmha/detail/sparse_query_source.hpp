@@ -81,29 +81,21 @@ struct SparseDenseMHA<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT, AttendVa
   // read the same columns of Wq (one pass from memory, shared in L3).
   void project_item(const detail::AttentionPlan& plan, Index index,
                     detail::CallBuffers<Scalar>& buffers, int worker) const {
-    const StageScratch scratch = buffers.workers[std::size_t(worker)].stage.view();
-    const Index N = plan.dims.projected_key_width();
-    if constexpr (detail::splits_columns<QueryProjection>::value) {
-      const Index block = index % row_blocks(), width = window_width();
-      const Index first = index / row_blocks() * width, columns = std::min(width, N - first);
-      auto args = block_arguments(block, first, columns, scratch);
-      args.kernel_columns = N;
-      args.first_column = first;
-      if constexpr (detail::shares_feature_groups<QueryProjection>::value) {
-        typename QueryProjection::FeatureGroups built;  // outlives the call below
-        if (preparation_items(plan) > 0 &&
-            read_groups(buffers.query_groups[std::size_t(block)], built))
-          args.feature_groups = &built;
-        QueryProjection::can_implement(args);
-        layer.query_projection_(args);
-        return;
-      }
-      QueryProjection::can_implement(args);
-      layer.query_projection_(args);
-    } else {
-      const auto args = block_arguments(index, 0, N, scratch);
-      QueryProjection::can_implement(args);
-      layer.query_projection_(args);
+    const Index window = index / row_blocks();
+    project_windows(plan, index % row_blocks(), window, window + 1, buffers, worker);
+  }
+  // Items [begin, end) at once: each row block's windows among them (consecutive, by the
+  // window-major order) as one wider window, whose entries are the same sums as each window's
+  // (the stage's contract), so that the block's stored values are walked once, not per window.
+  void project_items(const detail::AttentionPlan& plan, Index begin, Index end,
+                     detail::CallBuffers<Scalar>& buffers, int worker) const {
+    const Index blocks = row_blocks();
+    for (Index block = 0; block < blocks; ++block) {
+      // The windows w with begin <= w·blocks + block < end.
+      const Index first_window = std::max<Index>(0, begin - block + blocks - 1) / blocks;
+      const Index end_window = std::max<Index>(0, end - block + blocks - 1) / blocks;
+      if (first_window < end_window)
+        project_windows(plan, block, first_window, end_window, buffers, worker);
     }
   }
   // One tile's masked scores, before the attention bias (SparseDenseMHA::tile_scores).
@@ -133,6 +125,37 @@ struct SparseDenseMHA<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT, AttendVa
       return windows(plan) > 1 && QueryProjection::kernel_beyond_cache(
                                       plan.dims.query_dim, plan.dims.projected_key_width());
     return false;
+  }
+
+  // Row block `block` of Q over windows [first_window, end_window) of Wq's columns, as one call.
+  void project_windows(const detail::AttentionPlan& plan, Index block, Index first_window,
+                       Index end_window, detail::CallBuffers<Scalar>& buffers, int worker) const {
+    const StageScratch scratch = buffers.workers[std::size_t(worker)].stage.view();
+    const Index N = plan.dims.projected_key_width();
+    if constexpr (detail::splits_columns<QueryProjection>::value) {
+      const Index first = first_window * window_width();
+      const Index columns = std::min(end_window * window_width(), N) - first;
+      auto args = block_arguments(block, first, columns, scratch);
+      args.kernel_columns = N;
+      args.first_column = first;
+      if constexpr (detail::shares_feature_groups<QueryProjection>::value) {
+        typename QueryProjection::FeatureGroups built;  // outlives the call below
+        if (preparation_items(plan) > 0 &&
+            read_groups(buffers.query_groups[std::size_t(block)], built))
+          args.feature_groups = &built;
+        QueryProjection::can_implement(args);
+        layer.query_projection_(args);
+        return;
+      }
+      QueryProjection::can_implement(args);
+      layer.query_projection_(args);
+    } else {
+      (void)first_window;
+      (void)end_window;
+      const auto args = block_arguments(block, 0, N, scratch);
+      QueryProjection::can_implement(args);
+      layer.query_projection_(args);
+    }
   }
 
   // The Arguments of row block `index` and Wq's columns [first, first + columns).

@@ -25,6 +25,20 @@ struct reads_bfloat16_operands<
     Stage, std::void_t<decltype(std::declval<typename Stage::Arguments&>().bfloat16_operands)>>
     : std::true_type {};
 
+// Whether a projection stage says when fused blocks give the same bits as its fixed ones
+// (a static same_bits_in_any_block(bool bfloat16_kernel)), and says so for this call.
+template <typename Stage, typename = void>
+struct declares_block_invariance : std::false_type {};
+template <typename Stage>
+struct declares_block_invariance<Stage, std::void_t<decltype(Stage::same_bits_in_any_block(false))>>
+    : std::true_type {};
+template <typename Stage>
+constexpr bool same_bits_in_any_block(bool bfloat16_kernel) {
+  if constexpr (declares_block_invariance<Stage>::value)
+    return Stage::same_bits_in_any_block(bfloat16_kernel);
+  return false;
+}
+
 // Whether an attend-values stage can add P·V into its output (`accumulate` in its Arguments):
 // the online softmax sums a row's output over key tiles.
 template <typename Stage, typename = void>

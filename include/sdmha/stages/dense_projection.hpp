@@ -58,6 +58,19 @@ struct DenseProjection {
     StageScratch workspace = {};
   };
 
+  // Whether every entry of Y gets the same bits from one call over any block of rows and columns
+  // that holds it: the float32 AVX-512 engine's entries are each one sequence of FMAs fixed by
+  // the depth alone (detail/gemm_avx512.hpp); Eigen's blocking, and so its order of additions,
+  // depends on the block's shape. A caller may then fuse fixed blocks into one call.
+  static constexpr bool same_bits_in_any_block(bool bfloat16_kernel) {
+#if defined(__AVX512F__)
+    return std::is_same<Scalar, float>::value && !bfloat16_kernel;
+#else
+    (void)bfloat16_kernel;
+    return false;
+#endif
+  }
+
   // GEMM packing for the largest block: sizes.rows × sizes.output_width, depth sizes.input_width
   // (forward and input gradient), and a weight tile of sizes.input_width × sizes.output_width
   // over sizes.rows rows (kernel gradient).
