@@ -2,11 +2,12 @@
 // region runs exactly once whatever the number of workers (1 to 64, on a machine of any size),
 // each worker index names one running thread, items are claimed in index order, the first
 // exception reaches the caller and stops the region, a pool serves many regions and calls, a
-// RegionTrace records what it should, a body that runs ranges gets them whole on one worker,
-// and num_threads = 0 resolves to a sane count.
+// RegionTrace records what it should, a body that runs ranges gets them whole on one worker (and
+// guided ranges on several when it asks), and num_threads = 0 resolves to a sane count.
 // (Suite names match the ThreadSanitizer stage's filter in .ci/hardening.sh.)
 #include "test_support.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -345,6 +346,59 @@ TEST(ThreadPoolParallelFor, ABodyThatRunsRangesGetsOneRangeOnOneWorkerAndSingleI
       }
     }
   }
+}
+
+// A range body that asks for guided ranges on several workers.
+struct GuidedRecorder : RangeRecorder {
+  static constexpr bool kGuidedRanges = true;
+};
+
+TEST(ThreadPoolParallelFor, AGuidedRangeBodyGetsEveryItemOnceInShrinkingRanges) {
+  using sdmha::detail::ItemQueue;
+  static_assert(sdmha::detail::claims_guided_ranges<GuidedRecorder>::value);
+  static_assert(!sdmha::detail::claims_guided_ranges<RangeRecorder>::value);
+  ThreadPool pool;
+  for (int workers : {1, 2, 3, 8}) {
+    for (Index count : {1, 7, 64, 1000}) {
+      for (ThreadPool* where : {&pool, static_cast<ThreadPool*>(nullptr)}) {
+        std::vector<std::atomic<int>> runs(static_cast<std::size_t>(count));
+        std::mutex mutex;
+        std::vector<std::pair<Index, Index>> ranges;
+        parallel_for(count, workers, GuidedRecorder{{runs, mutex, ranges}}, where);
+        for (Index item = 0; item < count; ++item)
+          ASSERT_EQ(runs[std::size_t(item)].load(), 1)
+              << "item " << item << " of " << count << " on " << workers;
+        const int used = sdmha::detail::worker_count(count, workers);
+        std::sort(ranges.begin(), ranges.end());
+        for (const auto& range : ranges) {
+          ASSERT_LT(range.first, range.second);
+          // On several workers, a claim takes at most its share of what was left when it was made.
+          if (used > 1)
+            EXPECT_LE(range.second - range.first,
+                      ItemQueue::range_claim(count - range.first, used));
+        }
+        if (used == 1) {
+          EXPECT_EQ(ranges.size(), 1u) << "one worker runs the region as one range";
+        }
+      }
+    }
+  }
+}
+
+TEST(ThreadPoolParallelFor, RangeClaimsShrinkToSingleItemsAsTheItemsRunOut) {
+  using sdmha::detail::ItemQueue;
+  EXPECT_EQ(ItemQueue::range_claim(1000, 4), 1000 / (ItemQueue::kRangeShare * 4));
+  EXPECT_EQ(ItemQueue::range_claim(3, 4), 1);
+  EXPECT_EQ(ItemQueue::range_claim(1, 1), 1);
+  EXPECT_EQ(ItemQueue::range_claim(10, 0), 10 / ItemQueue::kRangeShare);
+  Index left = 1000, previous = ItemQueue::range_claim(left, 4);
+  while (left > 0) {
+    const Index claim = std::min(left, ItemQueue::range_claim(left, 4));
+    EXPECT_LE(claim, previous);
+    previous = claim;
+    left -= claim;
+  }
+  EXPECT_EQ(previous, 1);
 }
 
 TEST(ThreadPoolTrace, OneWorkerRunsARangeBodyWholeAndSharesItsTimeEqually) {

@@ -1,7 +1,10 @@
 // Tests of sdmha/stages/dense_projection.hpp: DenseProjection (the key, value and dense-query
 // projections) against sdmha_reference::project, with and without bias, on blocks of larger
-// matrices (outer stride ≠ columns), and its can_implement checks.
+// matrices (outer stride ≠ columns), and its can_implement checks; and detail::RowProjection's
+// ranges of items, bitwise those of its single items.
 #include "test_support.hpp"
+
+#include <cstring>
 
 namespace sdmha_test {
 namespace {
@@ -124,6 +127,64 @@ TYPED_TEST(DenseProjectionTest, WorksOnBlocksOfLargerMatrices) {
       if (r < 1 || r > rows || k < 3 || k >= 3 + out) {
         ASSERT_EQ(big_output(r, k), sentinel) << r << ", " << k;
       }
+}
+
+// Whether two blocks hold the same bits, entry by entry (−0 and +0 differ).
+template <typename Block>
+bool same_bits(const Block& a, const Block& b) {
+  for (Index r = 0; r < a.rows(); ++r)
+    if (std::memcmp(&a(r, 0), &b(r, 0), sizeof(a(r, 0)) * std::size_t(a.cols())) != 0) return false;
+  return true;
+}
+
+// detail::RowProjection (the pipeline's K, V and output projections in fixed items): any range of
+// its items, run at once, gives each entry the bits that running the items one by one gives, on
+// rows that are not a multiple of the row block and with 1, 2 or 4 column panels; and where the
+// stage says blocks can be fused (float32 with the AVX-512 engine), it fuses them.
+TYPED_TEST(DenseProjectionTest, RowProjectionRangesGiveTheBitsOfSingleItems) {
+  using Scalar = TypeParam;
+  std::mt19937_64 generator(17);
+  const Index rows = 3 * sdmha::detail::kProjectionRowBlock + 5, depth = 96, columns = 512;
+  const auto input = random_matrix<Scalar>(rows, depth, generator);
+  const auto kernel = random_matrix<Scalar>(depth, columns, generator);
+  const auto bias_matrix = random_matrix<Scalar>(1, columns, generator);
+  const sdmha::Vector<Scalar> bias = bias_matrix.row(0).transpose();
+  const Projection<Scalar> stage;
+  sdmha::TileSizes sizes;
+  sizes.rows = rows;
+  sizes.input_width = depth;
+  sizes.output_width = columns;
+  sdmha::detail::ScratchBuffer scratch;
+  scratch.reserve(sdmha::detail::stage_workspace_size<Projection<Scalar>>(sizes));
+  for (Index panels : {1, 2, 4}) {
+    sdmha::RowMatrix<Scalar> by_item(rows, columns), by_range(rows, columns);
+    auto projection_into = [&](sdmha::RowMatrix<Scalar>& output) {
+      sdmha::detail::RowProjection<Scalar, Projection<Scalar>> projection{
+          stage, input, kernel, bias, sdmha::MatrixRef<Scalar>(output)};
+      projection.column_panels = panels;
+      return projection;
+    };
+    const auto single = projection_into(by_item);
+    for (Index item = 0; item < single.items(); ++item) single.run_item(item, scratch.view());
+    const auto ranged = projection_into(by_range);
+    EXPECT_EQ(ranged.fuses(scratch.view()),
+              sdmha::detail::same_bits_in_any_block<Projection<Scalar>>(false));
+    for (Index first = 0; first < ranged.items(); ++first)
+      for (Index last = first + 1; last <= ranged.items(); ++last) {
+        by_range.setConstant(Scalar(7));
+        ranged.run_items(first, last, scratch.view());
+        for (Index item = first; item < last; ++item) {
+          const Index block = item / panels, panel = item % panels;
+          const Index width = ranged.panel_width(), row = block * ranged.block_rows;
+          const Index height = std::min(ranged.block_rows, rows - row);
+          const Index column = panel * width, span = std::min(width, columns - column);
+          ASSERT_TRUE(same_bits(by_range.block(row, column, height, span),
+                                by_item.block(row, column, height, span)))
+              << "items [" << first << ", " << last << "), item " << item << ", " << panels
+              << " panels";
+        }
+      }
+  }
 }
 
 TYPED_TEST(DenseProjectionTest, ZeroRowsGiveZeroRows) {

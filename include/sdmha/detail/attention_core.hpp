@@ -44,13 +44,12 @@ template <typename Tag>
 struct InternalAccess;
 
 // The stage scratch of the key/value projection for a plan's row blocks, or all rows (backward,
-// or fused on one worker: projection_scratch_rows).
+// or fused: projection_scratch_rows).
 template <typename ContextProjection>
 std::size_t context_scratch_bytes(const AttentionPlan& plan) {
   const Index rows = std::max(plan.batch * plan.key_steps, Index(1));
   TileSizes sizes;
-  sizes.rows =
-      plan.pass == Pass::forward ? projection_scratch_rows<ContextProjection>(plan, rows) : rows;
+  sizes.rows = plan.pass == Pass::forward ? projection_scratch_rows<ContextProjection>(rows) : rows;
   sizes.input_width = std::max(plan.dims.key_in_dim, plan.dims.value_in_dim);
   sizes.output_width = std::max(plan.dims.projected_key_width(), plan.dims.projected_value_width());
   return stage_workspace_size<ContextProjection>(sizes);
@@ -284,7 +283,7 @@ void finish_plan(const Core& core, AttentionPlan& plan, std::size_t query_stage_
   TileSizes output;
   const Index output_rows = std::max(plan.batch * plan.steps, Index(1));
   output.rows = plan.pass == Pass::forward
-                    ? projection_scratch_rows<typename Core::OutputProjection>(plan, output_rows)
+                    ? projection_scratch_rows<typename Core::OutputProjection>(output_rows)
                     : output_rows;
   output.input_width = plan.dims.projected_value_width();
   output.output_width = plan.dims.output_dim;

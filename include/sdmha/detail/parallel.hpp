@@ -192,7 +192,7 @@ class ThreadPool {
   template <typename Body>
   int run(Index count, int workers, Body& body) {
     const int helpers = start_threads(workers - 1);
-    ItemQueue queue(count);
+    ItemQueue queue(count, helpers + 1);
     if (helpers > 0) {
       job_ = Job{&queue, const_cast<void*>(static_cast<const void*>(&body)), &invoke<Body>};
       finished_.store(0, std::memory_order_relaxed);
@@ -382,7 +382,7 @@ int run_region(Index count, int workers, Body& body, ThreadPool* pool) {
     return 1;
   }
   if (pool != nullptr) return pool->run(count, workers, body);
-  ItemQueue queue(count);
+  ItemQueue queue(count, workers);
   std::vector<std::thread> spawned;
   spawned.reserve(static_cast<std::size_t>(workers - 1));
   for (int worker = 1; worker < workers; ++worker) {
@@ -398,10 +398,11 @@ int run_region(Index count, int workers, Body& body, ThreadPool* pool) {
   return static_cast<int>(spawned.size()) + 1;
 }
 
-// A body that records each item's duration in `item_seconds`; a range body's range (one worker)
-// timed whole and its time shared equally by its items, which is what each cost there.
+// A body that records each item's duration in `item_seconds`; a range timed whole and its time
+// shared equally by its items, which is what each cost there.
 template <typename Body>
 struct TimedBody {
+  static constexpr bool kGuidedRanges = claims_guided_ranges<Body>::value;
   Body& body;
   double* item_seconds;
   void operator()(Index item, int worker) {

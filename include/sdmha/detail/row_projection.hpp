@@ -55,32 +55,54 @@ struct RowProjection {
   Index row_blocks() const { return AttentionPlan::block_count(input.rows(), block_rows); }
   Index items() const { return row_blocks() * column_panels; }
   void run_item(Index index, StageScratch scratch) const {
-    const RowBlock block = AttentionPlan::block(index / column_panels, input.rows(), block_rows);
-    const Index width = panel_width(), first = index % column_panels * width;
-    const Index columns = std::min(width, kernel.cols() - first);
-    typename Projection::Arguments args{
-        input.middleRows(block.begin, block.rows), kernel.middleCols(first, columns),
-        bias_segment(bias, first, columns), output.block(block.begin, first, block.rows, columns),
-        scratch};
-    if constexpr (reads_bfloat16_kernel<Projection>::value) args.kernel_bfloat16 = kernel_bfloat16;
-    Projection::can_implement(args);
-    projection(args);
+    const Index block = index / column_panels, panel = index % column_panels;
+    run_span(block, block + 1, panel, panel + 1, scratch);
   }
-  // Every item as one call, when the stage gives each entry the same bits in any block of the
-  // product and `scratch` holds the whole product's packing (the plan sizes it so when its
-  // regions run on one worker: projection_scratch_rows); returns false, having done nothing,
-  // otherwise. One call packs each block of the kernel once instead of once per row block.
-  bool run_whole(StageScratch scratch) const {
+  // Items [first, last) (block-major: item = block · column_panels + panel), the same bits as one
+  // by one. Where the stage gives each entry the same bits in any block of the product and
+  // `scratch` holds the whole product's packing (the plan sizes it so: projection_scratch_rows),
+  // as at most three calls (the rest of a block begun by another range, the whole blocks, the
+  // start of the last block), which pack each panel of the kernel once instead of once per row
+  // block; else item by item.
+  void run_items(Index first, Index last, StageScratch scratch) const {
+    const Index panels = column_panels;
+    if (!fuses(scratch)) {
+      for (Index item = first; item < last; ++item) run_item(item, scratch);
+      return;
+    }
+    Index item = first;
+    if (item % panels != 0) {
+      const Index end = std::min(last, (item / panels + 1) * panels);
+      run_span(item / panels, item / panels + 1, item % panels, item % panels + (end - item),
+               scratch);
+      item = end;
+    }
+    const Index whole_end = std::max(item, last / panels * panels);
+    if (item < whole_end) run_span(item / panels, whole_end / panels, 0, panels, scratch);
+    if (whole_end < last)
+      run_span(whole_end / panels, whole_end / panels + 1, 0, last % panels, scratch);
+  }
+  bool fuses(StageScratch scratch) const {
     if (!same_bits_in_any_block<Projection>(kernel_bfloat16 != nullptr)) return false;
     TileSizes sizes;
     sizes.rows = input.rows();
     sizes.input_width = kernel.rows();
     sizes.output_width = kernel.cols();
-    if (scratch.bytes < stage_workspace_size<Projection>(sizes)) return false;
-    typename Projection::Arguments args{input, kernel, bias_view(bias), output, scratch};
+    return scratch.bytes >= stage_workspace_size<Projection>(sizes);
+  }
+  // Row blocks [first_block, end_block) × column panels [first_panel, end_panel), as one call.
+  void run_span(Index first_block, Index end_block, Index first_panel, Index end_panel,
+                StageScratch scratch) const {
+    const Index first_row = first_block * block_rows;
+    const Index rows = std::min(input.rows(), end_block * block_rows) - first_row;
+    const Index first = first_panel * panel_width();
+    const Index columns = std::min(kernel.cols(), end_panel * panel_width()) - first;
+    typename Projection::Arguments args{
+        input.middleRows(first_row, rows), kernel.middleCols(first, columns),
+        bias_segment(bias, first, columns), output.block(first_row, first, rows, columns), scratch};
+    if constexpr (reads_bfloat16_kernel<Projection>::value) args.kernel_bfloat16 = kernel_bfloat16;
     Projection::can_implement(args);
     projection(args);
-    return true;
   }
   Index panel_width() const {
     const Index width = (kernel.cols() + column_panels - 1) / column_panels;
@@ -138,50 +160,34 @@ auto value_projection(const Core& core, const AttentionPlan& plan,
 }
 
 // The region body of run_projections: item `index` is the extra items' first, then each
-// projection's in turn. On one worker it runs as one range: the extra items, then each
-// projection whole where run_whole can (the same bits as item by item).
+// projection's in turn. It takes guided ranges (ItemQueue), the whole region on one worker: the
+// extra items' part of a range through their own run_range when they have one, each
+// projection's part through RowProjection::run_items (the same bits as item by item).
 template <typename Scalar, typename Extra, typename... Projections>
 struct ProjectionItems {
+  static constexpr bool kGuidedRanges = true;
   CallBuffers<Scalar>& buffers;
   Index extra_items;
   Extra& extra;
   std::tuple<const Projections&...> projections;
 
-  void operator()(Index index, int worker) const {
-    if (index < extra_items) {
-      extra(index, worker);
-      return;
-    }
-    index -= extra_items;
-    const StageScratch scratch = buffers.workers[std::size_t(worker)].stage.view();
-    bool done = false;
-    auto try_one = [&](const auto& projection) {
-      if (done) return;
-      if (index < projection.items()) {
-        projection.run_item(index, scratch);
-        done = true;
-      } else {
-        index -= projection.items();
-      }
-    };
-    std::apply([&](const auto&... each) { (try_one(each), ...); }, projections);
-  }
+  void operator()(Index index, int worker) const { run_range(index, index + 1, worker); }
   void run_range(Index begin, Index end, int worker) const {
-    SDMHA_ASSERT(begin == 0 && end == extra_items + total_items());  // one worker: the whole region
-    if constexpr (runs_ranges<Extra>::value)
-      extra.run_range(0, extra_items, worker);
-    else
-      for (Index index = 0; index < extra_items; ++index) extra(index, worker);
+    const Index extra_end = std::min(end, extra_items);
+    if constexpr (runs_ranges<Extra>::value) {
+      if (begin < extra_end) extra.run_range(begin, extra_end, worker);
+    } else {
+      for (Index index = begin; index < extra_end; ++index) extra(index, worker);
+    }
     const StageScratch scratch = buffers.workers[std::size_t(worker)].stage.view();
-    auto run_one = [&](const auto& projection) {
-      if (!projection.run_whole(scratch))
-        for (Index item = 0; item < projection.items(); ++item) projection.run_item(item, scratch);
+    Index offset = extra_items;  // the first item of the projection at hand
+    auto run_part = [&](const auto& projection) {
+      const Index first = std::max(begin, offset);
+      const Index last = std::min(end, offset + projection.items());
+      if (first < last) projection.run_items(first - offset, last - offset, scratch);
+      offset += projection.items();
     };
-    std::apply([&](const auto&... each) { (run_one(each), ...); }, projections);
-  }
-  Index total_items() const {
-    return std::apply([](const auto&... each) { return (Index(0) + ... + each.items()); },
-                      projections);
+    std::apply([&](const auto&... each) { (run_part(each), ...); }, projections);
   }
 };
 
@@ -200,12 +206,11 @@ void run_projections(const AttentionPlan& plan, CallBuffers<Scalar>& buffers, co
                &buffers.pool, region);
 }
 
-// The rows a worker's scratch is sized for in a forward projection of `rows` rows: its fixed row
-// blocks, or all of them when the plan's regions run on one worker and the stage fuses blocks
-// (RowProjection::run_whole).
+// The rows a worker's scratch is sized for in a forward projection of `rows` rows: one fixed row
+// block, or all of them when the stage fuses blocks (RowProjection::run_items).
 template <typename Projection>
-Index projection_scratch_rows(const AttentionPlan& plan, Index rows) {
-  const bool whole = plan.threads == 1 && same_bits_in_any_block<Projection>(false);
+Index projection_scratch_rows(Index rows) {
+  const bool whole = same_bits_in_any_block<Projection>(false);
   return std::max<Index>(1, whole ? rows : std::min(rows, kProjectionRowBlock));
 }
 
