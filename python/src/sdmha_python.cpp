@@ -30,9 +30,12 @@
 #include <sdmha/sdmha.hpp>
 #if SDMHA_PYTHON_WITH_IO
 #include <sdmha/io/layer_files.hpp>
-#if __has_include(<sdmha/io/keras_file.hpp>)
-#include <sdmha/io/keras_file.hpp>
+// CMake says whether sdmha::io_keras (and so HDF5) is linked; other builds go by the header.
+#if !defined(SDMHA_PYTHON_WITH_KERAS_FILES) && __has_include(<sdmha/io/keras_file.hpp>)
 #define SDMHA_PYTHON_WITH_KERAS_FILES 1
+#endif
+#if SDMHA_PYTHON_WITH_KERAS_FILES
+#include <sdmha/io/keras_file.hpp>
 #endif
 #endif
 #ifndef SDMHA_PYTHON_WITH_KERAS_FILES

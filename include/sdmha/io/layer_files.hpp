@@ -18,19 +18,30 @@
 // fully_masked_rows (zeros|uniform).
 #pragma once
 
+//
+// TensorSource, the face these readers take over either format, is in io/tensor_source.hpp.
+#pragma once
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <unsupported/Eigen/CXX11/Tensor>
 
 #include "sdmha/broadcast_ref.hpp"
 #include "sdmha/errors.hpp"
+#include "sdmha/io/detail/bytes.hpp"
+#include "sdmha/io/detail/shape_format.hpp"
+#include "sdmha/io/dtype.hpp"
 #include "sdmha/io/npy.hpp"
 #include "sdmha/io/safetensors.hpp"
+#include "sdmha/io/tensor_source.hpp"
 #include "sdmha/options.hpp"
 #include "sdmha/sparse_query.hpp"
 #include "sdmha/weights.hpp"
@@ -38,90 +49,6 @@
 namespace sdmha::io {
 
 enum class WeightLayout { keras, torch };
-
-// A uniform face over a safetensors file or an .npz archive: names, shapes, typed reads, metadata.
-class TensorSource {
- public:
-  explicit TensorSource(SafetensorsFile file) : safetensors_(std::move(file)) {}
-  explicit TensorSource(NpzFile archive, std::map<std::string, std::string> metadata = {})
-      : npz_(std::move(archive)), npz_metadata_(std::move(metadata)) {}
-
-  // Opens `path` as .npz when it ends in ".npz", as safetensors otherwise.
-  static TensorSource open(const std::string& path) {
-    const bool is_npz = path.size() >= 4 && path.compare(path.size() - 4, 4, ".npz") == 0;
-    if (is_npz) {
-      NpzFile archive = NpzFile::open(path);
-      std::map<std::string, std::string> metadata;
-      // numpy.savez has no metadata; a string array "__metadata__/<key>" of uint8 may carry it.
-      for (const auto& name : archive.names()) {
-        const std::string prefix = "__metadata__/";
-        if (name.compare(0, prefix.size(), prefix) == 0) {
-          const auto bytes = archive.read(name).as<std::uint8_t>();
-          metadata[name.substr(prefix.size())] = std::string(bytes.begin(), bytes.end());
-        }
-      }
-      TensorSource result(std::move(archive), std::move(metadata));
-      result.npz_source_ = path;
-      return result;
-    }
-    return TensorSource(SafetensorsFile::open(path));
-  }
-
-  const std::string& source() const { return safetensors_ ? safetensors_->source() : npz_source_; }
-  bool contains(const std::string& name) const {
-    return safetensors_ ? safetensors_->contains(name) : npz_->contains(name);
-  }
-  std::vector<std::string> names() const {
-    return safetensors_ ? safetensors_->names() : npz_->names();
-  }
-  std::vector<std::int64_t> shape(const std::string& name) const {
-    require(name);
-    return safetensors_ ? safetensors_->info(name).shape : npz_member(name).shape;
-  }
-  DType dtype(const std::string& name) const {
-    require(name);
-    return safetensors_ ? safetensors_->info(name).dtype : npz_member(name).dtype;
-  }
-  template <typename T>
-  std::vector<T> read(const std::string& name) const {
-    require(name);
-    return safetensors_ ? safetensors_->template read<T>(name) : npz_member(name).template as<T>();
-  }
-  std::optional<std::string> metadata_value(const std::string& key) const {
-    if (safetensors_) return safetensors_->metadata_value(key);
-    const auto found = npz_metadata_.find(key);
-    if (found == npz_metadata_.end()) return std::nullopt;
-    return found->second;
-  }
-
-  // Fails unless `name` exists with exactly `rank` dimensions; returns its shape.
-  std::vector<std::int64_t> expect_rank(const std::string& name, std::size_t rank) const {
-    auto dims = shape(name);
-    if (dims.size() != rank)
-      detail::fail<ShapeError>("io", source(), ": tensor '", name, "' has rank ", dims.size(),
-                               "; expected rank ", rank);
-    return dims;
-  }
-
-  void require(const std::string& name) const {
-    if (!contains(name))
-      detail::fail<FormatError>("io", source(), ": tensor '", name, "' is missing");
-  }
-
- private:
-  // An .npz member is decompressed once, on first use, and kept (not thread-safe, like the rest).
-  const NpyArray& npz_member(const std::string& name) const {
-    auto found = npz_cache_.find(name);
-    if (found == npz_cache_.end()) found = npz_cache_.emplace(name, npz_->read(name)).first;
-    return found->second;
-  }
-
-  std::optional<SafetensorsFile> safetensors_;
-  mutable std::map<std::string, NpyArray> npz_cache_;
-  std::optional<NpzFile> npz_;
-  std::map<std::string, std::string> npz_metadata_;
-  std::string npz_source_ = "<npz>";
-};
 
 // What the caller may impose over the file's metadata.
 struct LayerFileOptions {
@@ -257,12 +184,12 @@ void load_keras(const io::TensorSource& source, const std::string& prefix,
                     o = prefix + "attention_output/";
   const auto query_shape = source.expect_rank(q + "kernel", 3);
   // Every width must stay far from overflow once multiplied (H·Dk, Eq·H·Dk, H·Dv·O), even for
-  // kernels that hold no bytes: 2^24 per dimension is beyond any real layer.
+  // kernels that hold no bytes: see kMaxLayerDimension.
   for (const char* kernel :
        {"query/kernel", "key/kernel", "value/kernel", "attention_output/kernel"}) {
     const std::string name = prefix + kernel;
     for (const std::int64_t dimension : source.expect_rank(name, 3))
-      if (dimension > (std::int64_t(1) << 24))
+      if (dimension > kMaxLayerDimension)
         fail<ShapeError>("io", source.source(), ": tensor '", name, "' has a dimension of ",
                          dimension, "; expected at most 2^24");
   }
