@@ -366,8 +366,8 @@ TEST(KerasFile, UnreadablePathsAreIoErrors) {
   expect_error<IoError>([&] { load_keras_layer<double>(dir, "attention"); }, {"config.json"});
 }
 
-TEST(KerasFile, UnzippedKerasDirectoryLoads) {
-  const std::string dir = scratch("unzipped");
+// The members of the fixture nested.keras, written into `dir` as an unzipped .keras directory.
+void unzip_nested_keras(const std::string& dir) {
   zip_t* archive = zip_open(fixture("nested.keras").c_str(), ZIP_RDONLY, nullptr);
   ASSERT_NE(archive, nullptr);
   for (const char* member : {"config.json", "metadata.json", "model.weights.h5"}) {
@@ -380,8 +380,24 @@ TEST(KerasFile, UnzippedKerasDirectoryLoads) {
     write_bytes(dir + "/" + member, bytes);
   }
   zip_discard(archive);
+}
+
+TEST(KerasFile, UnzippedKerasDirectoryLoads) {
+  const std::string dir = scratch("unzipped");
+  unzip_nested_keras(dir);
   const auto keras = load_keras_layer<double>(dir, "attention");
   EXPECT_EQ(keras.keras_version, "3.5.0");
+  expect_forward(keras, "nested_attention.expected.npz", 1e-12);
+}
+
+// metadata.json is only reported; nested a million levels deep (which a recursive parse would
+// not survive) it reads as no version, and the layer still loads.
+TEST(KerasFile, DeeplyNestedMetadataReadsAsNoVersion) {
+  const std::string dir = scratch("deep_metadata");
+  unzip_nested_keras(dir);
+  write_bytes(dir + "/metadata.json", std::vector<std::uint8_t>(1000000, std::uint8_t('[')));
+  const auto keras = load_keras_layer<double>(dir, "attention");
+  EXPECT_EQ(keras.keras_version, "");
   expect_forward(keras, "nested_attention.expected.npz", 1e-12);
 }
 

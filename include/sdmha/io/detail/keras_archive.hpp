@@ -52,7 +52,11 @@ inline json parse_config(const std::vector<std::uint8_t>& bytes, const std::stri
 }
 
 // The keras_version of metadata.json, or empty: the version is only reported, never checked.
+// Bytes that nest deeper than metadata ever does (Keras writes a flat object) count as no
+// version rather than reaching the recursive parse (detail/json.hpp).
 inline std::string keras_version_of(const std::vector<std::uint8_t>& bytes) {
+  constexpr int kMetadataNesting = 8;
+  if (excess_json_nesting(bytes.data(), bytes.size(), kMetadataNesting)) return std::string();
   const json metadata = json::parse(bytes.begin(), bytes.end(), nullptr, false);
   if (metadata.is_object() && metadata.contains("keras_version") &&
       metadata["keras_version"].is_string())
