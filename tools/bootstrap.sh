@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# Installs what building, testing and benchmarking sdmha needs on Debian 12 (plus any packages
-# named as arguments), and nothing when it is all there already. Runs apt-get through sudo when
-# not root. The Python package (python/, docs/python.md) needs python3-dev and pybind11-dev to
-# build, numpy, torch and pytest to run and test; Debian's python3-torch needs an OpenBLAS.
+# Installs what building, testing and benchmarking the C++ library needs on Debian 12 (plus any
+# packages named as arguments), and nothing when it is all there already. Runs apt-get through
+# sudo when not root. The Python package (python/, docs/python.md) has its own:
+# tools/bootstrap-python.sh.
 set -euo pipefail
 packages=(cmake g++ make pkg-config libeigen3-dev libgtest-dev libbenchmark-dev
           nlohmann-json3-dev libzip-dev libhdf5-dev
-          python3-dev pybind11-dev python3-numpy python3-torch libopenblas0-pthread python3-pytest
           "$@")
 missing=()
 for package in "${packages[@]}"; do
