@@ -80,6 +80,44 @@ TYPED_TEST(SparseDenseMhaTest, OutputIsBitwiseTheSameForAnyThreadCount) {
   }
 }
 
+// The same with a query kernel beyond L2 and rows that reuse its features (the query projection
+// in its own region: one CSC per 512-row block, 64-column windows), over two row blocks, the
+// second partial: one thread runs each block's windows as one call, two claim whole blocks
+// (RowQueue), more share a block's windows; and with more threads than items.
+TYPED_TEST(SparseDenseMhaTest, WideQueryKernelOutputIsBitwiseTheSameForAnyThreadCount) {
+  Shape s;
+  s.batch = 2;
+  s.steps = 300;
+  s.key_steps = 9;
+  s.query_dim = 3000;
+  s.heads = 4;
+  s.key_dim = 64;
+  s.density = 0.01;
+  const auto c = make_case<TypeParam>(s, 23);
+  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
+  const auto query = c.query();
+  ASSERT_GE(query.nonzeros(), 2 * s.query_dim);  // the by-feature kernel, its CSC per block
+  auto options = c.options;
+  options.score_strategy = sdmha::ScoreStrategy::project_first;
+  options.num_threads = 1;
+  const auto single = layer.forward(query, c.key, c.value, options);
+  // Another query of the same pattern, run on one thread before each call: the layer's cached
+  // workspace keeps Q between calls, and a window the call left out would otherwise still hold
+  // the previous call's values.
+  const sdmha::Vector<TypeParam> negated = -c.values;
+  const auto other =
+      sdmha::SparseQuery<TypeParam>::from_coo(s.batch, s.steps, s.query_dim, c.indices, negated);
+  for (int threads : {2, 3, 16, 64}) {
+    options.num_threads = 1;
+    layer.forward(other, c.key, c.value, options);
+    options.num_threads = threads;
+    const auto multi = layer.forward(query, c.key, c.value, options);
+    ASSERT_EQ(0, std::memcmp(single.output.data(), multi.output.data(),
+                             sizeof(TypeParam) * std::size_t(single.output.size())))
+        << threads << " threads";
+  }
+}
+
 TYPED_TEST(SparseDenseMhaTest, FullyBlockedRowGivesTheOutputBias) {
   Shape s;
   s.fully_blocked_rows = true;

@@ -3,11 +3,13 @@
 // each worker index names one running thread, items are claimed in index order, the first
 // exception reaches the caller and stops the region, a pool serves many regions and calls, a
 // RegionTrace records what it should, a body that runs ranges gets them whole on one worker (and
-// guided ranges on several when it asks), and num_threads = 0 resolves to a sane count.
+// guided ranges on several when it asks, or rows when it claims by rows), and num_threads = 0
+// resolves to a sane count.
 // (Suite names match the ThreadSanitizer stage's filter in .ci/hardening.sh.)
 #include "test_support.hpp"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -399,6 +401,57 @@ TEST(ThreadPoolParallelFor, RangeClaimsShrinkToSingleItemsAsTheItemsRunOut) {
     left -= claim;
   }
   EXPECT_EQ(previous, 1);
+}
+
+// A body that claims by rows: records each (row, columns) range and marks each item of it.
+struct RowRecorder {
+  Index rows;
+  std::vector<std::atomic<int>>& runs;
+  std::mutex& mutex;
+  std::vector<std::array<Index, 4>>& claims;  // row, first column, end column, worker
+  Index claim_rows() const { return rows; }
+  void operator()(Index item, int worker) const {
+    run_row_range(item % rows, item / rows, item / rows + 1, worker);
+  }
+  void run_row_range(Index row, Index first, Index end, int worker) const {
+    for (Index column = first; column < end; ++column)
+      runs[std::size_t(column * rows + row)].fetch_add(1, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(mutex);
+    claims.push_back({row, first, end, Index(worker)});
+  }
+};
+
+TEST(ThreadPoolParallelFor, ARowBodyGetsEveryItemOnceAndWholeRowsWhenWorkersAreFew) {
+  static_assert(sdmha::detail::claims_by_rows<RowRecorder>::value);
+  static_assert(!sdmha::detail::claims_by_rows<RangeRecorder>::value);
+  ThreadPool pool;
+  for (Index rows : {1, 2, 3, 8, 65}) {
+    for (Index columns : {1, 5, 8}) {
+      for (int workers : {2, 3, 8, 16}) {
+        for (ThreadPool* where : {&pool, static_cast<ThreadPool*>(nullptr)}) {
+          const Index count = rows * columns;
+          std::vector<std::atomic<int>> runs(static_cast<std::size_t>(count));
+          std::mutex mutex;
+          std::vector<std::array<Index, 4>> claims;
+          parallel_for(count, workers, RowRecorder{rows, runs, mutex, claims}, where);
+          for (Index item = 0; item < count; ++item)
+            ASSERT_EQ(runs[std::size_t(item)].load(), 1)
+                << "item " << item << " of " << rows << " x " << columns << " on " << workers;
+          const int used = sdmha::detail::worker_count(count, workers);
+          if (rows <= sdmha::detail::RowQueue::kMaxRows && used > 1 && used <= rows &&
+              where == &pool) {
+            // Each worker's first claim is a whole row: its own, w % rows, unless another
+            // worker that had finished took it first (then the rest of it).
+            for (const auto& claim : claims)
+              if (claim[0] == claim[3] % rows && claim[1] == 0)
+                EXPECT_EQ(claim[2], columns) << "row " << claim[0] << " of " << rows;
+          }
+          if (rows > sdmha::detail::RowQueue::kMaxRows)
+            for (const auto& claim : claims) EXPECT_EQ(claim[2] - claim[1], 1);
+        }
+      }
+    }
+  }
 }
 
 TEST(ThreadPoolTrace, OneWorkerRunsARangeBodyWholeAndSharesItsTimeEqually) {

@@ -16,7 +16,10 @@
 //   Index projection_items(plan)                  items of its projection (0: none, e.g. regrouped)
 //   void project_item(plan, index, buffers, worker)
 //   void project_items(plan, begin, end, buffers, worker)   optional: items [begin, end) at once,
-//                                                 the same bits as one by one (see ItemQueue)
+//                                                 the same bits as one by one (see ItemQueue),
+//   with Index projection_rows(plan) and project_windows(plan, row, first, end, buffers, worker):
+//                                                 items window · rows + row, a row's windows at
+//                                                 once (see RowQueue)
 //   operator()(tile, mask, keys, bfloat16_operands, scratch, scores)   a tile's masked scores
 //
 // The dense projections (K, V, the output, the dense query) in fixed items, and the region that
@@ -316,6 +319,16 @@ struct QueryProjectionRanges : QueryProjectionItems<Source, Scalar> {
     this->source.project_items(this->plan, begin, end, this->buffers, worker);
   }
 };
+// The same claimed by rows (RowQueue) where the source runs a row block's windows at once:
+// worker w starts on row block w % blocks, so that with no more workers than blocks each walks
+// its block once and the workers read Wq's columns in step.
+template <typename Source, typename Scalar>
+struct QueryProjectionRows : QueryProjectionRanges<Source, Scalar> {
+  Index claim_rows() const { return this->source.projection_rows(this->plan); }
+  void run_row_range(Index row, Index first_column, Index end_column, int worker) const {
+    this->source.project_windows(this->plan, row, first_column, end_column, this->buffers, worker);
+  }
+};
 
 // The region body of a source's projection items: ranges when the source runs them.
 template <typename Scalar, typename Source>
@@ -333,8 +346,14 @@ template <typename Scalar, typename Source>
 void run_query_projection(const AttentionPlan& plan, Source& source, CallBuffers<Scalar>& buffers) {
   const Index items = source.projection_items(plan);
   buffers.prepare_workers(plan.workers(items), plan.worker_scratch_bytes, plan.tile_entries, 2);
-  parallel_for(items, plan.threads, query_projection_body(plan, source, buffers), &buffers.pool,
-               "query projection");
+  if constexpr (projects_ranges<Source, Scalar>::value) {
+    const QueryProjectionItems<Source, Scalar> by_item{plan, source, buffers};
+    parallel_for(items, plan.threads, QueryProjectionRows<Source, Scalar>{{by_item}}, &buffers.pool,
+                 "query projection");
+  } else {
+    parallel_for(items, plan.threads, query_projection_body(plan, source, buffers), &buffers.pool,
+                 "query projection");
+  }
 }
 
 // The query source's projection (if any) and K and V, in as few regions as its dependencies

@@ -41,6 +41,17 @@ template <typename Body>
 struct claims_guided_ranges<Body, std::enable_if_t<std::remove_cv_t<Body>::kGuidedRanges>>
     : runs_ranges<Body> {};
 
+// Whether `Body` wants its items claimed along rows: items are column · rows + row for
+// body.claim_rows() rows, and body.run_row_range(row, first_column, end_column, worker) runs the
+// columns [first_column, end_column) of one row at once, the same bits as item by item (the sparse
+// query projection: rows are row blocks, columns windows of Wq). See RowQueue.
+template <typename Body, typename = void>
+struct claims_by_rows : std::false_type {};
+template <typename Body>
+struct claims_by_rows<Body, std::void_t<decltype(std::declval<Body&>().claim_rows()),
+                                        decltype(std::declval<Body&>().run_row_range(
+                                            Index(0), Index(0), Index(0), 0))>> : std::true_type {};
+
 // Items [0, count) handed out one at a time, in index order, to whichever worker asks (an atomic
 // counter), and the first exception any item throws. After a failure the counter jumps to the
 // end: the other workers finish the item they hold and take no more. Which worker runs an item
@@ -98,5 +109,89 @@ class ItemQueue {
   alignas(64) std::atomic<bool> failed_{false};
   std::exception_ptr failure_;
 };
+
+// Items column · rows + row of a body that claims by rows (claims_by_rows), for `workers`
+// workers: worker w starts on row w % rows and claims ranges of that row's columns, each
+// left / (the workers that start on the row) long (at least one), then helps the other rows the
+// same way. With no more workers than rows each worker so runs a whole row as one call (the
+// query projection: one walk over its row block's stored values), and the workers' rows run
+// their columns in the same order at the same time (the same columns of Wq, shared in L3); with
+// more, a row's workers share it in shrinking ranges. More than kMaxRows rows, or a count that
+// is not a multiple of the rows: single items, in index order.
+class RowQueue {
+ public:
+  static constexpr Index kMaxRows = 64;
+
+  template <typename Body>
+  RowQueue(Index count, int workers, const Body& body)
+      : rows_(body.claim_rows()), columns_(0), workers_(workers < 1 ? 1 : workers) {
+    if (rows_ < 1 || rows_ > kMaxRows || count % rows_ != 0) {
+      rows_ = 0;  // single items on cursors_[0], over all of `count`
+      columns_ = count;
+      cursors_[0].next.store(0, std::memory_order_relaxed);
+      return;
+    }
+    columns_ = count / rows_;
+    for (Index row = 0; row < rows_; ++row) cursors_[row].next.store(0, std::memory_order_relaxed);
+  }
+
+  template <typename Body>
+  void run(Body& body, int worker) noexcept {
+    try {
+      if (rows_ == 0) {
+        auto& next = cursors_[0].next;
+        for (Index item = next.fetch_add(1, std::memory_order_relaxed); item < columns_;
+             item = next.fetch_add(1, std::memory_order_relaxed))
+          body(item, worker);
+        return;
+      }
+      for (Index step = 0; step < rows_; ++step) claim_row(body, (worker + step) % rows_, worker);
+    } catch (...) {
+      if (!failed_.exchange(true, std::memory_order_acq_rel)) failure_ = std::current_exception();
+      for (Index row = 0; row < (rows_ == 0 ? 1 : rows_); ++row)
+        cursors_[row].next.store(columns_, std::memory_order_relaxed);
+    }
+  }
+  void rethrow_failure() {
+    if (failure_) std::rethrow_exception(failure_);
+  }
+
+ private:
+  template <typename Body>
+  void claim_row(Body& body, Index row, int worker) {
+    // The workers that start on this row: w ≡ row (mod rows), w < workers.
+    const Index starters = row < workers_ ? (workers_ - 1 - row) / rows_ + 1 : 1;
+    auto& next = cursors_[row].next;
+    Index begin = next.load(std::memory_order_relaxed);
+    while (begin < columns_) {
+      const Index share = (columns_ - begin) / starters;
+      const Index end = begin + (share < 1 ? 1 : share);
+      if (!next.compare_exchange_weak(begin, end, std::memory_order_relaxed)) continue;
+      body.run_row_range(row, begin, end, worker);
+      begin = next.load(std::memory_order_relaxed);
+    }
+  }
+
+  // One row's cursor a cache line (the workers of different rows claim at the same time).
+  struct alignas(64) Cursor {
+    std::atomic<Index> next{0};
+  };
+  Cursor cursors_[kMaxRows];
+  Index rows_, columns_;
+  Index workers_;
+  alignas(64) std::atomic<bool> failed_{false};
+  std::exception_ptr failure_;
+};
+
+// The queue of a region whose body is `Body`.
+template <typename Body>
+using RegionQueue = std::conditional_t<claims_by_rows<Body>::value, RowQueue, ItemQueue>;
+template <typename Body>
+RegionQueue<Body> make_region_queue(Index count, int workers, const Body& body) {
+  if constexpr (claims_by_rows<Body>::value)
+    return RowQueue(count, workers, body);
+  else
+    return ItemQueue(count, workers);
+}
 
 }  // namespace sdmha::detail

@@ -192,7 +192,7 @@ class ThreadPool {
   template <typename Body>
   int run(Index count, int workers, Body& body) {
     const int helpers = start_threads(workers - 1);
-    ItemQueue queue(count, helpers + 1);
+    RegionQueue<Body> queue = make_region_queue(count, helpers + 1, body);
     if (helpers > 0) {
       job_ = Job{&queue, const_cast<void*>(static_cast<const void*>(&body)), &invoke<Body>};
       finished_.store(0, std::memory_order_relaxed);
@@ -217,14 +217,14 @@ class ThreadPool {
   static constexpr std::uint64_t kEnteredMask = kOpen - 1;
 
   struct Job {
-    ItemQueue* queue = nullptr;
+    void* queue = nullptr;  // the region's RegionQueue<Body>
     void* body = nullptr;
-    void (*call)(ItemQueue&, void*, int) = nullptr;
+    void (*call)(void*, void*, int) = nullptr;
   };
 
   template <typename Body>
-  static void invoke(ItemQueue& queue, void* body, int worker) {
-    queue.run(*static_cast<Body*>(body), worker);
+  static void invoke(void* queue, void* body, int worker) {
+    static_cast<RegionQueue<Body>*>(queue)->run(*static_cast<Body*>(body), worker);
   }
 
   // Starts threads until `wanted` exist (or creation fails); returns how many there are to use.
@@ -339,7 +339,7 @@ class ThreadPool {
       if (stopping_.load(std::memory_order_relaxed)) return;
       if (std::uint64_t(index) >= (seen & kHelperMask) || !enter(seen)) continue;
       // job_ stays as it is until the caller has seen this helper finish.
-      job_.call(*job_.queue, job_.body, index + 1);
+      job_.call(job_.queue, job_.body, index + 1);
       // Wakes a caller that gave up polling (the same pairing as post's, on finished_).
       finished_.fetch_add(1);
       if (caller_waiting_.load()) {
@@ -382,7 +382,7 @@ int run_region(Index count, int workers, Body& body, ThreadPool* pool) {
     return 1;
   }
   if (pool != nullptr) return pool->run(count, workers, body);
-  ItemQueue queue(count, workers);
+  RegionQueue<Body> queue = make_region_queue(count, workers, body);
   std::vector<std::thread> spawned;
   spawned.reserve(static_cast<std::size_t>(workers - 1));
   for (int worker = 1; worker < workers; ++worker) {
@@ -415,6 +415,19 @@ struct TimedBody {
     const auto start = std::chrono::steady_clock::now();
     body.run_range(begin, end, worker);
     std::fill(item_seconds + begin, item_seconds + end, seconds_since(start) / double(end - begin));
+  }
+  template <typename Self = Body, typename = std::enable_if_t<claims_by_rows<Self>::value>>
+  Index claim_rows() const {
+    return body.claim_rows();
+  }
+  template <typename Self = Body, typename = std::enable_if_t<claims_by_rows<Self>::value>>
+  void run_row_range(Index row, Index first_column, Index end_column, int worker) {
+    const auto start = std::chrono::steady_clock::now();
+    body.run_row_range(row, first_column, end_column, worker);
+    const double share = seconds_since(start) / double(end_column - first_column);
+    const Index rows = body.claim_rows();
+    for (Index column = first_column; column < end_column; ++column)
+      item_seconds[column * rows + row] = share;
   }
   static double seconds_since(std::chrono::steady_clock::time_point start) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

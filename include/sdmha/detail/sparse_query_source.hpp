@@ -98,35 +98,8 @@ struct SparseDenseMHA<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT, AttendVa
         project_windows(plan, block, first_window, end_window, buffers, worker);
     }
   }
-  // One tile's masked scores, before the attention bias (SparseDenseMHA::tile_scores).
-  void operator()(const detail::AttentionItem& item, const BatchMask& mask,
-                  const ConstMatrixRef<Scalar>& key, bool bfloat16_operands, StageScratch scratch,
-                  MatrixRef<Scalar> scores) const {
-    layer.tile_scores(call_plan, item, query, projected_query, mask, key, bfloat16_operands,
-                      scratch, scores);
-  }
-
- private:
-  bool kernel_is_bfloat16() const { return layer.query_kernel_bfloat16_ != nullptr; }
-  Index row_blocks() const {
-    return detail::AttentionPlan::block_count(query.rows(), detail::kQueryProjectionRowBlock);
-  }
-  Index window_width() const { return QueryProjection::column_window_width(kernel_is_bfloat16()); }
-  Index windows(const detail::AttentionPlan& plan) const {
-    if constexpr (detail::splits_columns<QueryProjection>::value)
-      return std::max<Index>(
-          1, (plan.dims.projected_key_width() + window_width() - 1) / window_width());
-    return 1;
-  }
-  // Whether the windows share a CSC per row block: the stage can, and Wq is beyond L2 (the
-  // by-feature kernels' condition; each block decides the rest itself).
-  bool shares_groups(const detail::AttentionPlan& plan) const {
-    if constexpr (detail::shares_feature_groups<QueryProjection>::value)
-      return windows(plan) > 1 && QueryProjection::kernel_beyond_cache(
-                                      plan.dims.query_dim, plan.dims.projected_key_width());
-    return false;
-  }
-
+  // The row blocks: the rows of the items (window · projection_rows + block).
+  Index projection_rows(const detail::AttentionPlan&) const { return row_blocks(); }
   // Row block `block` of Q over windows [first_window, end_window) of Wq's columns, as one call.
   void project_windows(const detail::AttentionPlan& plan, Index block, Index first_window,
                        Index end_window, detail::CallBuffers<Scalar>& buffers, int worker) const {
@@ -156,6 +129,35 @@ struct SparseDenseMHA<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT, AttendVa
       QueryProjection::can_implement(args);
       layer.query_projection_(args);
     }
+  }
+
+  // One tile's masked scores, before the attention bias (SparseDenseMHA::tile_scores).
+  void operator()(const detail::AttentionItem& item, const BatchMask& mask,
+                  const ConstMatrixRef<Scalar>& key, bool bfloat16_operands, StageScratch scratch,
+                  MatrixRef<Scalar> scores) const {
+    layer.tile_scores(call_plan, item, query, projected_query, mask, key, bfloat16_operands,
+                      scratch, scores);
+  }
+
+ private:
+  bool kernel_is_bfloat16() const { return layer.query_kernel_bfloat16_ != nullptr; }
+  Index row_blocks() const {
+    return detail::AttentionPlan::block_count(query.rows(), detail::kQueryProjectionRowBlock);
+  }
+  Index window_width() const { return QueryProjection::column_window_width(kernel_is_bfloat16()); }
+  Index windows(const detail::AttentionPlan& plan) const {
+    if constexpr (detail::splits_columns<QueryProjection>::value)
+      return std::max<Index>(
+          1, (plan.dims.projected_key_width() + window_width() - 1) / window_width());
+    return 1;
+  }
+  // Whether the windows share a CSC per row block: the stage can, and Wq is beyond L2 (the
+  // by-feature kernels' condition; each block decides the rest itself).
+  bool shares_groups(const detail::AttentionPlan& plan) const {
+    if constexpr (detail::shares_feature_groups<QueryProjection>::value)
+      return windows(plan) > 1 && QueryProjection::kernel_beyond_cache(
+                                      plan.dims.query_dim, plan.dims.projected_key_width());
+    return false;
   }
 
   // The Arguments of row block `index` and Wq's columns [first, first + columns).
