@@ -375,9 +375,10 @@ TEST(ThreadPoolParallelFor, AGuidedRangeBodyGetsEveryItemOnceInShrinkingRanges) 
         for (const auto& range : ranges) {
           ASSERT_LT(range.first, range.second);
           // On several workers, a claim takes at most its share of what was left when it was made.
-          if (used > 1)
+          if (used > 1) {
             EXPECT_LE(range.second - range.first,
                       ItemQueue::range_claim(count - range.first, used));
+          }
         }
         if (used == 1) {
           EXPECT_EQ(ranges.size(), 1u) << "one worker runs the region as one range";
@@ -442,12 +443,15 @@ TEST(ThreadPoolParallelFor, ARowBodyGetsEveryItemOnceAndWholeRowsWhenWorkersAreF
               where == &pool) {
             // Each worker's first claim is a whole row: its own, w % rows, unless another
             // worker that had finished took it first (then the rest of it).
-            for (const auto& claim : claims)
-              if (claim[0] == claim[3] % rows && claim[1] == 0)
+            for (const auto& claim : claims) {
+              if (claim[0] == claim[3] % rows && claim[1] == 0) {
                 EXPECT_EQ(claim[2], columns) << "row " << claim[0] << " of " << rows;
+              }
+            }
           }
-          if (rows > sdmha::detail::RowQueue::kMaxRows)
+          if (rows > sdmha::detail::RowQueue::kMaxRows) {
             for (const auto& claim : claims) EXPECT_EQ(claim[2] - claim[1], 1);
+          }
         }
       }
     }

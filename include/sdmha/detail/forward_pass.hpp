@@ -351,8 +351,8 @@ void run_query_projection(const AttentionPlan& plan, Source& source, CallBuffers
     parallel_for(items, plan.threads, QueryProjectionRows<Source, Scalar>{{by_item}}, &buffers.pool,
                  "query projection");
   } else {
-    parallel_for(items, plan.threads, query_projection_body(plan, source, buffers), &buffers.pool,
-                 "query projection");
+    parallel_for(items, plan.threads, QueryProjectionItems<Source, Scalar>{plan, source, buffers},
+                 &buffers.pool, "query projection");
   }
 }
 

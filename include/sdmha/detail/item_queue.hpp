@@ -52,6 +52,23 @@ struct claims_by_rows<Body, std::void_t<decltype(std::declval<Body&>().claim_row
                                         decltype(std::declval<Body&>().run_row_range(
                                             Index(0), Index(0), Index(0), 0))>> : std::true_type {};
 
+// The first exception of a region's items, kept for the calling thread; record() is called from
+// a worker's catch block.
+class RegionFailure {
+ public:
+  void record() noexcept {
+    if (!failed_.exchange(true, std::memory_order_acq_rel)) failure_ = std::current_exception();
+  }
+  // On the calling thread once every worker is done (their writes published by the join).
+  void rethrow() {
+    if (failure_) std::rethrow_exception(failure_);
+  }
+
+ private:
+  alignas(64) std::atomic<bool> failed_{false};
+  std::exception_ptr failure_;
+};
+
 // Items [0, count) handed out one at a time, in index order, to whichever worker asks (an atomic
 // counter), and the first exception any item throws. After a failure the counter jumps to the
 // end: the other workers finish the item they hold and take no more. Which worker runs an item
@@ -79,14 +96,11 @@ class ItemQueue {
              item = next_.fetch_add(1, std::memory_order_relaxed))
           body(item, worker);
     } catch (...) {
-      if (!failed_.exchange(true, std::memory_order_acq_rel)) failure_ = std::current_exception();
+      failure_.record();
       next_.store(count_, std::memory_order_relaxed);
     }
   }
-  // On the calling thread once every worker is done (their writes published by the join).
-  void rethrow_failure() {
-    if (failure_) std::rethrow_exception(failure_);
-  }
+  void rethrow_failure() { failure_.rethrow(); }
 
  private:
   template <typename Body>
@@ -106,8 +120,7 @@ class ItemQueue {
   alignas(64) std::atomic<Index> next_{0};
   Index count_;
   int workers_;
-  alignas(64) std::atomic<bool> failed_{false};
-  std::exception_ptr failure_;
+  RegionFailure failure_;
 };
 
 // Items column · rows + row of a body that claims by rows (claims_by_rows), for `workers`
@@ -147,14 +160,12 @@ class RowQueue {
       }
       for (Index step = 0; step < rows_; ++step) claim_row(body, (worker + step) % rows_, worker);
     } catch (...) {
-      if (!failed_.exchange(true, std::memory_order_acq_rel)) failure_ = std::current_exception();
+      failure_.record();
       for (Index row = 0; row < (rows_ == 0 ? 1 : rows_); ++row)
         cursors_[row].next.store(columns_, std::memory_order_relaxed);
     }
   }
-  void rethrow_failure() {
-    if (failure_) std::rethrow_exception(failure_);
-  }
+  void rethrow_failure() { failure_.rethrow(); }
 
  private:
   template <typename Body>
@@ -179,8 +190,7 @@ class RowQueue {
   Cursor cursors_[kMaxRows];
   Index rows_, columns_;
   Index workers_;
-  alignas(64) std::atomic<bool> failed_{false};
-  std::exception_ptr failure_;
+  RegionFailure failure_;
 };
 
 // The queue of a region whose body is `Body`.
