@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "dense_mha.hpp"
 #include "layer_internals.hpp"
 #include "workloads.hpp"
 
@@ -60,8 +61,8 @@ inline std::string compare(const char* what, const sdmha::ConstMatrixRef<float>&
 
 using Layer = sdmha::SparseDenseMHA<float>;
 using Internals = LayerInternals;
-using sdmha::detail::AttentionItem;
 using sdmha::detail::AttentionPlan;
+using sdmha::detail::AttentionTile;
 using sdmha::detail::RowBlock;
 
 // ---- The layer's own plan of a forward call, walked stage by stage ----
@@ -105,7 +106,7 @@ class LayerPlan {
   const sdmha::AttentionOptions<float>& options() const { return options_; }
 
   // The mask of an item, as the layer's forward makes it from the call's options.
-  sdmha::BatchMask mask(const AttentionItem& item) const {
+  sdmha::BatchMask mask(const AttentionTile& item) const {
     return sdmha::detail::item_mask(item, options_, plan_.steps, plan_.key_steps);
   }
 
@@ -120,7 +121,7 @@ class LayerPlan {
     sdmha::detail::parallel_for(
         items, plan_.threads,
         [&](Index index, int worker) {
-          body(plan_.attention_item(index), buffers.workers[std::size_t(worker)].stage.view());
+          body(plan_.item_tile(index), buffers.workers[std::size_t(worker)].stage.view());
         },
         &buffers.pool);
   }
@@ -165,7 +166,7 @@ class LayerPlan {
     sdmha::detail::parallel_for(
         items, plan_.threads,
         [&](Index index, int worker) {
-          const AttentionItem item = plan_.attention_item(index);
+          const AttentionTile item = plan_.item_tile(index);
           body(item, buffers.workers[std::size_t(worker)].stage.view(),
                buffers.value_is_finite[std::size_t(item.batch * H + item.head)] != 0);
         },
@@ -270,27 +271,27 @@ class Problem {
 };
 
 // ---- The stages, over the whole problem, walking the layer's plan (LayerPlan) with the
-// layer's own stage objects (score_kernel(), softmax(), ...). Each stage alone reads and writes
-// whole tensors; the layer instead keeps one tile's scores in a
-// per-worker tile buffer between the score, softmax and attend stages. The scores of (b, h)
-// are rows (b·H + h)·T … of a (B·H·T × S) matrix, the layout of attention_scores. ----
+// layer's own stage objects (stages().score_kernel, stages().softmax, ...). Each stage alone reads
+// and writes whole tensors; the layer instead keeps one tile's scores in a per-worker tile buffer
+// between the score, softmax and attend stages. The scores of (b, h) are rows (b·H + h)·T … of a
+// (B·H·T × S) matrix, the layout of attention_scores. ----
 
 // An attention item's block of a (B·H·T × S) scores matrix.
 template <typename MatrixType>
-inline auto score_tile(MatrixType& scores, const AttentionPlan& plan, const AttentionItem& item) {
+inline auto score_tile(MatrixType& scores, const AttentionPlan& plan, const AttentionTile& item) {
   return scores.block((item.batch * plan.heads() + item.head) * plan.steps + item.query_begin,
                       item.key_begin, item.query_rows, item.key_steps);
 }
 // Its rows of head h's block of a (B·T × H·D) matrix (Q or the concatenated heads).
 template <typename MatrixType>
-inline auto query_tile(MatrixType& matrix, const AttentionPlan& plan, const AttentionItem& item,
+inline auto query_tile(MatrixType& matrix, const AttentionPlan& plan, const AttentionTile& item,
                        Index width) {
   return matrix.block(item.batch * plan.steps + item.query_begin, item.head * width,
                       item.query_rows, width);
 }
 // Its key steps of head h's block of a (B·S × H·D) matrix (K or V).
 template <typename MatrixType>
-inline auto key_tile(MatrixType& matrix, const AttentionPlan& plan, const AttentionItem& item,
+inline auto key_tile(MatrixType& matrix, const AttentionPlan& plan, const AttentionTile& item,
                      Index width) {
   return matrix.block(item.batch * plan.key_steps + item.key_begin, item.head * width,
                       item.key_steps, width);
@@ -314,12 +315,11 @@ inline void project_rows(LayerPlan& plan, const Projection& projection,
 
 // The dense baseline's query projection: DenseProjection of the dense query in blocks of
 // kQueryProjectionRowBlock rows, as DenseMHA::forward goes. DenseMHA has no such pass, so
-// the scratch of its query stage is sized here from the TileSizes DenseMHA::forward gives it
-// (and its query_projection() has no const accessor: a default stage object stands in).
+// the scratch of its query stage is sized here from the TileSizes DenseMHA::forward gives it.
 inline void dense_query_projection(const Problem& p, LayerPlan& plan, const Matrix& dense_query,
                                    Matrix& output) {
   using Projection = sdmha::DenseMHA<float>::QueryProjection;
-  const Projection projection;
+  const Projection& projection = p.dense_layer.stages().query_projection;
   sdmha::TileSizes block;
   block.rows = sdmha::detail::kQueryProjectionRowBlock;
   block.input_width = p.shape.query_dim;
@@ -355,7 +355,7 @@ inline void eigen_query_projection(const Problem& p, LayerPlan& plan, Matrix& ou
 }
 
 inline void key_value_projection(const Problem& p, LayerPlan& plan, Matrix& keys, Matrix& values) {
-  const auto& projection = p.sparse_layer.context_projection();
+  const auto& projection = p.sparse_layer.stages().context_projection;
   project_rows(plan, projection, as_matrix(p.key), p.weights().key_kernel, p.weights().key_bias,
                keys);
   project_rows(plan, projection, as_matrix(p.value), p.weights().value_kernel,
@@ -365,10 +365,10 @@ inline void key_value_projection(const Problem& p, LayerPlan& plan, Matrix& keys
 inline void project_first_scores(const Problem& p, LayerPlan& plan, const Matrix& projected_query,
                                  const Matrix& keys, Matrix& scores) {
   using Kernel = Layer::ScoreKernel;
-  const Kernel& kernel = p.sparse_layer.score_kernel();
+  const Kernel& kernel = p.sparse_layer.stages().score_kernel;
   const AttentionPlan& walk = plan.plan();
   const Index D = p.shape.head_dim;
-  plan.for_attention_items([&](const AttentionItem& item, sdmha::StageScratch scratch) {
+  plan.for_attention_items([&](const AttentionTile& item, sdmha::StageScratch scratch) {
     Kernel::Arguments args{item.position(),
                            query_tile(projected_query, walk, item, D),
                            key_tile(keys, walk, item, D),
@@ -385,12 +385,12 @@ inline void project_first_scores(const Problem& p, LayerPlan& plan, const Matrix
 inline void regrouped_scores(const Problem& p, LayerPlan& plan, const Matrix& keys,
                              Matrix& scores) {
   using Kernel = Layer::ScoreKernel;
-  const Kernel& kernel = p.sparse_layer.score_kernel();
+  const Kernel& kernel = p.sparse_layer.stages().score_kernel;
   const AttentionPlan& walk = plan.plan();
   const Index D = p.shape.head_dim;
   const auto& weights = p.weights();
   const sdmha::Vector<float> no_bias;
-  plan.for_attention_items([&](const AttentionItem& item, sdmha::StageScratch scratch) {
+  plan.for_attention_items([&](const AttentionTile& item, sdmha::StageScratch scratch) {
     const sdmha::ConstVectorRef<float> bias =
         weights.query_bias.size() != 0
             ? sdmha::ConstVectorRef<float>(weights.query_bias.segment(item.head * D, D))
@@ -412,8 +412,8 @@ inline void regrouped_scores(const Problem& p, LayerPlan& plan, const Matrix& ke
 
 inline void softmax(const Problem& p, LayerPlan& plan, Matrix& scores) {
   using Softmax = Layer::Softmax;
-  const Softmax& stage = p.sparse_layer.softmax();
-  plan.for_attention_items([&](const AttentionItem& item, sdmha::StageScratch scratch) {
+  const Softmax& stage = p.sparse_layer.stages().softmax;
+  plan.for_attention_items([&](const AttentionTile& item, sdmha::StageScratch scratch) {
     Softmax::Arguments args{item.position(), score_tile(scores, plan.plan(), item), scratch,
                             plan.plan().fully_masked_rows};
     Softmax::can_implement(args);
@@ -424,11 +424,11 @@ inline void softmax(const Problem& p, LayerPlan& plan, Matrix& scores) {
 inline void attend_values(const Problem& p, LayerPlan& plan, const Matrix& probabilities,
                           const Matrix& values, Matrix& heads) {
   using Attend = Layer::AttendValues;
-  const Attend& stage = p.sparse_layer.attend_values();
+  const Attend& stage = p.sparse_layer.stages().attend_values;
   const AttentionPlan& walk = plan.plan();
   const Index D = p.shape.head_dim;
   plan.for_attention_items_with_values(
-      values, [&](const AttentionItem& item, sdmha::StageScratch scratch, bool value_is_finite) {
+      values, [&](const AttentionTile& item, sdmha::StageScratch scratch, bool value_is_finite) {
         Attend::Arguments args{item.position(),
                                score_tile(probabilities, walk, item),
                                key_tile(values, walk, item, D),
@@ -446,7 +446,7 @@ inline void attend_values(const Problem& p, LayerPlan& plan, const Matrix& proba
 inline void plain_score_gemms(const Problem& p, LayerPlan& plan, Matrix& scores) {
   const AttentionPlan& walk = plan.plan();
   const Index D = p.shape.head_dim;
-  plan.for_attention_items([&](const AttentionItem& item, sdmha::StageScratch) {
+  plan.for_attention_items([&](const AttentionTile& item, sdmha::StageScratch) {
     score_tile(scores, walk, item).noalias() =
         query_tile(p.projected_query, walk, item, D) * key_tile(p.keys, walk, item, D).transpose();
   });
@@ -454,7 +454,7 @@ inline void plain_score_gemms(const Problem& p, LayerPlan& plan, Matrix& scores)
 inline void plain_attend_gemms(const Problem& p, LayerPlan& plan, Matrix& heads) {
   const AttentionPlan& walk = plan.plan();
   const Index D = p.shape.head_dim;
-  plan.for_attention_items([&](const AttentionItem& item, sdmha::StageScratch) {
+  plan.for_attention_items([&](const AttentionTile& item, sdmha::StageScratch) {
     query_tile(heads, walk, item, D).noalias() =
         score_tile(p.probabilities, walk, item) * key_tile(p.values, walk, item, D);
   });
@@ -462,7 +462,7 @@ inline void plain_attend_gemms(const Problem& p, LayerPlan& plan, Matrix& heads)
 
 inline void output_projection(const Problem& p, LayerPlan& plan, const Matrix& heads,
                               Matrix& output) {
-  project_rows(plan, p.sparse_layer.output_projection(), heads, p.weights().output_kernel,
+  project_rows(plan, p.sparse_layer.stages().output_projection, heads, p.weights().output_kernel,
                p.weights().output_bias, output);
 }
 

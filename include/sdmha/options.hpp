@@ -1,6 +1,5 @@
-// sdmha/options.hpp — AttentionOptions (masks, bias, scale, threads, score strategy, dropout),
-// DropoutGenerator, AttentionResult, ProjectedContext and TensorRef3, the read-only view through
-// which dense (B, S, E) inputs come in.
+// sdmha/options.hpp — AttentionOptions (masks, bias, scale, threads, score strategy, dropout), the
+// enumerations they take, and DropoutGenerator.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +12,7 @@
 #include "sdmha/config.hpp"
 #include "sdmha/detail/dropout.hpp"
 #include "sdmha/errors.hpp"
+#include "sdmha/tensor_ref.hpp"
 
 namespace sdmha {
 
@@ -36,14 +36,17 @@ inline const char* to_string(ScoreStrategy strategy) {
   }
 }
 
-// The precision a layer's kernel is read in (SparseDenseMHA::set_query_kernel_precision):
-//  float32   the weights as they are
-//  bfloat16  each entry rounded to the nearest bfloat16 (ties to even; Eigen::bfloat16) once,
-//            then widened exactly for float32 products and sums: the layer whose kernel is that
-//            rounding, for half of the kernel's memory traffic (float layers only)
-enum class Precision { float32, bfloat16 };
+// The precision of a layer's kernels (SparseDenseMHA::set_precision), float layers only for the
+// bfloat16 modes:
+//  float32                the weights as they are
+//  bfloat16               every kernel rounded to the nearest bfloat16 (ties to even) once, the
+//                         projections, scores and P·V on bfloat16 operands with float32 sums
+//  bfloat16_query_kernel  only Wq rounded, widened exactly for float32 products and sums: the
+//                         layer whose Wq is that rounding, for half of Wq's memory traffic
+enum class Precision { float32, bfloat16, bfloat16_query_kernel };
 
 inline const char* to_string(Precision precision) {
+  if (precision == Precision::bfloat16_query_kernel) return "bfloat16_query_kernel";
   return precision == Precision::bfloat16 ? "bfloat16" : "float32";
 }
 
@@ -125,9 +128,10 @@ struct AttentionOptions {
   // scaled_dot_product_attention(scale=…). Must be finite.
   std::optional<double> scale;
   FullyMaskedRows fully_masked_rows = FullyMaskedRows::zeros;
-  // (B, S), true = padding, never attended (PyTorch's key_padding_mask polarity). All dimensions
-  // zero means none. All masks are ANDed.
-  Eigen::Tensor<bool, 2, Eigen::RowMajor> key_padding_mask;
+  // (B, S), true = key step s of batch entry b may be attended (attention_mask's polarity; the
+  // negation of PyTorch's key_padding_mask), a view, never copied; none by default. All masks
+  // are ANDed.
+  TensorRef<bool, 2> key_mask;
   // Return the (B, H, T, S) softmax probabilities in AttentionResult::attention_scores.
   bool return_attention_scores = false;
   // Worker threads for the work items of every region; 0 means the physical cores available to
@@ -145,105 +149,6 @@ struct AttentionOptions {
   double dropout_rate = 0.0;
   std::uint64_t dropout_seed = 0;
   DropoutGenerator* dropout_generator = nullptr;
-};
-
-// Keys and values already projected (K = key·Wk + bk, V = value·Wv + bv): made once by a layer's
-// project_context and reused by forward against many query batches over the same context.
-template <typename Scalar>
-struct ProjectedContext {
-  Index batch = 0;           // B
-  Index key_steps = 0;       // S
-  RowMatrix<Scalar> keys;    // B·S × H·Dk, row b·S + s
-  RowMatrix<Scalar> values;  // B·S × H·Dv
-
-  // Appends the key steps of `more` (the same layer's project_context of the new key and value
-  // steps, same batch) after each batch entry's own: the result equals projecting the whole
-  // key and value at once (bitwise where the GEMM's sums do not depend on the row count, as in
-  // the float AVX-512 engine; up to rounding otherwise). Cost O(B·(S + S')·(H·Dk + H·Dv)) copies.
-  void append(const ProjectedContext& more) {
-    constexpr const char* where = "ProjectedContext::append";
-    check_rows(where, "more", more);
-    if (more.key_steps == 0 && more.batch == batch) return;
-    if (key_steps == 0 && keys.size() == 0 && values.size() == 0) {
-      *this = more;  // nothing held yet (a default context, or one of no key steps)
-      return;
-    }
-    check_rows(where, "this context", *this);
-    if (more.batch != batch)
-      detail::fail<ShapeError>(where, "more has batch ", more.batch, "; expected ", batch);
-    if (more.keys.cols() != keys.cols() || more.values.cols() != values.cols())
-      detail::fail<ShapeError>(where, "more has key and value widths ", more.keys.cols(), " and ",
-                               more.values.cols(), "; expected this context's ", keys.cols(),
-                               " and ", values.cols(), " (the same layer)");
-    keys = interleave(keys, key_steps, more.keys, more.key_steps);
-    values = interleave(values, key_steps, more.values, more.key_steps);
-    key_steps += more.key_steps;
-  }
-
- private:
-  static void check_rows(const char* where, const char* name, const ProjectedContext& context) {
-    if (context.batch < 0 || context.key_steps < 0 ||
-        context.keys.rows() != context.batch * context.key_steps ||
-        context.values.rows() != context.keys.rows())
-      detail::fail<ShapeError>(where, name, " has keys and values of ", context.keys.rows(),
-                               " and ", context.values.rows(),
-                               " rows; expected batch * key_steps = ", context.batch, " x ",
-                               context.key_steps);
-  }
-
-  RowMatrix<Scalar> interleave(const RowMatrix<Scalar>& first, Index first_steps,
-                               const RowMatrix<Scalar>& second, Index second_steps) const {
-    RowMatrix<Scalar> joined(batch * (first_steps + second_steps), first.cols());
-    for (Index b = 0; b < batch; ++b) {
-      joined.middleRows(b * (first_steps + second_steps), first_steps) =
-          first.middleRows(b * first_steps, first_steps);
-      joined.middleRows(b * (first_steps + second_steps) + first_steps, second_steps) =
-          second.middleRows(b * second_steps, second_steps);
-    }
-    return joined;
-  }
-};
-
-template <typename Scalar>
-struct AttentionResult {
-  Eigen::Tensor<Scalar, 3, Eigen::RowMajor> output;            // (B, T, O)
-  Eigen::Tensor<Scalar, 4, Eigen::RowMajor> attention_scores;  // (B, H, T, S) or empty
-  std::uint64_t dropout_seed = 0;  // the seed of the call's dropout mask (0 without dropout)
-};
-
-// A read-only view of a row-major rank-3 tensor: binds to Eigen::Tensor and Eigen::TensorMap
-// (of const or mutable data) without copying. The caller's memory must outlive the call.
-template <typename Scalar>
-class TensorRef3 {
- public:
-  TensorRef3(const Eigen::Tensor<Scalar, 3, Eigen::RowMajor>& tensor)  // NOLINT: implicit by design
-      : data_(tensor.data()),
-        dims_{tensor.dimension(0), tensor.dimension(1), tensor.dimension(2)} {}
-
-  template <typename PlainTensor, int MapOptions, template <class> class MakePointer>
-  TensorRef3(const Eigen::TensorMap<PlainTensor, MapOptions, MakePointer>& map)  // NOLINT
-      : data_(map.data()), dims_{map.dimension(0), map.dimension(1), map.dimension(2)} {
-    using Plain = std::remove_const_t<PlainTensor>;
-    static_assert(std::is_same<std::remove_const_t<typename Plain::Scalar>, Scalar>::value,
-                  "TensorRef3: the tensor's scalar type must match the layer's Scalar");
-    static_assert(Plain::NumIndices == 3, "TensorRef3: expected a rank-3 tensor (B, S, E)");
-    static_assert(int(Plain::Layout) == int(Eigen::RowMajor),
-                  "TensorRef3: expected a RowMajor tensor");
-  }
-
-  TensorRef3(const Scalar* data, Index batch, Index steps, Index width)
-      : data_(data), dims_{batch, steps, width} {}
-
-  const Scalar* data() const { return data_; }
-  Index dimension(int axis) const { return dims_[axis]; }
-  // The tensor as a (B·S × E) row-major matrix.
-  Eigen::Map<const RowMatrix<Scalar>> as_matrix() const {
-    return Eigen::Map<const RowMatrix<Scalar>>(data_, dims_[0] * dims_[1], dims_[2]);
-  }
-
- private:
-  const Scalar* data_;
-  Index dims_[3];
 };
 
 }  // namespace sdmha

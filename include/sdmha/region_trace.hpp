@@ -35,7 +35,7 @@ namespace sdmha {
 
 // One parallel region of a traced call.
 struct RegionRecord {
-  const char* name = "";  // a static string naming the region, e.g. "key/value projection"
+  const char* name = "";  // a static string naming the region, e.g. "context projection"
   Index items = 0;        // work items, each run exactly once
   int workers = 0;        // threads that took part (the caller included)
   double begin_seconds = 0, end_seconds = 0;  // on the trace's clock (RegionTrace::now_seconds)

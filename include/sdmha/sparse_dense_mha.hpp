@@ -11,8 +11,9 @@
 //
 // With ScoreStrategy::sparse_regrouped the score kernel reads X's CSR rows directly. A call
 // validates its inputs, plans its work (detail::AttentionPlan), then walks the plan: forward below
-// (the query's items in detail/sparse_query_source.hpp), backward in sdmha/backward.hpp, stage by
-// stage in reverse. The math is Keras 3's MultiHeadAttention (docs/keras_pytorch.md).
+// (the query's items in detail/sparse_query_source.hpp), backward in
+// sdmha/detail/backward_pass.hpp, stage by stage in reverse. The math is Keras 3's
+// MultiHeadAttention (docs/keras_pytorch.md).
 #pragma once
 
 #include <cstddef>
@@ -22,11 +23,12 @@
 #include <type_traits>
 #include <utility>
 
+#include "sdmha/attention_result.hpp"
 #include "sdmha/detail/attention_core.hpp"
 #include "sdmha/gradients.hpp"
 #include "sdmha/sparse_query.hpp"
 #include "sdmha/stages/attend_values.hpp"
-#include "sdmha/stages/dense_projection.hpp"
+#include "sdmha/stages/context_projection.hpp"
 #include "sdmha/stages/masked_softmax.hpp"
 #include "sdmha/stages/output_projection.hpp"
 #include "sdmha/stages/query_projection.hpp"
@@ -43,15 +45,14 @@ template <typename Scalar, typename QueryProjectionT = SparseQueryProjection<Sca
           typename ScoreKernelT = ScoreKernel<Scalar>, typename SoftmaxT = MaskedSoftmax<Scalar>,
           typename AttendValuesT = AttendValues<Scalar>,
           typename OutputProjectionT = OutputProjection<Scalar>,
-          typename ContextProjectionT = DenseProjection<Scalar>>
-class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
-                                                     OutputProjectionT, ContextProjectionT> {
-  using Core = detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
-                                     OutputProjectionT, ContextProjectionT>;
+          typename ContextProjectionT = ContextProjection<Scalar>>
+class SparseDenseMHA
+    : private detail::AttentionCore<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT, AttendValuesT,
+                                    OutputProjectionT, ContextProjectionT> {
+  using Core = detail::AttentionCore<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT,
+                                     AttendValuesT, OutputProjectionT, ContextProjectionT>;
   static_assert(std::is_floating_point<Scalar>::value,
                 "SparseDenseMHA: Scalar must be float or double");
-  static_assert(std::is_same<typename QueryProjectionT::ScalarType, Scalar>::value,
-                "the query projection's ScalarType must be the layer's Scalar");
   static_assert(std::is_same<typename QueryProjectionT::StorageIndexType,
                              typename ScoreKernelT::StorageIndexType>::value,
                 "the query projection and the score kernel must read the same CSR StorageIndex");
@@ -62,26 +63,25 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
   struct QuerySource;
 
  public:
-  // The layer's state, as the private base holds it (detail/attention_core.hpp).
-  using Core::attend_values;
+  // The layer's state, as the private base holds it (detail/attention_core.hpp): configuration,
+  // weights, the stages (one accessor, sdmha/stage.hpp's LayerStages), project_context and the
+  // workspace kept for calls given none.
   using Core::config;
-  using Core::context_projection;
   using Core::dims;
-  using Core::output_projection;
   using Core::project_context;
   using Core::release_workspace_cache;
-  using Core::score_kernel;
   using Core::shared_weights;
-  using Core::softmax;
+  using Core::stages;
   using Core::weights;
   using Core::workspace_cache_bytes;
   using typename Core::AttendValues;
   using typename Core::ContextProjection;
   using typename Core::OutputProjection;
+  using typename Core::QueryProjection;
   using typename Core::ScalarType;
   using typename Core::ScoreKernel;
   using typename Core::Softmax;
-  using QueryProjection = QueryProjectionT;
+  using typename Core::Stages;
   using StorageIndex = typename QueryProjectionT::StorageIndexType;
   using Query = SparseQuery<Scalar, StorageIndex>;
 
@@ -93,70 +93,46 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
   SparseDenseMHA(const MhaConfig& layer_config, std::shared_ptr<MhaWeights<Scalar>> layer_weights)
       : Core(layer_config, std::move(layer_weights)) {}
 
-  QueryProjection& query_projection() { return query_projection_; }
-  const QueryProjection& query_projection() const { return query_projection_; }
-
-  // The precision the forward reads the query kernel Wq in. Precision::bfloat16 (Scalar =
-  // float): Wq is rounded to the nearest bfloat16 now, and every forward is the layer whose Wq
-  // is that rounding (products and sums in float32), for half of Wq's memory traffic. The copy
-  // is a snapshot: after a write access through weights(), or with a Wq of another size or
-  // place, a forward is a ConfigError until this is called again (weights shared with the
-  // caller and changed through the caller's handle are the caller's to re-round). The backward
-  // differentiates the float32 layer, so it is a ConfigError under bfloat16; so is the
-  // sparse_regrouped score strategy, which reads the float32 Wq (automatic projects first).
-  void set_query_kernel_precision(Precision precision) {
-    constexpr const char* where = "SparseDenseMHA::set_query_kernel_precision";
-    if (precision == Precision::float32) {
-      query_kernel_bfloat16_.reset();
-      return;
-    }
-    if constexpr (!std::is_same<Scalar, float>::value) {
-      detail::fail<ConfigError>(where,
-                                "precision is bfloat16 for a double layer; expected "
-                                "float32 (bfloat16 kernels need Scalar = float)");
-    } else if constexpr (!detail::reads_bfloat16_kernel<QueryProjection>::value) {
-      detail::fail<ConfigError>(where,
-                                "precision is bfloat16 but the query projection stage "
-                                "takes no kernel_bfloat16; expected float32");
-    } else {
-      const auto& kernel = std::as_const(*this).weights().query_kernel;
-      auto snapshot = std::make_shared<QueryKernelSnapshot>();
-      snapshot->rounded = detail::BFloat16Panels(kernel);
-      snapshot->source = kernel.data();
-      snapshot->weight_accesses = this->weight_accesses();
-      query_kernel_bfloat16_ = std::move(snapshot);
-    }
-  }
-  // Precision::bfloat16 after set_query_kernel_precision or set_precision with it.
-  Precision query_kernel_precision() const {
-    return query_kernel_bfloat16_ != nullptr ? Precision::bfloat16 : Precision::float32;
-  }
-
-  // The precision of every kernel. Precision::bfloat16 (Scalar = float): Wq as
-  // set_query_kernel_precision rounds it, and Wk, Wv and Wo rounded to bfloat16 and packed once,
-  // now; the key, the value and the concatenated heads are rounded as their projections read
-  // them, and those projections run on bfloat16 dot products with float32 sums (vdpbf16ps where
-  // the CPU has AVX512_BF16: twice float32's rate). Each term x·w of a projection then carries a
-  // relative error of at most 2⁻⁷ (2⁻⁸ from each operand). The scores and P·V round their
-  // operands too (scale·Q and K, P and V; stages' bfloat16_operands) and run on the same dot
-  // products; the softmax stays float32. Snapshot semantics, refusals and the backward as for
-  // set_query_kernel_precision;
-  // Precision::float32 drops every copy. precision() is bfloat16 only after
-  // set_precision(Precision::bfloat16).
+  // The precision of the kernels (sdmha/options.hpp, Precision); float layers only for the
+  // bfloat16 modes, checked here (ConfigError) before any copy is made or dropped, so nothing is
+  // ever half set.
+  //  bfloat16_query_kernel  Wq is rounded to the nearest bfloat16 now, and every forward is the
+  //      layer whose Wq is that rounding (products and sums in float32), for half of Wq's memory
+  //      traffic.
+  //  bfloat16  Wq as above, and Wk, Wv and Wo rounded and packed once, now; the key, the value
+  //      and the concatenated heads are rounded as their projections read them, and those
+  //      projections run on bfloat16 dot products with float32 sums (vdpbf16ps where the CPU has
+  //      AVX512_BF16). Each term x·w of a projection then carries a relative error of at most
+  //      2⁻⁷ (2⁻⁸ from each operand). The scores and P·V round their operands too (scale·Q and
+  //      K, P and V; stages' bfloat16_operands) and run on the same dot products; the softmax
+  //      stays float32.
+  //  float32  drops every copy.
+  // The copies are snapshots: after a write access through weights(), or with a kernel of
+  // another size or place, a forward is a ConfigError until this is called again (weights
+  // shared with the caller and changed through the caller's handle are the caller's to
+  // re-round). The backward differentiates the float32 layer, so it is a ConfigError under
+  // either bfloat16 mode; so is the sparse_regrouped score strategy, which reads the float32 Wq
+  // (automatic projects first).
   void set_precision(Precision precision) {
     constexpr const char* where = "SparseDenseMHA::set_precision";
-    // Every refusal comes before any copy is made or dropped: nothing is ever half set.
-    if constexpr (!detail::reads_bfloat16_kernel<QueryProjection>::value)
-      if (precision == Precision::bfloat16)
-        detail::fail<ConfigError>(where,
-                                  "precision is bfloat16 but the query projection stage "
-                                  "takes no kernel_bfloat16; expected float32");
-    Core::set_dense_kernel_precision(where, precision);
-    set_query_kernel_precision(precision);
+    if (precision != Precision::float32) {
+      if constexpr (!std::is_same<Scalar, float>::value)
+        detail::fail<ConfigError>(where, "precision is ", to_string(precision),
+                                  " for a double layer; expected float32 (bfloat16 kernels need "
+                                  "Scalar = float)");
+      if constexpr (!detail::reads_bfloat16_kernel<QueryProjection>::value)
+        detail::fail<ConfigError>(where, "precision is ", to_string(precision),
+                                  " but the query projection stage takes no kernel_bfloat16; "
+                                  "expected float32");
+    }
+    Core::set_dense_kernel_precision(
+        where, precision == Precision::bfloat16 ? Precision::bfloat16 : Precision::float32);
+    round_query_kernel(precision != Precision::float32);
   }
+  // What set_precision last set (float32 at first).
   Precision precision() const {
-    return this->dense_kernels_bfloat16() && query_kernel_bfloat16_ != nullptr ? Precision::bfloat16
-                                                                               : Precision::float32;
+    if (query_kernel_bfloat16_ == nullptr) return Precision::float32;
+    return this->dense_kernels_bfloat16() ? Precision::bfloat16 : Precision::bfloat16_query_kernel;
   }
 
   // query (B, T, Eq) sparse; key (B, S, Ek); value (B, S, Ev) → output (B, T, O). Thread-safe
@@ -209,16 +185,11 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
     detail::run_forward(core(), plan, source, context, options, buffers, result);
   }
 
-  // Self-attention form of Keras' call(query, value): the key is the value.
-  AttentionResult<Scalar> forward(const Query& query, const TensorRef3<Scalar>& value,
-                                  const AttentionOptions<Scalar>& options = {}) const {
-    return forward(query, value, value, options);
-  }
-
   // Gradients of a loss through forward(query, key, value, options), given d_output =
   // ∂loss/∂output (B, T, O): every weight, the query's stored values, key and value
-  // (sdmha/backward.hpp). Same masks, dropout and threads as the forward; bitwise the same for
-  // any thread count. Every stage must bring its backward (a readable static_assert otherwise).
+  // (sdmha/detail/backward_pass.hpp). Same masks, dropout and threads as the forward; bitwise the
+  // same for any thread count. Every stage must bring its backward (a readable static_assert
+  // otherwise).
   MhaGradients<Scalar> backward(const Query& query, const TensorRef3<Scalar>& key,
                                 const TensorRef3<Scalar>& value, const TensorRef3<Scalar>& d_output,
                                 const AttentionOptions<Scalar>& options = {}) const;
@@ -272,7 +243,7 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
   detail::AttentionPlan plan_call(const char* where, const LayerDims& shape, const Query& query,
                                   Index key_steps, const AttentionOptions<Scalar>& options,
                                   detail::Pass pass, detail::CallBuffers<Scalar>& buffers) const {
-    // Before check_options, which draws the dropout generator's seed: a refused call draws none.
+    // Before start_plan, which draws the dropout generator's seed: a refused call draws none.
     check_query_kernel_precision(where, options, pass);
     detail::check_options(where, shape, query.batch(), query.steps(), key_steps, options);
     auto plan = detail::start_plan(shape, query.batch(), query.steps(), key_steps, options, pass);
@@ -292,7 +263,7 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
   }
 
   // A bfloat16 query kernel must be the rounding of the current Wq, in a forward that projects
-  // first (see set_query_kernel_precision).
+  // first (see set_precision).
   void check_query_kernel_precision(const char* where, const AttentionOptions<Scalar>& options,
                                     detail::Pass pass) const {
     Core::check_dense_kernels_bfloat16(where, pass);
@@ -308,12 +279,29 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
         kernel.cols() != rounded.cols())
       detail::fail<ConfigError>(where,
                                 "the bfloat16 query kernel was rounded before the weights' "
-                                "last write access; expected "
-                                "set_query_kernel_precision(Precision::bfloat16) again");
+                                "last write access; expected set_precision again");
     if (options.score_strategy == ScoreStrategy::sparse_regrouped)
       detail::fail<ConfigError>(where,
                                 "score_strategy is sparse_regrouped with a bfloat16 query "
                                 "kernel; expected project_first or automatic");
+  }
+
+  // Wq rounded to bfloat16 now (a float layer whose query stage takes kernel_bfloat16), or the
+  // copy dropped.
+  void round_query_kernel(bool rounded) {
+    if constexpr (std::is_same<Scalar, float>::value &&
+                  detail::reads_bfloat16_kernel<QueryProjection>::value) {
+      if (rounded) {
+        const auto& kernel = std::as_const(*this).weights().query_kernel;
+        auto snapshot = std::make_shared<QueryKernelSnapshot>();
+        snapshot->rounded = detail::BFloat16Panels(kernel);
+        snapshot->source = kernel.data();
+        snapshot->weight_accesses = this->weight_accesses();
+        query_kernel_bfloat16_ = std::move(snapshot);
+        return;
+      }
+    }
+    query_kernel_bfloat16_.reset();
   }
 
   const Core& core() const { return *this; }
@@ -338,7 +326,7 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
   // The masked scores of one tile by the plan's strategy, before the attention bias: from X's
   // CSR rows (regrouped) or from the tile's block of Q (`projected_query`, B·T × H·Dk), Q and K
   // rounded to bfloat16 when `bfloat16_operands` (the bfloat16 mode, which projects first).
-  void tile_scores(const detail::AttentionPlan& plan, const detail::AttentionItem& item,
+  void tile_scores(const detail::AttentionPlan& plan, const detail::AttentionTile& item,
                    const Query& query, const RowMatrix<Scalar>& projected_query,
                    const BatchMask& mask, const ConstMatrixRef<Scalar>& key, bool bfloat16_operands,
                    StageScratch scratch, MatrixRef<Scalar> scores) const {
@@ -357,7 +345,7 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
           scores,
           scratch};
       ScoreKernelT::can_implement(args);
-      this->score_kernel()(args);
+      this->stages().score_kernel(args);
       return;
     }
     detail::project_first_scores(core(), plan, item, projected_query, mask, key, bfloat16_operands,
@@ -372,11 +360,10 @@ class SparseDenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, Softm
     std::uint64_t weight_accesses = 0;
   };
 
-  QueryProjection query_projection_;
   std::shared_ptr<const QueryKernelSnapshot> query_kernel_bfloat16_;
 };
 
 }  // namespace sdmha
 
 #include "sdmha/detail/sparse_query_source.hpp"
-#include "sdmha/backward.hpp"
+#include "sdmha/detail/backward_pass.hpp"

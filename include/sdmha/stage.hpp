@@ -28,6 +28,27 @@ struct TilePosition {
   Index key_begin = 0;    // absolute key step of the tile's first column
 };
 
+// The stage objects of a layer, one member per stage in pipeline order, through the layer's one
+// accessor stages(). A stage with parameters of its own is set up there, before the layer is
+// shared between threads: forward and backward only read the stages.
+template <typename QueryProjectionT, typename ContextProjectionT, typename ScoreKernelT,
+          typename SoftmaxT, typename AttendValuesT, typename OutputProjectionT>
+struct LayerStages {
+  using QueryProjection = QueryProjectionT;
+  using ContextProjection = ContextProjectionT;
+  using ScoreKernel = ScoreKernelT;
+  using Softmax = SoftmaxT;
+  using AttendValues = AttendValuesT;
+  using OutputProjection = OutputProjectionT;
+
+  QueryProjection query_projection;      // Q = X·Wq + bq
+  ContextProjection context_projection;  // K = key·Wk + bk, V = value·Wv + bv
+  ScoreKernel score_kernel;              // S = scale·Q·Kᵀ, masked
+  Softmax softmax;                       // P = softmax(S)
+  AttendValues attend_values;            // A = P·V
+  OutputProjection output_projection;    // Y = A·Wo + bo
+};
+
 // Working memory a stage call may use as it likes: `bytes` bytes at `data`, aligned to
 // kScratchAlignment, owned by the caller's Workspace (one block per worker), valid for the call.
 struct StageScratch {

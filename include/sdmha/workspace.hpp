@@ -27,11 +27,13 @@
 #include <utility>
 #include <vector>
 
+#include "sdmha/attention_result.hpp"
 #include "sdmha/config.hpp"
 #include "sdmha/detail/parallel.hpp"
 #include "sdmha/detail/scratch.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/options.hpp"
+#include "sdmha/projected_context.hpp"
 
 namespace sdmha {
 

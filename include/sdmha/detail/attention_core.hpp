@@ -1,8 +1,8 @@
 // sdmha/detail/attention_core.hpp — the state a layer holds: its configuration, its weights
 // (owned or shared), its stage objects, the bfloat16 copies of its dense kernels and the
 // workspaces it keeps for calls given none. The passes of a call are free functions over this
-// state (detail/forward_pass.hpp, sdmha/backward.hpp), the checks detail/validation.hpp's, the
-// plan's stage scratch finish_plan below.
+// state (detail/forward_pass.hpp, sdmha/detail/backward_pass.hpp), the checks
+// detail/validation.hpp's, the plan's stage scratch finish_plan below.
 #pragma once
 
 #include <cmath>
@@ -28,6 +28,7 @@
 #include "sdmha/errors.hpp"
 #include "sdmha/mask.hpp"
 #include "sdmha/options.hpp"
+#include "sdmha/projected_context.hpp"
 #include "sdmha/stage.hpp"
 #include "sdmha/stages/attend_values.hpp"
 #include "sdmha/stages/masked_softmax.hpp"
@@ -43,7 +44,7 @@ namespace sdmha::detail {
 template <typename Tag>
 struct InternalAccess;
 
-// The stage scratch of the key/value projection for a plan's row blocks, or all rows (backward,
+// The stage scratch of the context projection for a plan's row blocks, or all rows (backward,
 // or fused: projection_scratch_rows).
 template <typename ContextProjection>
 std::size_t context_scratch_bytes(const AttentionPlan& plan) {
@@ -55,22 +56,22 @@ std::size_t context_scratch_bytes(const AttentionPlan& plan) {
   return stage_workspace_size<ContextProjection>(sizes);
 }
 
-template <typename Scalar, typename ScoreKernelT, typename SoftmaxT, typename AttendValuesT,
-          typename OutputProjectionT, typename ContextProjectionT>
+template <typename Scalar, typename QueryProjectionT, typename ScoreKernelT, typename SoftmaxT,
+          typename AttendValuesT, typename OutputProjectionT, typename ContextProjectionT>
 class AttentionCore {
-  static_assert(std::is_same<typename ScoreKernelT::ScalarType, Scalar>::value,
-                "the score kernel's ScalarType must be the layer's Scalar");
-  static_assert(std::is_same<typename SoftmaxT::ScalarType, Scalar>::value,
-                "the softmax's ScalarType must be the layer's Scalar");
-  static_assert(std::is_same<typename AttendValuesT::ScalarType, Scalar>::value,
-                "the attend-values stage's ScalarType must be the layer's Scalar");
-  static_assert(std::is_same<typename OutputProjectionT::ScalarType, Scalar>::value,
-                "the output projection's ScalarType must be the layer's Scalar");
-  static_assert(std::is_same<typename ContextProjectionT::ScalarType, Scalar>::value,
-                "the key/value projection's ScalarType must be the layer's Scalar");
+  static_assert((std::is_same<typename QueryProjectionT::ScalarType, Scalar>::value &&
+                 std::is_same<typename ScoreKernelT::ScalarType, Scalar>::value &&
+                 std::is_same<typename SoftmaxT::ScalarType, Scalar>::value &&
+                 std::is_same<typename AttendValuesT::ScalarType, Scalar>::value &&
+                 std::is_same<typename OutputProjectionT::ScalarType, Scalar>::value &&
+                 std::is_same<typename ContextProjectionT::ScalarType, Scalar>::value),
+                "every stage's ScalarType must be the layer's Scalar");
 
  public:
   using ScalarType = Scalar;
+  using Stages = LayerStages<QueryProjectionT, ContextProjectionT, ScoreKernelT, SoftmaxT,
+                             AttendValuesT, OutputProjectionT>;
+  using QueryProjection = QueryProjectionT;
   using ScoreKernel = ScoreKernelT;
   using Softmax = SoftmaxT;
   using AttendValues = AttendValuesT;
@@ -95,18 +96,9 @@ class AttentionCore {
   // Every width of the layer, from the configuration and the weights' current shapes.
   LayerDims dims() const { return weights_->validate(config_); }
 
-  // The stage objects, for stages that carry parameters of their own. Set them up before the
-  // layer is shared between threads: forward and backward only read them.
-  ScoreKernel& score_kernel() { return score_kernel_; }
-  Softmax& softmax() { return softmax_; }
-  AttendValues& attend_values() { return attend_values_; }
-  OutputProjection& output_projection() { return output_projection_; }
-  ContextProjection& context_projection() { return context_projection_; }
-  const ScoreKernel& score_kernel() const { return score_kernel_; }
-  const Softmax& softmax() const { return softmax_; }
-  const AttendValues& attend_values() const { return attend_values_; }
-  const OutputProjection& output_projection() const { return output_projection_; }
-  const ContextProjection& context_projection() const { return context_projection_; }
+  // The stage objects (sdmha/stage.hpp, LayerStages), for stages with parameters of their own.
+  Stages& stages() { return stages_; }
+  const Stages& stages() const { return stages_; }
 
   // Projects key (B, S, Ek) and value (B, S, Ev) once, for forward and backward calls that reuse
   // them.
@@ -164,7 +156,7 @@ class AttentionCore {
   };
 
   // Rounds Wk, Wv and Wo now (Precision::bfloat16), or drops the copies (float32). `where` names
-  // the public call in errors: a double layer, or a key/value or output projection stage that
+  // the public call in errors: a double layer, or a context or output projection stage that
   // takes no kernel_bfloat16, is a ConfigError.
   void set_dense_kernel_precision(const char* where, Precision precision) {
     if (precision == Precision::float32) {
@@ -178,7 +170,7 @@ class AttentionCore {
     } else if constexpr (!reads_bfloat16_kernel<ContextProjection>::value ||
                          !reads_bfloat16_kernel<OutputProjection>::value) {
       fail<ConfigError>(where,
-                        "precision is bfloat16 but the key/value or output projection "
+                        "precision is bfloat16 but the context or output projection "
                         "stage takes no kernel_bfloat16; expected float32");
     } else {
       const MhaWeights<Scalar>& weights = *weights_;
@@ -237,11 +229,7 @@ class AttentionCore {
  private:
   MhaConfig config_;
   std::shared_ptr<MhaWeights<Scalar>> weights_;
-  ScoreKernel score_kernel_;
-  Softmax softmax_;
-  AttendValues attend_values_;
-  OutputProjection output_projection_;
-  ContextProjection context_projection_;
+  Stages stages_;
   ContextStreaming context_streaming_;  // see plan_context_chunk
   std::shared_ptr<const DenseKernelsBFloat16> dense_bfloat16_;
   std::uint64_t weight_accesses_ = 0;       // calls of the non-const weights()

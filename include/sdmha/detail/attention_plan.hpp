@@ -80,9 +80,11 @@ struct RowBlock {
   Index begin, rows;
 };
 
-// One attention work item: query steps [query_begin, query_begin + query_rows) of batch entry
-// `batch`, head `head`, against key steps [key_begin, key_begin + key_steps).
-struct AttentionItem {
+// A tile of the scores: query steps [query_begin, query_begin + query_rows) of batch entry
+// `batch`, head `head`, against key steps [key_begin, key_begin + key_steps). An attention item
+// (the unit a worker claims) is one tile of query rows over all the keys it may see
+// (item_tile); the online softmax walks an item in key tiles (key_tile_of).
+struct AttentionTile {
   Index batch, head, query_begin, query_rows, key_begin, key_steps;
   TilePosition position() const { return TilePosition{batch, head, query_begin, key_begin}; }
 };
@@ -128,26 +130,26 @@ struct AttentionPlan {
   DropoutMask dropout() const { return DropoutMask(dropout_rate, dropout_seed); }
   Index heads() const { return dims.num_heads; }
 
-  // Attention items: (b, h, tile) in that order; one key tile each.
+  // Attention items: (b, h, query tile) in that order, each the tile item_tile gives.
   Index attention_items() const { return key_steps > 0 ? batch * heads() * query_tiles : 0; }
-  AttentionItem attention_item(Index index) const {
+  AttentionTile item_tile(Index index) const {
     const Index tile = index % query_tiles, bh = index / query_tiles;
     return tile_of(bh / heads(), bh % heads(), tile);
   }
-  AttentionItem tile_of(Index b, Index h, Index tile) const {
+  AttentionTile tile_of(Index b, Index h, Index tile) const {
     const Index begin = tile * query_tile, rows = std::min(query_tile, steps - begin);
     const bool shorten = causal && fully_masked_rows == FullyMaskedRows::zeros;
     const Index keys =
         shorten ? std::clamp<Index>(begin + rows + causal_offset, 0, key_steps) : key_steps;
-    return AttentionItem{b, h, begin, rows, 0, keys};
+    return AttentionTile{b, h, begin, rows, 0, keys};
   }
 
   // Key tile `index` of an item: its keys [key_begin, key_begin + key_steps) cut into key_tile.
-  Index key_tiles(const AttentionItem& item) const {
+  Index key_tiles(const AttentionTile& item) const {
     return key_tile > 0 ? (item.key_steps + key_tile - 1) / key_tile : 0;
   }
-  AttentionItem key_tile_of(const AttentionItem& item, Index index) const {
-    AttentionItem tile = item;
+  AttentionTile key_tile_of(const AttentionTile& item, Index index) const {
+    AttentionTile tile = item;
     tile.key_begin = item.key_begin + index * key_tile;
     tile.key_steps = std::min(key_tile, item.key_steps - index * key_tile);
     return tile;

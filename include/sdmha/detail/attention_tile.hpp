@@ -9,7 +9,7 @@
 //                        A_tile += AttendValues(dropout(exp(S − m')), V_tile)   (the online
 //                        forward)
 //
-// A tile is one AttentionItem (batch, head, query rows, key range); the stages receive its absolute
+// A tile is one AttentionTile (batch, head, query rows, key range); the stages receive its absolute
 // position. The scores come from the query source (`compute_scores`: project-first from Q, or
 // regrouped from X's rows) so that the sparse and the dense query share every other step.
 #pragma once
@@ -19,6 +19,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "sdmha/attention_result.hpp"
 #include "sdmha/config.hpp"
 #include "sdmha/detail/attention_plan.hpp"
 #include "sdmha/detail/dropout.hpp"
@@ -37,7 +38,7 @@ using TileMap = Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
 
 // The mask of one attention item: its rows and keys of the masks of `options`.
 template <typename Scalar>
-BatchMask item_mask(const AttentionItem& item, const AttentionOptions<Scalar>& options, Index steps,
+BatchMask item_mask(const AttentionTile& item, const AttentionOptions<Scalar>& options, Index steps,
                     Index key_steps) {
   BatchMask mask;
   mask.steps = item.query_rows;
@@ -52,8 +53,8 @@ BatchMask item_mask(const AttentionItem& item, const AttentionOptions<Scalar>& o
         options.attention_mask.at(item.batch, item.head, item.query_begin, item.key_begin);
     mask.attention_stride = key_steps;
   }
-  if (options.key_padding_mask.size() != 0)
-    mask.key_padding = options.key_padding_mask.data() + item.batch * key_steps + item.key_begin;
+  if (!options.key_mask.empty())
+    mask.key_mask = options.key_mask.data() + item.batch * key_steps + item.key_begin;
   return mask;
 }
 
@@ -62,7 +63,7 @@ BatchMask item_mask(const AttentionItem& item, const AttentionOptions<Scalar>& o
 // score (a NaN or ±∞ score from a non-finite key row included, which the sum would make NaN).
 // Cost O(rows·keys) when there is a bias.
 template <typename Scalar, typename Tile>
-void add_attention_bias(const AttentionItem& item, const AttentionOptions<Scalar>& options,
+void add_attention_bias(const AttentionTile& item, const AttentionOptions<Scalar>& options,
                         Tile&& scores) {
   const BroadcastRef<Scalar>& bias = options.attention_bias;
   if (bias.empty()) return;
@@ -78,7 +79,7 @@ void add_attention_bias(const AttentionItem& item, const AttentionOptions<Scalar
 
 // The item's block of the returned (B, H, T, S) probabilities; keys beyond the item's are 0.
 template <typename Scalar>
-TileMap<Scalar> scores_in_result(const AttentionPlan& plan, const AttentionItem& item,
+TileMap<Scalar> scores_in_result(const AttentionPlan& plan, const AttentionTile& item,
                                  AttentionResult<Scalar>& result) {
   const Index S = plan.key_steps;
   Scalar* first = result.attention_scores.data() +
@@ -115,7 +116,7 @@ bool tile_values_finite(const TileOperands<Scalar>& operands) {
 
 // The masked, biased scores of one tile, into `scores` (tile.query_rows × tile.key_steps).
 template <typename Scalar, typename ComputeScores, typename Scores>
-void biased_scores(const AttentionPlan& plan, const AttentionItem& tile,
+void biased_scores(const AttentionPlan& plan, const AttentionTile& tile,
                    const TileOperands<Scalar>& operands, const AttentionOptions<Scalar>& options,
                    ComputeScores& compute_scores, StageScratch scratch, Scores& scores) {
   compute_scores(tile, item_mask(tile, options, plan.steps, plan.key_steps), operands.keys,
@@ -128,7 +129,7 @@ void biased_scores(const AttentionPlan& plan, const AttentionItem& tile,
 // probabilities that meet V.
 template <typename Stages, typename Scalar, typename ComputeScores>
 TileMap<Scalar> tile_probabilities(const Stages& stages, const AttentionPlan& plan,
-                                   const AttentionItem& tile, const TileOperands<Scalar>& operands,
+                                   const AttentionTile& tile, const TileOperands<Scalar>& operands,
                                    const AttentionOptions<Scalar>& options,
                                    ComputeScores& compute_scores, StageScratch scratch,
                                    TileMap<Scalar> scores, TileMap<Scalar>* dropped) {
@@ -137,7 +138,7 @@ TileMap<Scalar> tile_probabilities(const Stages& stages, const AttentionPlan& pl
   typename Softmax::Arguments softmax_args{tile.position(), scores, scratch,
                                            plan.fully_masked_rows};
   Softmax::can_implement(softmax_args);
-  stages.softmax()(softmax_args);
+  stages.softmax(softmax_args);
   const DropoutMask dropout = plan.dropout();
   if (!dropout.active()) return scores;
   TileMap<Scalar> probabilities = dropped != nullptr ? *dropped : scores;
@@ -148,7 +149,7 @@ TileMap<Scalar> tile_probabilities(const Stages& stages, const AttentionPlan& pl
 
 // heads (+)= AttendValues(P', V_tile): `accumulate` under the online softmax.
 template <typename Stages, typename Scalar, typename Heads>
-void attend_values(const Stages& stages, const AttentionItem& tile,
+void attend_values(const Stages& stages, const AttentionTile& tile,
                    const TileOperands<Scalar>& operands, const TileMap<Scalar>& probabilities,
                    Heads& heads, StageScratch scratch, bool accumulate) {
   using AttendValues = typename Stages::AttendValues;
@@ -160,7 +161,7 @@ void attend_values(const Stages& stages, const AttentionItem& tile,
   if constexpr (accumulates_values<AttendValues>::value) args.accumulate = accumulate;
   SDMHA_ASSERT(!accumulate || accumulates_values<AttendValues>::value);
   AttendValues::can_implement(args);
-  stages.attend_values()(args);
+  stages.attend_values(args);
 }
 
 // One key tile of the online softmax: scores → unnormalised probabilities exp(S − m'), with
@@ -192,7 +193,7 @@ void online_softmax_update(Tile& scores, Statistics& statistics, Heads& heads) {
 // A_tile = P'·V_tile. `scores` is the worker's tile or the tile's block of the returned scores
 // (then P' goes to the worker's second tile, so that the returned P stays before dropout).
 template <typename Stages, typename Scalar, typename ComputeScores, typename Heads>
-void attend_tile(const Stages& stages, const AttentionPlan& plan, const AttentionItem& tile,
+void attend_tile(const Stages& stages, const AttentionPlan& plan, const AttentionTile& tile,
                  const TileOperands<Scalar>& operands, const AttentionOptions<Scalar>& options,
                  ComputeScores& compute_scores, WorkerBuffers<Scalar>& worker,
                  TileMap<Scalar> scores, Heads heads) {
@@ -209,7 +210,7 @@ void attend_tile(const Stages& stages, const AttentionPlan& plan, const Attentio
 // partial heads, dropout, and heads += P_j·V_j.
 template <typename Stages, typename Scalar, typename ComputeScores, typename Statistics,
           typename Heads>
-void attend_key_tile(const Stages& stages, const AttentionPlan& plan, const AttentionItem& tile,
+void attend_key_tile(const Stages& stages, const AttentionPlan& plan, const AttentionTile& tile,
                      const TileOperands<Scalar>& operands, const AttentionOptions<Scalar>& options,
                      ComputeScores& compute_scores, WorkerBuffers<Scalar>& worker,
                      Statistics& statistics, Heads& heads) {

@@ -27,6 +27,7 @@
 #include "sdmha/detail/parallel.hpp"
 #include "sdmha/gradients.hpp"
 #include "sdmha/options.hpp"
+#include "sdmha/projected_context.hpp"
 #include "sdmha/stage.hpp"
 #include "sdmha/workspace.hpp"
 
@@ -121,7 +122,7 @@ struct BackwardAttention {
           try {
             const HeadFlags flags = head_flags(plan, context, buffers.backward.d_heads, b, h);
             for (Index tile = first; tile < last; ++tile) {
-              const AttentionItem item = plan.tile_of(b, h, tile);
+              const AttentionTile item = plan.tile_of(b, h, tile);
               attention_tile(layer, plan, item, tile_scores, context, options, flags, target, own,
                              buffers, sums.keys.topRows(item.key_steps),
                              sums.values.topRows(item.key_steps));
@@ -221,7 +222,7 @@ struct BackwardAttention {
             const HeadFlags flags = head_flags(plan, context, scratch.d_heads, b, h);
             GradientSums sums = zeroed_head_sums(plan, b, h, scratch);
             for (Index tile = 0; tile < plan.query_tiles; ++tile) {
-              const AttentionItem item = plan.tile_of(b, h, tile);
+              const AttentionTile item = plan.tile_of(b, h, tile);
               attention_tile(layer, plan, item, tile_scores, context, options, flags, target,
                              buffers.workers[std::size_t(worker)], buffers,
                              sums.keys.topRows(item.key_steps),
@@ -247,7 +248,7 @@ struct BackwardAttention {
   // One tile: the forward again (scores, P, P', A), then each stage's backward in reverse.
   template <typename TileScores>
   static void attention_tile(const Layer& layer, const AttentionPlan& plan,
-                             const AttentionItem& item, const TileScores& tile_scores,
+                             const AttentionTile& item, const TileScores& tile_scores,
                              const ProjectedContext<Scalar>& context,
                              const AttentionOptions<Scalar>& options, const HeadFlags& flags,
                              const BiasGradientTarget& bias_gradient, WorkerBuffers<Scalar>& worker,
@@ -277,7 +278,7 @@ struct BackwardAttention {
     typename Layer::Softmax::Arguments softmax_args{position, probabilities, stage,
                                                     plan.fully_masked_rows};
     Layer::Softmax::can_implement(softmax_args);
-    layer.softmax()(softmax_args);
+    layer.stages().softmax(softmax_args);
     const DropoutMask dropout = plan.dropout();
     auto dropped = dropout.active() ? worker.tile(1, rows, keys, plan.tile_entries) : probabilities;
     if (dropout.active()) {
@@ -292,23 +293,23 @@ struct BackwardAttention {
         flags.values_finite,
         stage};
     Layer::AttendValues::can_implement(values_args);
-    layer.attend_values()(values_args);
+    layer.stages().attend_values(values_args);
 
     typename Layer::AttendValues::BackwardArguments d_values_args{
         position, dropped, value_bh, d_heads, d_scores, d_values, stage};
     Layer::AttendValues::can_implement(d_values_args);
-    layer.attend_values().backward(d_values_args);
+    layer.stages().attend_values.backward(d_values_args);
     dropout.apply(d_scores, b, h, item.query_begin, item.key_begin);
     typename Layer::Softmax::BackwardArguments d_softmax_args{
         position, probabilities, d_scores, flags.d_probabilities_finite, stage, fully_masked};
     Layer::Softmax::can_implement(d_softmax_args);
-    layer.softmax().backward(d_softmax_args);
+    layer.stages().softmax.backward(d_softmax_args);
     add_bias_gradient(plan, item, options, d_scores, bias_gradient);
     typename Layer::ScoreKernel::BackwardArguments d_score_args{
         position, query_bh,          key_bh, Scalar(plan.scale), d_scores, d_queries,
         d_keys,   flags.keys_finite, stage};
     Layer::ScoreKernel::can_implement(d_score_args);
-    layer.score_kernel().backward(d_score_args);
+    layer.stages().score_kernel.backward(d_score_args);
   }
 
   // Under FullyMaskedRows::uniform, which rows of the tile's scores are −∞ throughout: their
@@ -327,7 +328,7 @@ struct BackwardAttention {
   // The forward's scores of one tile, by the plan's strategy, with the attention bias.
   template <typename TileScores>
   static void scores(const TileScores& tile_scores, const AttentionPlan& plan,
-                     const AttentionItem& item, const ConstMatrixRef<Scalar>& key,
+                     const AttentionTile& item, const ConstMatrixRef<Scalar>& key,
                      const AttentionOptions<Scalar>& options, StageScratch stage,
                      MatrixRef<Scalar> out) {
     tile_scores(item, item_mask(item, options, plan.steps, plan.key_steps), key, stage, out);
@@ -405,7 +406,7 @@ struct BackwardAttention {
   }
 
   template <typename Tile>
-  static void add_bias_gradient(const AttentionPlan& plan, const AttentionItem& item,
+  static void add_bias_gradient(const AttentionPlan& plan, const AttentionTile& item,
                                 const AttentionOptions<Scalar>& options, const Tile& d_scores,
                                 const BiasGradientTarget& target) {
     if (target.data == nullptr) return;

@@ -238,12 +238,12 @@ struct BackwardProjections {
           typename QueryProjection::KernelGradientArguments kernel_args{
               csr, d_queries, d_kernel.middleRows(block.begin, block.rows), &groups, block.begin};
           QueryProjection::can_implement(kernel_args);
-          layer.query_projection().backward(kernel_args);
+          layer.stages().query_projection.backward(kernel_args);
           typename QueryProjection::ValuesGradientArguments values_args{
               csr,       layer.weights().query_kernel, d_queries, d_stored, &groups, block.begin,
               block.rows};
           QueryProjection::can_implement(values_args);
-          layer.query_projection().backward(values_args);
+          layer.stages().query_projection.backward(values_args);
         },
         &buffers.pool, "query gradients by feature");
   }
@@ -268,7 +268,7 @@ struct BackwardProjections {
               csr, d_queries.middleCols(panel.begin, panel.rows),
               d_kernel.middleCols(panel.begin, panel.rows)};
           QueryProjection::can_implement(args);
-          layer.query_projection().backward(args);
+          layer.stages().query_projection.backward(args);
         },
         &buffers.pool, "query kernel gradient");
     constexpr Index block_rows = kQueryProjectionRowBlock;
@@ -290,7 +290,7 @@ struct BackwardProjections {
               d_queries.middleRows(block.begin, block.rows),
               d_stored.segment(start, block_start[std::size_t(index) + 1] - start)};
           QueryProjection::can_implement(args);
-          layer.query_projection().backward(args);
+          layer.stages().query_projection.backward(args);
         },
         &buffers.pool, "query values gradient");
   }

@@ -31,6 +31,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "sdmha/attention_result.hpp"
 #include "sdmha/config.hpp"
 #include "sdmha/detail/attention_plan.hpp"
 #include "sdmha/detail/attention_tile.hpp"
@@ -38,6 +39,7 @@
 #include "sdmha/detail/row_projection.hpp"
 #include "sdmha/detail/stage_traits.hpp"
 #include "sdmha/options.hpp"
+#include "sdmha/projected_context.hpp"
 #include "sdmha/weights.hpp"
 #include "sdmha/workspace.hpp"
 
@@ -47,7 +49,7 @@ namespace sdmha::detail {
 // score stage's project-first Arguments: the sparse query's project_first strategy and the dense
 // query.
 template <typename Core>
-void project_first_scores(const Core& core, const AttentionPlan& plan, const AttentionItem& item,
+void project_first_scores(const Core& core, const AttentionPlan& plan, const AttentionTile& item,
                           const RowMatrix<typename Core::ScalarType>& projected_query,
                           const BatchMask& mask,
                           const ConstMatrixRef<typename Core::ScalarType>& key,
@@ -68,7 +70,7 @@ void project_first_scores(const Core& core, const AttentionPlan& plan, const Att
   if constexpr (reads_bfloat16_operands<ScoreKernel>::value)
     args.bfloat16_operands = bfloat16_operands;
   ScoreKernel::can_implement(args);
-  core.score_kernel()(args);
+  core.stages().score_kernel(args);
 }
 // Where K and V of key step s of batch entry b are: row b·S + s − first_row of `keys` and
 // `values` (first_row 0 for a whole projected context).
@@ -77,7 +79,7 @@ struct ContextRows {
   ConstMatrixRef<Scalar> keys, values;
   Index first_row;
 
-  TileOperands<Scalar> operands(const AttentionPlan& plan, const AttentionItem& tile,
+  TileOperands<Scalar> operands(const AttentionPlan& plan, const AttentionTile& tile,
                                 bool bfloat16_operands) const {
     const Index row = tile.batch * plan.key_steps + tile.key_begin - first_row;
     const Index Dk = plan.dims.key_dim, Dv = plan.dims.value_dim;
@@ -97,7 +99,7 @@ struct KeyChunk {
 // Rows of the online softmax's statistics (m_t, l_t) of item `item`: one block per head,
 // B·T rows each, so that the items of different heads never share a cache line.
 template <typename Scalar>
-auto online_statistics(const AttentionPlan& plan, const AttentionItem& item,
+auto online_statistics(const AttentionPlan& plan, const AttentionTile& item,
                        CallBuffers<Scalar>& buffers) {
   const Index row = (item.head * plan.batch + item.batch) * plan.steps + item.query_begin;
   return buffers.online_statistics.block(row, 0, item.query_rows, 2);
@@ -126,7 +128,7 @@ void normalise_online_rows(const Statistics& statistics, Heads& heads) {
 // and after the last chunk A[t] /= l_t: the softmax's probabilities, normalised after the
 // product instead of before it. (m_t, l_t) live in buffers.online_statistics between chunks.
 template <typename Core, typename Source>
-void attend_item_online(const Core& core, const AttentionPlan& plan, const AttentionItem& item,
+void attend_item_online(const Core& core, const AttentionPlan& plan, const AttentionTile& item,
                         const ContextRows<typename Core::ScalarType>& context,
                         const KeyChunk& chunk,
                         const AttentionOptions<typename Core::ScalarType>& options, Source& source,
@@ -143,18 +145,19 @@ void attend_item_online(const Core& core, const AttentionPlan& plan, const Atten
     statistics.col(1).setZero();
   }
   for (Index index = 0; index < plan.key_tiles(item); ++index) {
-    const AttentionItem tile = plan.key_tile_of(item, index);
+    const AttentionTile tile = plan.key_tile_of(item, index);
     if (tile.key_begin < chunk.key_begin) continue;
     if (tile.key_begin >= chunk.key_end) break;
-    attend_key_tile(core, plan, tile, context.operands(plan, tile, core.attends_in_bfloat16()),
-                    options, source, worker, statistics, heads);
+    attend_key_tile(core.stages(), plan, tile,
+                    context.operands(plan, tile, core.attends_in_bfloat16()), options, source,
+                    worker, statistics, heads);
   }
   if (chunk.last) normalise_online_rows(statistics, heads);
 }
 
 // One item of the tiled forward: every key it may see in one tile, through attend_tile.
 template <typename Core, typename Source>
-void attend_item(const Core& core, const AttentionPlan& plan, const AttentionItem& item,
+void attend_item(const Core& core, const AttentionPlan& plan, const AttentionTile& item,
                  const ContextRows<typename Core::ScalarType>& context,
                  const AttentionOptions<typename Core::ScalarType>& options, Source& source,
                  WorkerBuffers<typename Core::ScalarType>& worker,
@@ -171,8 +174,8 @@ void attend_item(const Core& core, const AttentionPlan& plan, const AttentionIte
   auto scores = options.return_attention_scores
                     ? scores_in_result(plan, item, result)
                     : as_tile(worker.tile(0, item.query_rows, item.key_steps, plan.tile_entries));
-  attend_tile(core, plan, item, context.operands(plan, item, core.attends_in_bfloat16()), options,
-              source, worker, scores, heads);
+  attend_tile(core.stages(), plan, item, context.operands(plan, item, core.attends_in_bfloat16()),
+              options, source, worker, scores, heads);
 }
 
 // What both forms of the attention do first: the result's seed and returned scores sized, the
@@ -204,8 +207,8 @@ void project_output(const Core& core, const AttentionPlan& plan,
   run_projections(
       plan, buffers, "output projection", 0, [](Index, int) {},
       row_projection<Scalar>(
-          core.output_projection(), ConstMatrixRef<Scalar>(buffers.heads), weights.output_kernel,
-          weights.output_bias,
+          core.stages().output_projection, ConstMatrixRef<Scalar>(buffers.heads),
+          weights.output_kernel, weights.output_bias,
           Eigen::Map<RowMatrix<Scalar>>(result.output.data(), B * T, plan.dims.output_dim),
           core.dense_kernel_bfloat16(&Core::DenseKernelsBFloat16::output), B * T));
 }
@@ -228,7 +231,7 @@ void attend(const Core& core, const AttentionPlan& plan,
       plan.attention_items(), plan.threads,
       [&](Index index, int worker) {
         auto& worker_buffers = buffers.workers[std::size_t(worker)];
-        const AttentionItem item = plan.attention_item(index);
+        const AttentionTile item = plan.item_tile(index);
         if (plan.online_softmax)
           attend_item_online(core, plan, item, whole, all_keys, options, source, worker_buffers,
                              buffers);
@@ -253,9 +256,11 @@ ContextRows<typename Core::ScalarType> project_context_chunk(
   auto keys = buffers.context_chunk.keys.topRows(end - first);
   auto values = buffers.context_chunk.values.topRows(end - first);
   run_projections(
-      plan, buffers, "key/value projection", 0, [](Index, int) {},
-      key_projection(core, plan, key.as_matrix().middleRows(first, end - first), keys),
-      value_projection(core, plan, value.as_matrix().middleRows(first, end - first), values));
+      plan, buffers, "context projection", 0, [](Index, int) {},
+      context_projection_rows(core, plan, ContextSide::key,
+                              key.as_matrix().middleRows(first, end - first), keys),
+      context_projection_rows(core, plan, ContextSide::value,
+                              value.as_matrix().middleRows(first, end - first), values));
   return ContextRows<typename Core::ScalarType>{keys, values, first};
 }
 
@@ -286,8 +291,8 @@ void attend_streamed(const Core& core, const AttentionPlan& plan,
       parallel_for(
           items, plan.threads,
           [&](Index index, int worker) {
-            attend_item_online(core, plan, plan.attention_item(b * items + index), rows, chunk,
-                               options, source, buffers.workers[std::size_t(worker)], buffers);
+            attend_item_online(core, plan, plan.item_tile(b * items + index), rows, chunk, options,
+                               source, buffers.workers[std::size_t(worker)], buffers);
           },
           &buffers.pool, "attention");
     }
@@ -372,8 +377,10 @@ void project_inputs(const Core& core, const AttentionPlan& plan, Source& source,
   context.keys.resize(rows, plan.dims.projected_key_width());
   context.values.resize(rows, plan.dims.projected_value_width());
   source.prepare(plan, buffers);
-  const auto keys = key_projection(core, plan, key.as_matrix(), context.keys);
-  const auto values = value_projection(core, plan, value.as_matrix(), context.values);
+  const auto keys =
+      context_projection_rows(core, plan, ContextSide::key, key.as_matrix(), context.keys);
+  const auto values =
+      context_projection_rows(core, plan, ContextSide::value, value.as_matrix(), context.values);
   const Index preparations = source.preparation_items(plan);
   if (preparations == 0) {
     run_projections(plan, buffers, "projections", source.projection_items(plan),
@@ -381,7 +388,7 @@ void project_inputs(const Core& core, const AttentionPlan& plan, Source& source,
     return;
   }
   run_projections(
-      plan, buffers, "query preparation and key/value projection", preparations,
+      plan, buffers, "query preparation and context projection", preparations,
       [&](Index index, int worker) { source.prepare_item(plan, index, buffers, worker); }, keys,
       values);
   run_query_projection(plan, source, buffers);

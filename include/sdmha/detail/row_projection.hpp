@@ -18,6 +18,7 @@
 #include "sdmha/detail/parallel.hpp"
 #include "sdmha/detail/stage_traits.hpp"
 #include "sdmha/options.hpp"
+#include "sdmha/projected_context.hpp"
 #include "sdmha/stage.hpp"
 #include "sdmha/workspace.hpp"
 
@@ -138,25 +139,21 @@ RowProjection<Scalar, Projection> row_projection(
   return rows;
 }
 
-// K = key·Wk + bk and V = value·Wv + bv of `rows` rows of key and value (all B·S, or a chunk's
-// whole row blocks), into `keys` and `values`.
+enum class ContextSide { key, value };
+
+// K = key·Wk + bk (ContextSide::key) or V = value·Wv + bv (ContextSide::value) of `rows` rows of
+// key or value (all B·S, or a chunk's whole row blocks), into `output`.
 template <typename Core>
-auto key_projection(const Core& core, const AttentionPlan& plan,
-                    const ConstMatrixRef<typename Core::ScalarType>& key,
-                    MatrixRef<typename Core::ScalarType> keys) {
+auto context_projection_rows(const Core& core, const AttentionPlan& plan, ContextSide side,
+                             const ConstMatrixRef<typename Core::ScalarType>& input,
+                             MatrixRef<typename Core::ScalarType> output) {
   const auto& weights = core.weights();
+  const bool key = side == ContextSide::key;
+  using Copies = typename Core::DenseKernelsBFloat16;
   return row_projection<typename Core::ScalarType>(
-      core.context_projection(), key, weights.key_kernel, weights.key_bias, keys,
-      core.dense_kernel_bfloat16(&Core::DenseKernelsBFloat16::key), plan.batch * plan.key_steps);
-}
-template <typename Core>
-auto value_projection(const Core& core, const AttentionPlan& plan,
-                      const ConstMatrixRef<typename Core::ScalarType>& value,
-                      MatrixRef<typename Core::ScalarType> values) {
-  const auto& weights = core.weights();
-  return row_projection<typename Core::ScalarType>(
-      core.context_projection(), value, weights.value_kernel, weights.value_bias, values,
-      core.dense_kernel_bfloat16(&Core::DenseKernelsBFloat16::value), plan.batch * plan.key_steps);
+      core.stages().context_projection, input, key ? weights.key_kernel : weights.value_kernel,
+      key ? weights.key_bias : weights.value_bias, output,
+      core.dense_kernel_bfloat16(key ? &Copies::key : &Copies::value), plan.batch * plan.key_steps);
 }
 
 // The region body of run_projections: item `index` is the extra items' first, then each
@@ -227,9 +224,9 @@ void project_context_into(const Core& core, const AttentionPlan& plan,
   context.keys.resize(rows, plan.dims.projected_key_width());
   context.values.resize(rows, plan.dims.projected_value_width());
   run_projections(
-      plan, buffers, "key/value projection", 0, [](Index, int) {},
-      key_projection(core, plan, key.as_matrix(), context.keys),
-      value_projection(core, plan, value.as_matrix(), context.values));
+      plan, buffers, "context projection", 0, [](Index, int) {},
+      context_projection_rows(core, plan, ContextSide::key, key.as_matrix(), context.keys),
+      context_projection_rows(core, plan, ContextSide::value, value.as_matrix(), context.values));
 }
 
 }  // namespace sdmha::detail

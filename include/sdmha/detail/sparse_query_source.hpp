@@ -117,22 +117,22 @@ struct SparseDenseMHA<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT, AttendVa
             read_groups(buffers.query_groups[std::size_t(block)], built))
           args.feature_groups = &built;
         QueryProjection::can_implement(args);
-        layer.query_projection_(args);
+        layer.stages().query_projection(args);
         return;
       }
       QueryProjection::can_implement(args);
-      layer.query_projection_(args);
+      layer.stages().query_projection(args);
     } else {
       (void)first_window;
       (void)end_window;
       const auto args = block_arguments(block, 0, N, scratch);
       QueryProjection::can_implement(args);
-      layer.query_projection_(args);
+      layer.stages().query_projection(args);
     }
   }
 
   // One tile's masked scores, before the attention bias (SparseDenseMHA::tile_scores).
-  void operator()(const detail::AttentionItem& item, const BatchMask& mask,
+  void operator()(const detail::AttentionTile& item, const BatchMask& mask,
                   const ConstMatrixRef<Scalar>& key, bool bfloat16_operands, StageScratch scratch,
                   MatrixRef<Scalar> scores) const {
     layer.tile_scores(call_plan, item, query, projected_query, mask, key, bfloat16_operands,

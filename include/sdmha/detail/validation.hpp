@@ -11,6 +11,7 @@
 #include "sdmha/detail/attention_plan.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/options.hpp"
+#include "sdmha/projected_context.hpp"
 
 namespace sdmha::detail {
 
@@ -93,11 +94,14 @@ void check_context(const char* where, const LayerDims& dims, Index batch,
 template <typename Scalar>
 void check_options(const char* where, const LayerDims& dims, Index batch, Index steps,
                    Index key_steps, const AttentionOptions<Scalar>& options) {
-  const auto& padding = options.key_padding_mask;
-  if (padding.dimension(0) != 0 || padding.dimension(1) != 0) {
-    if (padding.dimension(0) != batch || padding.dimension(1) != key_steps)
-      fail<ShapeError>(where, "key_padding_mask is (", padding.dimension(0), ", ",
-                       padding.dimension(1), "); expected (B, S) = (", batch, ", ", key_steps, ")");
+  const auto& key_mask = options.key_mask;
+  if (!key_mask.empty()) {
+    if (key_mask.dimension(0) != batch || key_mask.dimension(1) != key_steps)
+      fail<ShapeError>(where, "key_mask is (", key_mask.dimension(0), ", ", key_mask.dimension(1),
+                       "); expected (B, S) = (", batch, ", ", key_steps, ")");
+    if (key_mask.data() == nullptr && key_mask.size() > 0)
+      fail<ShapeError>(where, "key_mask has no data; expected ", batch, " x ", key_steps,
+                       " booleans");
   }
   if (!(options.dropout_rate >= 0.0 && options.dropout_rate < 1.0))
     fail<ConfigError>(where, "dropout_rate = ", options.dropout_rate,

@@ -146,4 +146,17 @@ struct DenseProjection {
   }
 };
 
+// DenseProjection's computation under a stage name of its own (ContextProjection,
+// OutputProjection): a layer can swap one without the other, and the errors name the stage.
+// `differentiates` is the named stage, so a stage derived from it needs a backward of its own.
+template <typename Scalar, typename Stage>
+struct NamedDenseProjection : DenseProjection<Scalar> {
+  using differentiates = Stage;
+  using typename DenseProjection<Scalar>::Arguments;
+  using DenseProjection<Scalar>::can_implement;
+  static void can_implement(const Arguments& args) {
+    DenseProjection<Scalar>::check(Stage::kName, args);
+  }
+};
+
 }  // namespace sdmha

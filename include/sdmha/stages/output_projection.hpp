@@ -13,13 +13,8 @@ namespace sdmha {
 // The same computation as the key and value projections; a type of its own so that a layer can
 // swap one without the other.
 template <typename Scalar>
-struct OutputProjection : DenseProjection<Scalar> {
-  using differentiates = OutputProjection;
-  using typename DenseProjection<Scalar>::Arguments;
-  using DenseProjection<Scalar>::can_implement;
-  static void can_implement(const Arguments& args) {
-    DenseProjection<Scalar>::check("OutputProjection", args);
-  }
+struct OutputProjection : NamedDenseProjection<Scalar, OutputProjection<Scalar>> {
+  static constexpr const char* kName = "OutputProjection";
 };
 
 }  // namespace sdmha

@@ -1,10 +1,11 @@
-// sdmha/dense_mha.hpp — DenseMHA: the dense baseline, the same layer on a dense query.
+// bench/dense_mha.hpp — DenseMHA: the bench's dense baseline, the same layer on a dense query.
 //
 // Same weights, options and stages as SparseDenseMHA (score kernel in its project-first form);
 // the query (B, T, Eq) is projected by a dense GEMM. It is what a user would run after
-// densifying a sparse query, and what the bench compares against. The query projection goes in
-// blocks of kQueryProjectionRowBlock rows: a wide Wq (Eq = 32768) is then packed once per 512
-// rows, not once per 64.
+// densifying a sparse query, and what the bench compares against; it has no backward, and it is
+// not part of the library's API (it is built on the library's internals, detail/). The query
+// projection goes in blocks of kQueryProjectionRowBlock rows: a wide Wq (Eq = 32768) is then packed
+// once per 512 rows, not once per 64.
 #pragma once
 
 #include <memory>
@@ -12,7 +13,7 @@
 
 #include "sdmha/detail/attention_core.hpp"
 #include "sdmha/stages/attend_values.hpp"
-#include "sdmha/stages/dense_projection.hpp"
+#include "sdmha/stages/context_projection.hpp"
 #include "sdmha/stages/masked_softmax.hpp"
 #include "sdmha/stages/output_projection.hpp"
 #include "sdmha/stages/score_kernel.hpp"
@@ -23,42 +24,21 @@ template <typename Scalar, typename QueryProjectionT = DenseProjection<Scalar>,
           typename ScoreKernelT = ScoreKernel<Scalar>, typename SoftmaxT = MaskedSoftmax<Scalar>,
           typename AttendValuesT = AttendValues<Scalar>,
           typename OutputProjectionT = OutputProjection<Scalar>,
-          typename ContextProjectionT = DenseProjection<Scalar>>
-class DenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
-                                               OutputProjectionT, ContextProjectionT> {
-  using Core = detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, AttendValuesT,
-                                     OutputProjectionT, ContextProjectionT>;
-  static_assert(std::is_same<typename QueryProjectionT::ScalarType, Scalar>::value,
-                "the query projection's ScalarType must be the layer's Scalar");
+          typename ContextProjectionT = ContextProjection<Scalar>>
+// Bench code on the library's internals: it inherits the layer state publicly (weights, stages,
+// project_context) rather than repeating SparseDenseMHA's list of what it exposes.
+class DenseMHA
+    : public detail::AttentionCore<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT, AttendValuesT,
+                                   OutputProjectionT, ContextProjectionT> {
+  using Core = detail::AttentionCore<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT,
+                                     AttendValuesT, OutputProjectionT, ContextProjectionT>;
 
  public:
-  using Core::attend_values;
-  using Core::config;
-  using Core::context_projection;
-  using Core::dims;
-  using Core::output_projection;
-  using Core::project_context;
-  using Core::release_workspace_cache;
-  using Core::score_kernel;
-  using Core::shared_weights;
-  using Core::softmax;
-  using Core::weights;
-  using Core::workspace_cache_bytes;
-  using typename Core::AttendValues;
-  using typename Core::ContextProjection;
-  using typename Core::OutputProjection;
-  using typename Core::ScalarType;
-  using typename Core::ScoreKernel;
-  using typename Core::Softmax;
-  using QueryProjection = QueryProjectionT;
-
+  using typename Core::QueryProjection;
   DenseMHA(const MhaConfig& layer_config, MhaWeights<Scalar> layer_weights)
       : Core(layer_config, std::make_shared<MhaWeights<Scalar>>(std::move(layer_weights))) {}
   DenseMHA(const MhaConfig& layer_config, std::shared_ptr<MhaWeights<Scalar>> layer_weights)
       : Core(layer_config, std::move(layer_weights)) {}
-
-  QueryProjection& query_projection() { return query_projection_; }
-  const QueryProjection& query_projection() const { return query_projection_; }
 
   // query (B, T, Eq) dense; key (B, S, Ek); value (B, S, Ev) → output (B, T, O). Thread-safe
   // (a DropoutGenerator in the options is not: it belongs to one caller).
@@ -101,11 +81,6 @@ class DenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, A
     detail::run_forward(core(), plan, source, key, value, options, buffers, result);
   }
 
-  AttentionResult<Scalar> forward(const TensorRef3<Scalar>& query, const TensorRef3<Scalar>& value,
-                                  const AttentionOptions<Scalar>& options = {}) const {
-    return forward(query, value, value, options);
-  }
-
  private:
   template <typename Tag>
   friend struct detail::InternalAccess;
@@ -125,8 +100,8 @@ class DenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, A
     auto projection() const {
       const auto& weights = layer.weights();
       detail::RowProjection<Scalar, QueryProjection> rows{
-          layer.query_projection_, query.as_matrix(), weights.query_kernel, weights.query_bias,
-          MatrixRef<Scalar>(projected_query)};
+          layer.stages().query_projection, query.as_matrix(), weights.query_kernel,
+          weights.query_bias, MatrixRef<Scalar>(projected_query)};
       rows.block_rows = detail::kQueryProjectionRowBlock;
       return rows;
     }
@@ -142,15 +117,13 @@ class DenseMHA : private detail::AttentionCore<Scalar, ScoreKernelT, SoftmaxT, A
                       detail::CallBuffers<Scalar>& buffers, int worker) const {
       projection().run_item(index, buffers.workers[std::size_t(worker)].stage.view());
     }
-    void operator()(const detail::AttentionItem& item, const BatchMask& mask,
+    void operator()(const detail::AttentionTile& item, const BatchMask& mask,
                     const ConstMatrixRef<Scalar>& key, bool bfloat16_operands, StageScratch scratch,
                     MatrixRef<Scalar> scores) const {
       detail::project_first_scores(layer.core(), plan, item, projected_query, mask, key,
                                    bfloat16_operands, scratch, scores);
     }
   };
-
-  QueryProjection query_projection_;
 };
 
 }  // namespace sdmha

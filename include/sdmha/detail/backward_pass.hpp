@@ -1,5 +1,5 @@
-// sdmha/backward.hpp — SparseDenseMHA::backward: every gradient of the forward, as the forward's
-// stages in reverse, each through its own backward (stages/*.hpp, beside its forward).
+// sdmha/detail/backward_pass.hpp — SparseDenseMHA::backward: every gradient of the forward, as the
+// forward's stages in reverse, each through its own backward (stages/*.hpp, beside its forward).
 //
 // With scale = 1/√Dk, P = softmax(S) and P' = P after dropout, the forward is
 //   Q = X·Wq + bq,  K = key·Wk + bk,  V = value·Wv + bv,
@@ -32,6 +32,7 @@
 #include "sdmha/gradients.hpp"
 #include "sdmha/mask.hpp"
 #include "sdmha/options.hpp"
+#include "sdmha/projected_context.hpp"
 #include "sdmha/sparse_dense_mha.hpp"
 #include "sdmha/stage.hpp"
 #include "sdmha/weights.hpp"
@@ -66,7 +67,7 @@ struct Backward {
         "`using differentiates = YourStage;` and backward(...) for both gradient Arguments)");
     static_assert(
         IsDifferentiable<typename Layer::ContextProjection>::value,
-        "backward: the key/value projection stage has no backward of its own (declare "
+        "backward: the context projection stage has no backward of its own (declare "
         "`using differentiates = YourStage;` and backward(...) for both gradient Arguments)");
   }
 
@@ -106,6 +107,26 @@ struct Backward {
           dims.projected_key_width(), ", values ", rows, " x ", dims.projected_value_width());
   }
 
+  // One backward call: checks, plan, then the passes, in `workspace`, K and V from `saved` (a
+  // project_context of key and value) or, with none, projected now.
+  static void call(const Layer& layer, const Query& query, const TensorRef3<Scalar>& key,
+                   const TensorRef3<Scalar>& value, const ProjectedContext<Scalar>* saved,
+                   const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options,
+                   Workspace<Scalar>& workspace, MhaGradients<Scalar>& gradients) {
+    check_stages();
+    constexpr const char* where = "SparseDenseMHA::backward";
+    const typename Workspace<Scalar>::Lease lease(workspace, where);
+    auto& buffers = lease.buffers();
+    const auto plan = check_and_plan(where, layer, query, key, value, d_output, options, buffers);
+    if (saved != nullptr) {
+      check_saved_context(where, plan, *saved);
+    } else {
+      layer.project_context_into(plan, key, value, buffers, buffers.context);
+    }
+    run(layer, plan, query, key, value, saved != nullptr ? *saved : buffers.context, d_output,
+        options, buffers, gradients);
+  }
+
   // The backward on a validated call, K and V being `context`'s.
   static void run(const Layer& layer, const AttentionPlan& plan, const Query& query,
                   const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
@@ -119,25 +140,25 @@ struct Backward {
     layer.project_query(plan, query, buffers,
                         buffers.projected_query);  // dK needs Q whatever the strategy
     scratch.d_heads.resize(plan.batch * plan.steps, plan.dims.projected_value_width());
-    Projections::input_gradient(plan, layer.output_projection(), d_output_matrix,
+    Projections::input_gradient(plan, layer.stages().output_projection, d_output_matrix,
                                 weights.output_kernel, scratch.d_heads, buffers);
     // A tile's masked scores by the plan's strategy, through the layer's private tile_scores;
     // the backward differentiates float32 (no bfloat16 operands).
-    const auto tile_scores = [&](const AttentionItem& tile, const BatchMask& mask,
+    const auto tile_scores = [&](const AttentionTile& tile, const BatchMask& mask,
                                  const ConstMatrixRef<Scalar>& keys, StageScratch stage,
                                  MatrixRef<Scalar> out) {
       layer.tile_scores(plan, tile, query, buffers.projected_query, mask, keys, false, stage, out);
     };
     Attention::attention(layer, plan, tile_scores, context, options, buffers, gradients);
-    Projections::kernel_gradient(plan, layer.output_projection(), buffers.heads, d_output_matrix,
-                                 buffers, gradients.output_kernel);
+    Projections::kernel_gradient(plan, layer.stages().output_projection, buffers.heads,
+                                 d_output_matrix, buffers, gradients.output_kernel);
     Projections::bias_gradient(plan, use_bias, d_output_matrix, gradients.output_bias, buffers);
     Projections::query_gradients(layer, plan, query, buffers, gradients);
     Projections::bias_gradient(plan, use_bias, scratch.d_queries, gradients.query_bias, buffers);
-    Projections::context_gradients(plan, layer.context_projection(), key.as_matrix(),
+    Projections::context_gradients(plan, layer.stages().context_projection, key.as_matrix(),
                                    weights.key_kernel, scratch.d_keys, use_bias, buffers,
                                    gradients.key_kernel, gradients.key_bias, gradients.key);
-    Projections::context_gradients(plan, layer.context_projection(), value.as_matrix(),
+    Projections::context_gradients(plan, layer.stages().context_projection, value.as_matrix(),
                                    weights.value_kernel, scratch.d_values, use_bias, buffers,
                                    gradients.value_kernel, gradients.value_bias, gradients.value);
   }
@@ -154,16 +175,8 @@ void SparseDenseMHA<Scalar, QP, SK, SM, AV, OP, CP>::backward(
     const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
     const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options,
     Workspace<Scalar>& workspace, MhaGradients<Scalar>& gradients) const {
-  using Backward = detail::Backward<SparseDenseMHA>;
-  Backward::check_stages();
-  constexpr const char* where = "SparseDenseMHA::backward";
-  const typename Workspace<Scalar>::Lease lease(workspace, where);
-  auto& buffers = lease.buffers();
-  const auto plan =
-      Backward::check_and_plan(where, *this, query, key, value, d_output, options, buffers);
-  this->project_context_into(plan, key, value, buffers, buffers.context);
-  Backward::run(*this, plan, query, key, value, buffers.context, d_output, options, buffers,
-                gradients);
+  detail::Backward<SparseDenseMHA>::call(*this, query, key, value, nullptr, d_output, options,
+                                         workspace, gradients);
 }
 
 template <typename Scalar, typename QP, typename SK, typename SM, typename AV, typename OP,
@@ -173,15 +186,8 @@ void SparseDenseMHA<Scalar, QP, SK, SM, AV, OP, CP>::backward(
     const ProjectedContext<Scalar>& context, const TensorRef3<Scalar>& d_output,
     const AttentionOptions<Scalar>& options, Workspace<Scalar>& workspace,
     MhaGradients<Scalar>& gradients) const {
-  using Backward = detail::Backward<SparseDenseMHA>;
-  Backward::check_stages();
-  constexpr const char* where = "SparseDenseMHA::backward";
-  const typename Workspace<Scalar>::Lease lease(workspace, where);
-  auto& buffers = lease.buffers();
-  const auto plan =
-      Backward::check_and_plan(where, *this, query, key, value, d_output, options, buffers);
-  Backward::check_saved_context(where, plan, context);
-  Backward::run(*this, plan, query, key, value, context, d_output, options, buffers, gradients);
+  detail::Backward<SparseDenseMHA>::call(*this, query, key, value, &context, d_output, options,
+                                         workspace, gradients);
 }
 
 template <typename Scalar, typename QP, typename SK, typename SM, typename AV, typename OP,
