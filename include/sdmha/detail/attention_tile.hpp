@@ -124,17 +124,27 @@ void biased_scores(const AttentionPlan& plan, const AttentionTile& tile,
   add_attention_bias(tile, options, scores);
 }
 
+// What the forward does between the scores and the softmax: nothing.
+struct NoScoresHook {
+  template <typename Tile>
+  void operator()(const Tile&) const {}
+};
+
 // S → P = Softmax(S) in place in `scores`, then P' = dropout(P): in place too, unless
 // `dropped` is given (the returned scores and the backward keep P apart from P'). Returns the
-// probabilities that meet V.
-template <typename Stages, typename Scalar, typename ComputeScores>
+// probabilities that meet V. `before_softmax` sees the masked, biased scores (the backward's
+// recompute marks the fully blocked rows there).
+template <typename Stages, typename Scalar, typename ComputeScores,
+          typename BeforeSoftmax = NoScoresHook>
 TileMap<Scalar> tile_probabilities(const Stages& stages, const AttentionPlan& plan,
                                    const AttentionTile& tile, const TileOperands<Scalar>& operands,
                                    const AttentionOptions<Scalar>& options,
                                    ComputeScores& compute_scores, StageScratch scratch,
-                                   TileMap<Scalar> scores, TileMap<Scalar>* dropped) {
+                                   TileMap<Scalar> scores, TileMap<Scalar>* dropped,
+                                   BeforeSoftmax&& before_softmax = {}) {
   using Softmax = typename Stages::Softmax;
   biased_scores(plan, tile, operands, options, compute_scores, scratch, scores);
+  before_softmax(scores);
   typename Softmax::Arguments softmax_args{tile.position(), scores, scratch,
                                            plan.fully_masked_rows};
   Softmax::can_implement(softmax_args);

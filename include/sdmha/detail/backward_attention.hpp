@@ -271,29 +271,26 @@ struct BackwardAttention {
     const auto value_bh = context.values.block(key_row, h * Dv, keys, Dv);
     const auto query_bh = buffers.projected_query.block(query_row, h * Dk, rows, Dk);
     const auto d_heads = scratch.d_heads.block(query_row, h * Dv, rows, Dv);
-    auto probabilities = worker.tile(0, rows, keys, plan.tile_entries);
     auto d_scores = worker.tile(2, rows, keys, plan.tile_entries);
-    scores(tile_scores, plan, item, key_bh, options, stage, probabilities);
-    const char* fully_masked = mark_fully_masked_rows(plan, probabilities, worker);
-    typename Layer::Softmax::Arguments softmax_args{position, probabilities, stage,
-                                                    plan.fully_masked_rows};
-    Layer::Softmax::can_implement(softmax_args);
-    layer.stages().softmax(softmax_args);
+    // The forward again through the forward's own tile functions: P (kept for the softmax's
+    // backward), P' and the tile's rows of A (for dWo).
+    TileMap<Scalar> probabilities = as_tile(worker.tile(0, rows, keys, plan.tile_entries));
+    TileMap<Scalar> dropped_tile = as_tile(worker.tile(1, rows, keys, plan.tile_entries));
+    const TileOperands<Scalar> operands{key_bh, value_bh, false};
+    const auto compute_scores = [&](const AttentionTile& tile, const BatchMask& mask,
+                                    const ConstMatrixRef<Scalar>& tile_keys, bool,
+                                    StageScratch tile_scratch, MatrixRef<Scalar> out) {
+      tile_scores(tile, mask, tile_keys, tile_scratch, out);
+    };
+    const char* fully_masked = nullptr;
     const DropoutMask dropout = plan.dropout();
-    auto dropped = dropout.active() ? worker.tile(1, rows, keys, plan.tile_entries) : probabilities;
-    if (dropout.active()) {
-      dropped = probabilities;
-      dropout.apply(dropped, b, h, item.query_begin, item.key_begin);
-    }
-    typename Layer::AttendValues::Arguments values_args{
-        position,
-        dropped,
-        value_bh,
-        buffers.heads.block(query_row, h * Dv, rows, Dv),
-        flags.values_finite,
-        stage};
-    Layer::AttendValues::can_implement(values_args);
-    layer.stages().attend_values(values_args);
+    const TileMap<Scalar> dropped = tile_probabilities(
+        layer.stages(), plan, item, operands, options, compute_scores, stage, probabilities,
+        dropout.active() ? &dropped_tile : nullptr, [&](const TileMap<Scalar>& masked) {
+          fully_masked = mark_fully_masked_rows(plan, masked, worker);
+        });
+    auto heads = buffers.heads.block(query_row, h * Dv, rows, Dv);
+    attend_values(layer.stages(), item, operands, dropped, heads, stage, false);
 
     typename Layer::AttendValues::BackwardArguments d_values_args{
         position, dropped, value_bh, d_heads, d_scores, d_values, stage};
@@ -323,16 +320,6 @@ struct BackwardAttention {
     for (Index t = 0; t < scores.rows(); ++t)
       worker.row_flags[std::size_t(t)] = (scores.row(t).array() == minus_infinity).all();
     return worker.row_flags.data();
-  }
-
-  // The forward's scores of one tile, by the plan's strategy, with the attention bias.
-  template <typename TileScores>
-  static void scores(const TileScores& tile_scores, const AttentionPlan& plan,
-                     const AttentionTile& item, const ConstMatrixRef<Scalar>& key,
-                     const AttentionOptions<Scalar>& options, StageScratch stage,
-                     MatrixRef<Scalar> out) {
-    tile_scores(item, item_mask(item, options, plan.steps, plan.key_steps), key, stage, out);
-    add_attention_bias(item, options, out);
   }
 
   // ---- the attention bias's gradient -------------------------------------------------------

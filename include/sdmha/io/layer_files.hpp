@@ -16,8 +16,6 @@
 // __metadata__ (strings): num_heads, key_dim, value_dim, layout (keras|torch), use_causal_mask,
 // causal_alignment (top_left|bottom_right), scale (a decimal number; absent: 1/sqrt(key_dim)),
 // fully_masked_rows (zeros|uniform).
-#pragma once
-
 //
 // TensorSource, the face these readers take over either format, is in io/tensor_source.hpp.
 #pragma once
