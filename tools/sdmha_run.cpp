@@ -5,6 +5,9 @@
 // safetensors file. Everything is read and computed before anything is written, and the writer
 // replaces the output file atomically, so a failed run leaves no output behind.
 #include <sdmha/io/layer_files.hpp>
+#ifdef SDMHA_HAS_KERAS_IO
+#include <sdmha/io/keras_isolated.hpp>
+#endif
 #include <sdmha/sdmha.hpp>
 
 #if defined(__unix__) || defined(__APPLE__)
@@ -16,8 +19,10 @@
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <limits>
 #include <new>
@@ -36,13 +41,16 @@ constexpr const char* kUsage =
     R"(Usage: sdmha-run --weights W --inputs I --out O.safetensors [options]
 
 Runs sdmha's SparseDenseMHA (Keras 3 MultiHeadAttention math, sparse query) on a layer's
-weights and inputs read from safetensors (.safetensors) or NumPy (.npz) files, and writes
+weights, read from safetensors (.safetensors), NumPy (.npz) or Keras (.keras, .weights.h5)
+files, and inputs read from safetensors or .npz files, and writes
 `output` (B, T, O) -- and with --scores `attention_scores` (B, H, T, S) -- to a safetensors file.
 W and I may be the same file. Tensor names: see sdmha's tests/data/goldens/README.md.
 
 Required:
   --weights PATH    Keras names (query/kernel, ...; a layer prefix is allowed) or PyTorch
-                    nn.MultiheadAttention names (in_proj_weight, out_proj.weight, ...)
+                    nn.MultiheadAttention names (in_proj_weight, out_proj.weight, ...); or a
+                    Keras 3 file (model.keras, its unzipped directory, or x.weights.h5),
+                    recognised by its content, read in an isolated child process
   --inputs PATH     query/indices, query/values, query/dense_shape, value, and optionally
                     key (default: key = value), attention_mask (BOOL, True = may attend)
                     and attention_bias (F32/F64, added to the scaled scores before the
@@ -60,6 +68,10 @@ __metadata__; an option with a value also takes the form --option=value):
   --causal          apply the causal mask (metadata use_causal_mask, else off)
   --no-causal       do not apply the causal mask, whatever the metadata says
   --strategy S      project_first (default) or sparse_regrouped; both give the same result
+  --layer NAME      Keras files: the MultiHeadAttention to run, by its Keras name or HDF5
+                    group (default: the file's only one)
+  --trusted-file    Keras files: read in this process instead of an isolated child (libhdf5
+                    can crash or hang on a damaged or hostile file; only for files you trust)
   --help            print this text and exit
 
 Precision: the run takes the dtype of the inputs' query/values: F64 runs in float64;
@@ -76,6 +88,10 @@ or uniform: 1/S on every key of a row whose keys are all blocked).
 
 A query/dense_shape whose batch * steps rows would not fit in this machine's memory is refused
 before anything is allocated.
+
+A Keras file holds no call-time settings: use_causal_mask (--causal) and the rest come from the
+inputs file's metadata. The isolated reader gets 60 s and 4 GiB of address space; a reader that
+crashes, hangs or runs past them ends the run with status 1, naming the file.
 
 Exit status: 0 on success; 1 for a bad, missing or inconsistent file or tensor (a mask or a
 bias of the wrong shape or dtype included), or a failure to write (one line "sdmha-run: error: ..." on stderr, no output file); 2 for bad usage.
@@ -95,6 +111,8 @@ struct Arguments {
   int threads = 0;
   sdmha::ScoreStrategy strategy = sdmha::ScoreStrategy::project_first;
   sdmha::io::LayerFileOptions layer_options;
+  std::optional<std::string> keras_layer;  // --layer
+  bool trusted_file = false;               // --trusted-file
   bool help = false;
 };
 
@@ -203,6 +221,11 @@ Arguments parse_arguments(int argc, char** argv) {
       }
     } else if (flag == "--prefix") {
       arguments.layer_options.prefix = value();
+    } else if (flag == "--layer") {
+      arguments.keras_layer = value();
+    } else if (flag == "--trusted-file") {
+      no_value();
+      arguments.trusted_file = true;
     } else if (flag == "--causal" || flag == "--no-causal") {
       no_value();
       const bool requested = flag == "--causal";
@@ -352,14 +375,43 @@ sdmha::io::LayerInputs<Scalar> load_inputs_within(const sdmha::io::TensorSource&
 }
 
 // Reads the layer and its inputs, runs it, and only then writes the output file.
+// The layer of a Keras file (isolated unless --trusted-file), as a LayerFile: Keras' layout, and
+// no call-time settings (a Keras file holds none).
 template <typename Scalar>
-void run(const Arguments& arguments, const sdmha::io::TensorSource& weights_source,
+sdmha::io::LayerFile<Scalar> load_keras_weights(const Arguments& arguments) {
+#ifdef SDMHA_HAS_KERAS_IO
+  const std::string& path = arguments.weights_path;
+  const std::string name = arguments.keras_layer.value_or("");
+  auto keras = arguments.trusted_file ? sdmha::io::load_keras_layer<Scalar>(path, name)
+                                      : sdmha::io::load_keras_layer_isolated<Scalar>(path, name);
+  sdmha::io::LayerFile<Scalar> layer_file;
+  layer_file.config = keras.config;
+  layer_file.weights = std::move(keras.weights);
+  layer_file.use_causal_mask = arguments.layer_options.use_causal_mask.value_or(false);
+  return layer_file;
+#else
+  throw sdmha::IoError("sdmha: " + in_quotes(arguments.weights_path) +
+                       ": a Keras file, and this sdmha-run was built without Keras support "
+                       "(SDMHA_WITH_KERAS_IO=OFF)");
+#endif
+}
+
+// The weights: from `weights_source` (safetensors or .npz), or a Keras file where there is none.
+template <typename Scalar>
+sdmha::io::LayerFile<Scalar> load_weights(const Arguments& arguments,
+                                          const sdmha::io::TensorSource* weights_source) {
+  if (weights_source == nullptr) return load_keras_weights<Scalar>(arguments);
+  return sdmha::io::load_layer<Scalar>(*weights_source, arguments.layer_options);
+}
+
+template <typename Scalar>
+void run(const Arguments& arguments, const sdmha::io::TensorSource* weights_source,
          const sdmha::io::TensorSource& inputs_source, Step& step) {
   const std::string& weights = arguments.weights_path;
   const std::string& inputs = arguments.inputs_path;
 
   step = {"reading the weights from " + in_quotes(weights), weights, in_quotes(weights) + ": "};
-  const auto layer_file = sdmha::io::load_layer<Scalar>(weights_source, arguments.layer_options);
+  const auto layer_file = load_weights<Scalar>(arguments, weights_source);
 
   // load_inputs names the file in its own messages; a message that does not comes from
   // SparseQuery::from_coo, which sees only the three query tensors.
@@ -378,11 +430,14 @@ void run(const Arguments& arguments, const sdmha::io::TensorSource& weights_sour
   options.attention_mask = layer_inputs.attention_mask;
   options.attention_bias = layer_inputs.attention_bias;
   // The attention's semantics: the weights file's metadata, else the inputs file's.
+  const auto in_weights = [&](const char* key) {
+    return weights_source != nullptr && weights_source->metadata_value(key);
+  };
   const auto from = [&](const char* key) -> const sdmha::io::TensorSource& {
-    return weights_source.metadata_value(key) ? weights_source : inputs_source;
+    return in_weights(key) ? *weights_source : inputs_source;
   };
   options.use_causal_mask =
-      arguments.layer_options.use_causal_mask || weights_source.metadata_value("use_causal_mask")
+      arguments.layer_options.use_causal_mask || in_weights("use_causal_mask")
           ? layer_file.use_causal_mask
           : sdmha::detail::metadata_bool(inputs_source, "use_causal_mask").value_or(false);
   options.causal_alignment = sdmha::detail::metadata_causal_alignment(from("causal_alignment"));
@@ -456,6 +511,30 @@ bool runs_in_double(const sdmha::io::TensorSource& inputs, const std::string& pa
                            "; expected F16, BF16, F32 or F64");
 }
 
+// Whether --weights is a Keras file, by its content (a build without Keras support sees the
+// HDF5 signature only, to say so rather than fail to parse it as safetensors).
+bool is_keras_weights(const Arguments& arguments) {
+#ifdef SDMHA_HAS_KERAS_IO
+  return sdmha::io::is_keras_file(arguments.weights_path);
+#else
+  std::ifstream stream(arguments.weights_path, std::ios::binary);
+  char magic[8] = {};
+  stream.read(magic, sizeof magic);
+  return stream.gcount() == 8 && std::memcmp(magic, "\x89HDF\r\n\x1a\n", 8) == 0;
+#endif
+}
+
+// The options that describe a tensor file's names have no meaning for a Keras file.
+void check_keras_arguments(const Arguments& arguments) {
+  const auto& options = arguments.layer_options;
+  if (options.layout || options.num_heads || options.prefix)
+    throw UsageError("--layout, --num-heads and --prefix describe safetensors/.npz weights; '" +
+                     arguments.weights_path + "' is a Keras file (use --layer to pick a layer)");
+  if (arguments.inputs_path == arguments.weights_path)
+    throw UsageError("--inputs '" + arguments.inputs_path +
+                     "' is the Keras weights file; expected a safetensors or .npz inputs file");
+}
+
 int main_checked(int argc, char** argv) {
   Arguments arguments;
   try {
@@ -471,21 +550,32 @@ int main_checked(int argc, char** argv) {
   Step step{"reading the weights from " + in_quotes(arguments.weights_path), arguments.weights_path,
             in_quotes(arguments.weights_path) + ": "};
   try {
-    const auto weights = sdmha::io::TensorSource::open(arguments.weights_path);
+    std::optional<sdmha::io::TensorSource> weights;
+    if (is_keras_weights(arguments)) {
+      check_keras_arguments(arguments);
+    } else {
+      if (arguments.keras_layer || arguments.trusted_file)
+        throw UsageError("--layer and --trusted-file are for Keras weights files; '" +
+                         arguments.weights_path + "' is not one");
+      weights = sdmha::io::TensorSource::open(arguments.weights_path);
+    }
     std::optional<sdmha::io::TensorSource> separate_inputs;
-    if (arguments.inputs_path != arguments.weights_path) {
+    if (arguments.inputs_path != arguments.weights_path || !weights) {
       step = {"reading the inputs from " + in_quotes(arguments.inputs_path), arguments.inputs_path,
               in_quotes(arguments.inputs_path) + ": "};
       separate_inputs = sdmha::io::TensorSource::open(arguments.inputs_path);
     }
-    const auto& inputs = separate_inputs ? *separate_inputs : weights;
+    const auto& inputs = separate_inputs ? *separate_inputs : *weights;
+    const sdmha::io::TensorSource* weights_source = weights ? &*weights : nullptr;
     step = {"reading the inputs from " + in_quotes(arguments.inputs_path), arguments.inputs_path,
             in_quotes(arguments.inputs_path) + ": "};
     if (runs_in_double(inputs, arguments.inputs_path)) {
-      run<double>(arguments, weights, inputs, step);
+      run<double>(arguments, weights_source, inputs, step);
     } else {
-      run<float>(arguments, weights, inputs, step);
+      run<float>(arguments, weights_source, inputs, step);
     }
+  } catch (const UsageError& error) {
+    return report(error.what(), 2);
   } catch (const sdmha::Error& error) {
     return report(library_message(error, step), 1);
   } catch (const std::bad_alloc&) {

@@ -33,6 +33,7 @@ fail() {
 golden() { echo "$GOLDENS/$1.safetensors"; }
 # The cases of tests/data/semantics/ (tools/make_semantics_goldens.py), next to the goldens.
 semantics() { echo "$GOLDENS/../semantics/$1.safetensors"; }
+keras() { echo "$GOLDENS/../keras/$1"; }
 
 # Runs sdmha-run with the given arguments; its stdout, stderr and status land in
 # run.stdout, run.stderr and $status.
@@ -263,6 +264,44 @@ case $CASE in
     if "$COMPARE" "$OUT" "$(golden keras_causal_f64)" output=expected/output >/dev/null; then
       fail "--no-causal gave the causal result"
     fi
+    ;;
+  keras_files)
+    # A Keras 3 file as --weights, by content: .keras, .weights.h5 (isolated, then in-process),
+    # the layer by name; the inputs (and Keras' output) of the file's fixture.
+    for weights in functional_bias.keras functional_bias.weights.h5; do
+      for flags in "" "--trusted-file" "--layer attention" "--layer layers/multi_head_attention"; do
+        # shellcheck disable=SC2086  # flags: zero, one or two words
+        expect_success --weights "$(keras $weights)" --inputs "$(keras functional_bias.inputs.safetensors)" \
+          --out "$OUT" $flags
+        compare "$OUT" "$(keras functional_bias.inputs.safetensors)" output=expected/output
+        rm -f "$OUT"
+      done
+    done
+    cp "$(keras functional_bias.keras)" renamed.bin  # by content, not by name
+    expect_success --weights renamed.bin --inputs "$(keras functional_bias.inputs.safetensors)" --out "$OUT"
+    compare "$OUT" "$(keras functional_bias.inputs.safetensors)" output=expected/output
+    ;;
+  keras_damaged)
+    # libhdf5 crashes on these (an address overwritten with all ones: SIGSEGV, and SIGABRT after
+    # heap corruption); the isolated reader turns that into an error naming the file.
+    for damaged in address_all_ones_120 address_all_ones_688; do
+      expect_error 1 "$damaged.weights.h5" "isolated reader was killed by signal" -- \
+        --weights "$(keras damaged/$damaged.weights.h5)" \
+        --inputs "$(keras functional_bias.inputs.safetensors)" --out "$OUT"
+    done
+    expect_error 1 "bad_shape.keras" "query_dense" -- --weights "$(keras bad_shape.keras)" \
+      --inputs "$(keras functional_bias.inputs.safetensors)" --out "$OUT"
+    head -c 2000 "$(keras functional_bias.weights.h5)" >truncated.weights.h5
+    expect_error 1 "truncated.weights.h5" -- --weights truncated.weights.h5 \
+      --inputs "$(keras functional_bias.inputs.safetensors)" --out "$OUT"
+    expect_error 1 "no_such_layer" -- --weights "$(keras functional_bias.keras)" \
+      --layer no_such_layer --inputs "$(keras functional_bias.inputs.safetensors)" --out "$OUT"
+    ;;
+  usage_keras_options)
+    expect_error 2 "--prefix" "Keras file" -- --weights "$(keras functional_bias.keras)" \
+      --prefix x/ --inputs "$(keras functional_bias.inputs.safetensors)" --out "$OUT"
+    expect_error 2 "--layer" "not one" -- --weights "$(golden keras_basic_f64)" --layer x \
+      --inputs "$(golden keras_basic_f64)" --out "$OUT"
     ;;
   help)
     run --help

@@ -13,6 +13,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <type_traits>
 
@@ -152,6 +154,33 @@ io::KerasLayer<Scalar> load_isolated(const std::string& path, const std::string&
 }  // namespace sdmha::detail::keras
 
 namespace sdmha::io {
+
+// Whether `path` is, by its content, something load_keras_layer reads: an HDF5 file (a
+// .weights.h5), a zip holding config.json or model.weights.h5 (a .keras file; an .npz holds
+// .npy members instead), or a directory holding either. Reads the first bytes and the zip's
+// directory, never the HDF5 file itself; a path that cannot be read is not one (the reader that
+// opens it says why).
+inline bool is_keras_file(const std::string& path) {
+  std::error_code error;
+  if (std::filesystem::is_directory(path, error))
+    return std::filesystem::exists(path + "/config.json", error) ||
+           std::filesystem::exists(path + "/model.weights.h5", error);
+  std::ifstream stream(path, std::ios::binary);
+  char magic[8] = {};
+  stream.read(magic, sizeof magic);
+  if (stream.gcount() == 8 && std::memcmp(magic, "\x89HDF\r\n\x1a\n", 8) == 0) return true;
+  if (stream.gcount() < 4 || magic[0] != 'P' || magic[1] != 'K') return false;
+  try {
+    const auto archive =
+        detail::ZipArchive::open("is_keras_file", path, std::filesystem::file_size(path));
+    return archive.locate("config.json").has_value() ||
+           archive.locate("model.weights.h5").has_value();
+  } catch (const Error&) {
+    return false;
+  } catch (const std::filesystem::filesystem_error&) {
+    return false;
+  }
+}
 
 // load_keras_layer(path, layer_name) in a child process under `limits`: the same layer, or the
 // same typed error, or an IoError when the reader crashed, hung or ran out of its memory.

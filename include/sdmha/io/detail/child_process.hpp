@@ -13,6 +13,7 @@
 // caller (HDF5's included) runs twice.
 #pragma once
 
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -102,6 +103,14 @@ template <typename Produce>
   }
   const rlimit no_core{0, 0};
   ::setrlimit(RLIMIT_CORE, &no_core);
+  // What the child has to say comes back as its reply or its end; what a crashing library
+  // prints on its way down (glibc's "malloc(): invalid size") would only break the caller's
+  // one-line error messages.
+  const int null = ::open("/dev/null", O_WRONLY);
+  if (null >= 0) {
+    ::dup2(null, STDERR_FILENO);
+    ::close(null);
+  }
   std::string reply;
   try {
     reply = char(ChildReply::result) + produce();
