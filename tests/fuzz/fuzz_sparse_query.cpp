@@ -92,11 +92,9 @@ void check_structure(const sdmha::SparseQuery<Scalar, StorageIndex>& query, std:
 }
 
 template <typename Scalar, typename StorageIndex>
-void fuzz_from_coo(FuzzedDataProvider& provider) {
+void fuzz_from_coo(FuzzedDataProvider& provider, std::int64_t batch, std::int64_t steps,
+                   std::int64_t features) {
   using Query = sdmha::SparseQuery<Scalar, StorageIndex>;
-  const std::int64_t batch = consume_integer(provider);
-  const std::int64_t steps = consume_integer(provider);
-  const std::int64_t features = consume_integer(provider);
   const int entries = provider.ConsumeIntegralInRange<int>(0, kMaxEntries);
   // Occasionally indices with the wrong column count or values of the wrong length.
   const int columns = provider.ConsumeIntegralInRange<int>(0, 15) == 0
@@ -160,11 +158,9 @@ void fuzz_from_coo(FuzzedDataProvider& provider) {
 }
 
 template <typename Scalar, typename StorageIndex>
-void fuzz_view_csr(FuzzedDataProvider& provider) {
+void fuzz_view_csr(FuzzedDataProvider& provider, std::int64_t batch, std::int64_t steps,
+                   std::int64_t features) {
   using Query = sdmha::SparseQuery<Scalar, StorageIndex>;
-  const std::int64_t batch = consume_integer(provider);
-  const std::int64_t steps = consume_integer(provider);
-  const std::int64_t features = consume_integer(provider);
   const bool valid_shape = shape_is_valid<StorageIndex>(batch, steps, features);
   // The arrays are the caller's, so their lengths are honest; their contents are not. Most of the
   // time row_offsets has the B·T + 1 entries the shape asks for.
@@ -237,26 +233,16 @@ void fuzz_view_csr(FuzzedDataProvider& provider) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  using Constructor = void (*)(FuzzedDataProvider&, std::int64_t, std::int64_t, std::int64_t);
+  static constexpr Constructor kConstructors[] = {
+      fuzz_from_coo<double, int>,         fuzz_from_coo<float, std::int16_t>,
+      fuzz_from_coo<float, std::int64_t>, fuzz_view_csr<double, int>,
+      fuzz_view_csr<float, std::int16_t>, fuzz_view_csr<double, std::int64_t>};
   FuzzedDataProvider provider(data, size);
-  switch (provider.ConsumeIntegralInRange<int>(0, 5)) {
-    case 0:
-      fuzz_from_coo<double, int>(provider);
-      break;
-    case 1:
-      fuzz_from_coo<float, std::int16_t>(provider);
-      break;
-    case 2:
-      fuzz_from_coo<float, std::int64_t>(provider);
-      break;
-    case 3:
-      fuzz_view_csr<double, int>(provider);
-      break;
-    case 4:
-      fuzz_view_csr<float, std::int16_t>(provider);
-      break;
-    default:
-      fuzz_view_csr<double, std::int64_t>(provider);
-      break;
-  }
+  const Constructor constructor = kConstructors[provider.ConsumeIntegralInRange<int>(0, 5)];
+  const std::int64_t batch = consume_integer(provider);
+  const std::int64_t steps = consume_integer(provider);
+  const std::int64_t features = consume_integer(provider);
+  constructor(provider, batch, steps, features);
   return 0;
 }

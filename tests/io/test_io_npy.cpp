@@ -5,31 +5,20 @@
 #include <gtest/gtest.h>
 #include <zip.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <initializer_list>
-#include <iterator>
 #include <limits>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "sdmha/io/npy.hpp"
 
-#ifndef SDMHA_TEST_DATA_DIR
-#error "SDMHA_TEST_DATA_DIR must be defined as the absolute path of tests/data"
-#endif
+#include "io_test.hpp"
 
+namespace sdmha_test {
 namespace {
 
-namespace fs = std::filesystem;
-using sdmha::FormatError;
-using sdmha::IoError;
-using sdmha::ShapeError;
 using sdmha::io::DType;
 using sdmha::io::NpyArray;
 using sdmha::io::NpzFile;
@@ -39,38 +28,7 @@ using sdmha::io::write_npy;
 
 const char* const crafted_name = "crafted.npy";
 
-std::string fixture(const std::string& name) {
-  return std::string(SDMHA_TEST_DATA_DIR) + "/npy/" + name;
-}
-
-std::vector<std::uint8_t> read_bytes(const std::string& path) {
-  std::ifstream stream(path, std::ios::binary);
-  return std::vector<std::uint8_t>(std::istreambuf_iterator<char>(stream),
-                                   std::istreambuf_iterator<char>());
-}
-
-void write_bytes(const std::string& path, const std::vector<std::uint8_t>& bytes) {
-  std::ofstream stream(path, std::ios::binary);
-  stream.write(reinterpret_cast<const char*>(bytes.data()),
-               static_cast<std::streamsize>(bytes.size()));
-}
-
-// Runs `body`, which must throw ErrorType (any other exception fails the test by escaping) with a
-// message that contains every needle.
-template <typename ErrorType, typename Body>
-void expect_error(Body&& body, std::initializer_list<std::string> needles) {
-  try {
-    body();
-  } catch (const ErrorType& error) {
-    const std::string message = error.what();
-    for (const std::string& needle : needles) {
-      EXPECT_NE(message.find(needle), std::string::npos)
-          << "message: " << message << "\nlacks:   " << needle;
-    }
-    return;
-  }
-  ADD_FAILURE() << "no exception thrown; expected one mentioning " << *needles.begin();
-}
+std::string fixture(const std::string& name) { return test_data("npy/" + name); }
 
 // A .npy file with this header text (as is: no padding added) followed by `data_size` zero bytes.
 std::vector<std::uint8_t> craft(const std::string& header, std::size_t data_size,
@@ -96,38 +54,6 @@ void expect_rejected(const std::string& header, std::size_t data_size, const std
   expect_error<FormatError>([&] { parse_crafted(craft(header, data_size)); },
                             {crafted_name, needle});
 }
-
-// A fresh directory under the test temp dir, removed with everything in it.
-class ScratchDirectory {
- public:
-  ScratchDirectory() {
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::path(::testing::TempDir()) / ("sdmha_npy_" + std::string(test->name()) + "_" +
-                                              std::to_string(std::random_device{}()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~ScratchDirectory() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  ScratchDirectory(const ScratchDirectory&) = delete;
-  ScratchDirectory& operator=(const ScratchDirectory&) = delete;
-
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
-  std::vector<std::string> entries() const {
-    std::vector<std::string> names;
-    for (const auto& entry : fs::directory_iterator(path_)) {
-      names.push_back(entry.path().filename().string());
-    }
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-
- private:
-  fs::path path_;
-};
 
 const std::vector<double> f64_2x3_values = {-1.0, -0.5, 0.0, 0.5, 1.0, 1.5};
 
@@ -669,3 +595,4 @@ TEST(NpzRead, MalformedMemberAndOtherMembers) {
 }
 
 }  // namespace
+}  // namespace sdmha_test

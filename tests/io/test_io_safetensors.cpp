@@ -11,49 +11,25 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <initializer_list>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "sdmha/io/layer_files.hpp"
 #include "sdmha/io/safetensors.hpp"
 
-#ifndef SDMHA_TEST_DATA_DIR
-#error "SDMHA_TEST_DATA_DIR must be defined as the absolute path of tests/data"
-#endif
+#include "io_test.hpp"
 
+namespace sdmha_test {
 namespace {
 
-namespace fs = std::filesystem;
-using sdmha::FormatError;
-using sdmha::IoError;
-using sdmha::ShapeError;
 using sdmha::io::DType;
 using sdmha::io::SafetensorsFile;
 using sdmha::io::SafetensorsWriter;
 
 const char* const crafted_name = "crafted.safetensors";
-
-// Runs `body`, which must throw ErrorType (any other exception fails the test by escaping) with a
-// message that contains every needle.
-template <typename ErrorType, typename Body>
-void expect_error(Body&& body, std::initializer_list<std::string> needles) {
-  try {
-    body();
-  } catch (const ErrorType& error) {
-    const std::string message = error.what();
-    for (const std::string& needle : needles) {
-      EXPECT_NE(message.find(needle), std::string::npos)
-          << "message: " << message << "\nlacks:   " << needle;
-    }
-    return;
-  }
-  ADD_FAILURE() << "no exception thrown; expected one mentioning " << *needles.begin();
-}
 
 void append_u64(std::vector<std::uint8_t>& bytes, std::uint64_t value) {
   for (int i = 0; i < 8; ++i) bytes.push_back(static_cast<std::uint8_t>(value >> (8 * i)));
@@ -79,38 +55,6 @@ void expect_rejected(const std::string& header, std::size_t buffer_size,
   expect_error<FormatError>([&] { parse_crafted(craft(header, buffer_size)); },
                             {crafted_name, needle});
 }
-
-// A fresh directory under the test temp dir, removed with everything in it.
-class ScratchDirectory {
- public:
-  ScratchDirectory() {
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::path(::testing::TempDir()) / ("sdmha_safetensors_" + std::string(test->name()) +
-                                              "_" + std::to_string(std::random_device{}()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~ScratchDirectory() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  ScratchDirectory(const ScratchDirectory&) = delete;
-  ScratchDirectory& operator=(const ScratchDirectory&) = delete;
-
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
-  std::vector<std::string> entries() const {
-    std::vector<std::string> names;
-    for (const auto& entry : fs::directory_iterator(path_)) {
-      names.push_back(entry.path().filename().string());
-    }
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-
- private:
-  fs::path path_;
-};
 
 std::vector<std::uint8_t> half_bytes(const std::vector<std::uint16_t>& values) {
   std::vector<std::uint8_t> bytes;
@@ -275,13 +219,40 @@ TEST(SafetensorsRoundTrip, WriteReplacesAnExistingFile) {
 // ---------------------------------------------------------------------------------------------
 // Widening and narrowing
 
+// A 16-bit pattern and the float it widens to.
+struct Widening {
+  std::uint16_t bits;
+  float expected;
+};
+
+struct Widened {
+  std::vector<float> as_float;
+  std::vector<double> as_double;
+};
+
+// The patterns of `widenings`, then `specials`, written as one tensor of `dtype` (F16 or BF16)
+// and read back as float and as double: each of `widenings` gives exactly its value in both.
+Widened expect_exact_widenings(DType dtype, const std::vector<Widening>& widenings,
+                               const std::vector<std::uint16_t>& specials) {
+  std::vector<std::uint16_t> bits;
+  for (const Widening& widening : widenings) bits.push_back(widening.bits);
+  bits.insert(bits.end(), specials.begin(), specials.end());
+  SafetensorsWriter writer;
+  const std::vector<std::uint8_t> bytes = half_bytes(bits);
+  writer.add("t", dtype, {static_cast<std::int64_t>(bits.size())}, bytes.data(), bytes.size());
+  const SafetensorsFile file = SafetensorsFile::from_bytes(writer.to_bytes());
+  Widened widened{file.read<float>("t"), file.read<double>("t")};
+  for (std::size_t i = 0; i < widenings.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << std::hex << "bits 0x" << widenings[i].bits);
+    EXPECT_EQ(widened.as_float[i], widenings[i].expected);
+    EXPECT_EQ(widened.as_double[i], static_cast<double>(widenings[i].expected));
+  }
+  return widened;
+}
+
 TEST(SafetensorsConversion, HalfWidensExactly) {
-  struct Case {
-    std::uint16_t bits;
-    float expected;
-  };
   const float infinity = std::numeric_limits<float>::infinity();
-  const std::vector<Case> cases = {
+  const std::vector<Widening> widenings = {
       {0x0000, 0.0f},
       {0x3c00, 1.0f},
       {0xc000, -2.0f},
@@ -294,41 +265,27 @@ TEST(SafetensorsConversion, HalfWidensExactly) {
       {0x7c00, infinity},
       {0xfc00, -infinity},
   };
-  std::vector<std::uint16_t> bits;
-  for (const Case& c : cases) bits.push_back(c.bits);
-  bits.push_back(0x8000);  // -0
-  bits.push_back(0x7e00);  // quiet nan
-  bits.push_back(0x7c01);  // signalling nan: still a nan, not an infinity
-  bits.push_back(0xfe00);  // negative nan
-
-  SafetensorsWriter writer;
-  const std::vector<std::uint8_t> bytes = half_bytes(bits);
-  writer.add("h", DType::F16, {static_cast<std::int64_t>(bits.size())}, bytes.data(), bytes.size());
-  const SafetensorsFile file = SafetensorsFile::from_bytes(writer.to_bytes());
-  const std::vector<float> as_float = file.read<float>("h");
-  const std::vector<double> as_double = file.read<double>("h");
-  for (std::size_t i = 0; i < cases.size(); ++i) {
-    EXPECT_EQ(as_float[i], cases[i].expected) << std::hex << "bits 0x" << cases[i].bits;
-    EXPECT_EQ(as_double[i], static_cast<double>(cases[i].expected)) << "bits 0x" << cases[i].bits;
+  const std::vector<std::uint16_t> specials = {
+      0x8000,  // -0
+      0x7e00,  // quiet nan
+      0x7c01,  // signalling nan: still a nan, not an infinity
+      0xfe00,  // negative nan
+  };
+  const Widened got = expect_exact_widenings(DType::F16, widenings, specials);
+  const std::size_t special = widenings.size();
+  EXPECT_EQ(got.as_float[special], 0.0f);
+  EXPECT_TRUE(std::signbit(got.as_float[special]));
+  EXPECT_TRUE(std::signbit(got.as_double[special]));
+  for (std::size_t i = 1; i < specials.size(); ++i) {
+    EXPECT_TRUE(std::isnan(got.as_float[special + i])) << std::hex << "bits 0x" << specials[i];
+    EXPECT_TRUE(std::isnan(got.as_double[special + i])) << std::hex << "bits 0x" << specials[i];
   }
-  const std::size_t special = cases.size();
-  EXPECT_EQ(as_float[special], 0.0f);
-  EXPECT_TRUE(std::signbit(as_float[special]));
-  EXPECT_TRUE(std::signbit(as_double[special]));
-  for (std::size_t i = special + 1; i < bits.size(); ++i) {
-    EXPECT_TRUE(std::isnan(as_float[i])) << std::hex << "bits 0x" << bits[i];
-    EXPECT_TRUE(std::isnan(as_double[i])) << std::hex << "bits 0x" << bits[i];
-  }
-  EXPECT_TRUE(std::signbit(as_float.back()));
+  EXPECT_TRUE(std::signbit(got.as_float.back()));
 }
 
 TEST(SafetensorsConversion, BFloat16WidensExactly) {
-  struct Case {
-    std::uint16_t bits;
-    float expected;
-  };
   const float infinity = std::numeric_limits<float>::infinity();
-  const std::vector<Case> cases = {
+  const std::vector<Widening> widenings = {
       {0x3f80, 1.0f},
       {0xc000, -2.0f},
       {0x4049, 3.140625f},
@@ -338,26 +295,15 @@ TEST(SafetensorsConversion, BFloat16WidensExactly) {
       {0x7f80, infinity},
       {0xff80, -infinity},
   };
-  std::vector<std::uint16_t> bits;
-  for (const Case& c : cases) bits.push_back(c.bits);
-  bits.push_back(0x8000);  // -0
-  bits.push_back(0x7fc0);  // nan
-
-  SafetensorsWriter writer;
-  const std::vector<std::uint8_t> bytes = half_bytes(bits);
-  writer.add("b", DType::BF16, {static_cast<std::int64_t>(bits.size())}, bytes.data(),
-             bytes.size());
-  const SafetensorsFile file = SafetensorsFile::from_bytes(writer.to_bytes());
-  const std::vector<float> as_float = file.read<float>("b");
-  const std::vector<double> as_double = file.read<double>("b");
-  for (std::size_t i = 0; i < cases.size(); ++i) {
-    EXPECT_EQ(as_float[i], cases[i].expected) << std::hex << "bits 0x" << cases[i].bits;
-    EXPECT_EQ(as_double[i], static_cast<double>(cases[i].expected)) << "bits 0x" << cases[i].bits;
-  }
-  EXPECT_EQ(as_float[cases.size()], 0.0f);
-  EXPECT_TRUE(std::signbit(as_float[cases.size()]));
-  EXPECT_TRUE(std::isnan(as_float.back()));
-  EXPECT_TRUE(std::isnan(as_double.back()));
+  const std::vector<std::uint16_t> specials = {
+      0x8000,  // -0
+      0x7fc0,  // nan
+  };
+  const Widened got = expect_exact_widenings(DType::BF16, widenings, specials);
+  EXPECT_EQ(got.as_float[widenings.size()], 0.0f);
+  EXPECT_TRUE(std::signbit(got.as_float[widenings.size()]));
+  EXPECT_TRUE(std::isnan(got.as_float.back()));
+  EXPECT_TRUE(std::isnan(got.as_double.back()));
 }
 
 TEST(SafetensorsConversion, DoubleNarrowsToFloatWithIeeeRounding) {
@@ -719,8 +665,7 @@ TEST(SafetensorsIo, NonUtf8NamesAreRefusedWhenSerializing) {
 // The real golden file
 
 TEST(SafetensorsGolden, KerasBasicF64) {
-  const std::string path =
-      std::string(SDMHA_TEST_DATA_DIR) + "/goldens/keras_basic_f64.safetensors";
+  const std::string path = test_data("goldens/keras_basic_f64.safetensors");
   const SafetensorsFile file = SafetensorsFile::open(path);
   EXPECT_EQ(file.names().size(), 15u);
   EXPECT_EQ(file.metadata_value("num_heads"), std::optional<std::string>("2"));
@@ -906,3 +851,4 @@ TEST(LoadInputs, RejectsADenseShapePastTheRowLimitBeforeAllocating) {
 }
 
 }  // namespace
+}  // namespace sdmha_test

@@ -141,6 +141,22 @@ const std::vector<GemmCase>& gemm_cases() {
   return cases;
 }
 
+// A case's operands from a generator of its own, drawn in this order: A (m × k) and W (k × n)
+// normal, and C's starting value normal where the case accumulates onto it, NaN (never read)
+// where it does not.
+struct Operands {
+  FloatMatrix a, w, start;
+};
+
+Operands random_operands(const GemmCase& c, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  Operands operands;
+  operands.a = normal_matrix(c.m, c.k, rng);
+  operands.w = normal_matrix(c.k, c.n, rng);
+  operands.start = c.accumulate ? normal_matrix(c.m, c.n, rng) : nan_matrix(c.m, c.n);
+  return operands;
+}
+
 TEST(BFloat16GemmKernel, EntriesAreTheWeightsRoundedAndPackedInPairs) {
   std::mt19937 rng(7100);
   for (const Index k : {1, 2, 77, 512, 513}) {
@@ -200,9 +216,7 @@ TEST(BFloat16Gemm, WithinTheBoundOfTheFloatProductAndRoundsReally) {
   std::uint32_t seed = 7200;
   for (const GemmCase& c : gemm_cases()) {
     SCOPED_TRACE(describe(c));
-    std::mt19937 rng(seed++);
-    const FloatMatrix a = normal_matrix(c.m, c.k, rng), w = normal_matrix(c.k, c.n, rng);
-    const FloatMatrix start = c.accumulate ? normal_matrix(c.m, c.n, rng) : nan_matrix(c.m, c.n);
+    const auto [a, w, start] = random_operands(c, seed++);
     const FloatMatrix* c0 = c.accumulate ? &start : nullptr;
     const FloatMatrix result = run_gemm(a, BFloat16Kernel(w), start, c.accumulate);
     const double summation = double(c.k + 1) * kSumRounding;
@@ -292,9 +306,7 @@ TEST(BFloat16Gemm, BothPathsSumEachDepthBlockAndAddItToC) {
   std::uint32_t seed = 7450;
   for (const GemmCase& c : gemm_cases()) {
     SCOPED_TRACE(describe(c));
-    std::mt19937 rng(seed++);
-    const FloatMatrix a = normal_matrix(c.m, c.k, rng), w = normal_matrix(c.k, c.n, rng);
-    const FloatMatrix start = c.accumulate ? normal_matrix(c.m, c.n, rng) : nan_matrix(c.m, c.n);
+    const auto [a, w, start] = random_operands(c, seed++);
     const BFloat16Kernel kernel(w);
     const FloatMatrix expected =
         blocked_sums(a, kernel, start, c.accumulate, sdmha::detail::bf16_gemm::depth_block(c.k));

@@ -3,17 +3,15 @@
 // back by a naive walk over the raw CSR arrays and compared with the dense twin of make_case.
 #include "test_support.hpp"
 
+#include "stage_test.hpp"
+
 namespace sdmha_test {
 namespace {
 
-template <typename Scalar>
-class SparseQueryTest : public ::testing::Test {};
-TYPED_TEST_SUITE(SparseQueryTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(SparseQueryTest);
 
 template <typename Scalar>
 using Query = sdmha::SparseQuery<Scalar>;
-template <typename Scalar>
-using EigenSparse = typename Query<Scalar>::SparseMatrixType;
 
 // The rows of a view, densified in float64 by reading the raw arrays (not row_begin/row_end).
 template <typename Scalar, typename StorageIndex>
@@ -29,11 +27,6 @@ std::vector<double> naive_dense(const sdmha::CsrView<Scalar, StorageIndex>& view
   return dense;
 }
 
-std::vector<double> twin_rows(const std::vector<double>& twin, Index first, Index count,
-                              Index width) {
-  return std::vector<double>(twin.begin() + first * width, twin.begin() + (first + count) * width);
-}
-
 // The distinct (row, feature) coordinates of a case's COO entries.
 template <typename Scalar>
 Index distinct_coordinates(const Case<Scalar>& c) {
@@ -43,18 +36,6 @@ Index distinct_coordinates(const Case<Scalar>& c) {
                    c.indices(i, 2));
   std::sort(keys.begin(), keys.end());
   return Index(std::unique(keys.begin(), keys.end()) - keys.begin());
-}
-
-// The case's query as an uncompressed Eigen matrix: `reserve_per_row` slots of slack per row,
-// rows that outgrow them reallocated by Eigen, duplicates summed by coeffRef.
-template <typename Scalar>
-EigenSparse<Scalar> uncompressed_matrix(const Case<Scalar>& c, int reserve_per_row) {
-  EigenSparse<Scalar> matrix(c.shape.batch * c.shape.steps, c.shape.query_dim);
-  matrix.reserve(Eigen::VectorXi::Constant(matrix.rows(), reserve_per_row));
-  for (Index i = 0; i < c.indices.rows(); ++i)
-    matrix.coeffRef(c.indices(i, 0) * c.shape.steps + c.indices(i, 1), c.indices(i, 2)) +=
-        c.values[i];
-  return matrix;
 }
 
 template <typename Scalar>
@@ -87,16 +68,8 @@ TYPED_TEST(SparseQueryTest, FromCooMatchesTheDenseTwinWithSortedDistinctColumns)
   s.empty_rows = true;
   s.steps = 11;
   shapes.push_back({"empty_rows", s});
-  s = Shape{};
-  s.batch = 1;
-  s.steps = 1;
-  s.query_dim = 1;
-  shapes.push_back({"one_by_one", s});
-  s = Shape{};
-  s.batch = 3;
-  s.steps = 7;
-  s.query_dim = 37;
-  s.density = 0.6;
+  shapes.push_back({"one_by_one", query_shape(1, 1, 1)});
+  s = query_shape(3, 7, 37, 0.6);
   s.duplicates = true;
   s.empty_rows = true;
   shapes.push_back({"odd_dense_duplicates", s});
@@ -151,11 +124,7 @@ TYPED_TEST(SparseQueryTest, FromCooSumsDuplicatesAndMapsEveryEntryToItsStoredVal
 }
 
 TYPED_TEST(SparseQueryTest, CooToStoredIsConsistentOnRandomDuplicates) {
-  Shape s;
-  s.batch = 3;
-  s.steps = 6;
-  s.query_dim = 9;
-  s.density = 0.6;
+  Shape s = query_shape(3, 6, 9, 0.6);
   s.duplicates = true;
   s.empty_rows = true;
   const auto c = make_case<TypeParam>(s, 210);
@@ -249,13 +218,7 @@ TYPED_TEST(SparseQueryTest, FromEigenTakesOverACompressedMatrixWithoutCopying) {
 }
 
 TYPED_TEST(SparseQueryTest, FromEigenTakesOverAnUncompressedMatrixWithSlack) {
-  Shape s;
-  s.batch = 3;
-  s.steps = 6;
-  s.query_dim = 20;
-  s.density = 0.3;  // 6 per row: outgrows the reserve
-  s.duplicates = true;
-  s.empty_rows = true;
+  const Shape s = uncompressed_query_shape();  // 6 per row: outgrows the reserve of 3
   const auto c = make_case<TypeParam>(s, 221);
   auto matrix = uncompressed_matrix(c, 3);
   ASSERT_FALSE(matrix.isCompressed());
@@ -373,11 +336,7 @@ TYPED_TEST(SparseQueryTest, ViewCsrAcceptsNullArraysWhenNothingIsStored) {
 // ---- row views ----
 
 TYPED_TEST(SparseQueryTest, BatchRowsAndMiddleRowsViewTheRightRowsInPlace) {
-  Shape s;
-  s.batch = 3;
-  s.steps = 5;
-  s.query_dim = 11;
-  s.density = 0.4;
+  Shape s = query_shape(3, 5, 11, 0.4);
   s.empty_rows = true;
   const auto c = make_case<TypeParam>(s, 230);
   std::vector<std::pair<const char*, Query<TypeParam>>> queries;

@@ -10,6 +10,14 @@ template <typename Scalar>
 class WeightsTest : public ::testing::Test {};
 TYPED_TEST_SUITE(WeightsTest, ScalarTypes, );
 
+using Dims = std::pair<Index, Index>;
+
+// rows × cols of a kernel, to check both in one assertion.
+template <typename Scalar>
+Dims dims_of(const sdmha::RowMatrix<Scalar>& kernel) {
+  return {kernel.rows(), kernel.cols()};
+}
+
 sdmha::MhaConfig make_config(Index heads, Index key_dim, Index value_dim, Index output_dim,
                              bool use_bias = true) {
   sdmha::MhaConfig config;
@@ -62,14 +70,10 @@ TYPED_TEST(WeightsTest, GlorotUniformGivesKerasShapesAndZeroBiases) {
   // Dv ≠ Dk, O ≠ Eq, and Eq, Ek, Ev all different.
   const auto config = make_config(3, 4, 6, 5);
   const auto w = Weights::glorot_uniform(config, 10, 7, 9, 1);
-  EXPECT_EQ(w.query_kernel.rows(), 10);
-  EXPECT_EQ(w.query_kernel.cols(), 12);
-  EXPECT_EQ(w.key_kernel.rows(), 7);
-  EXPECT_EQ(w.key_kernel.cols(), 12);
-  EXPECT_EQ(w.value_kernel.rows(), 9);
-  EXPECT_EQ(w.value_kernel.cols(), 18);
-  EXPECT_EQ(w.output_kernel.rows(), 18);
-  EXPECT_EQ(w.output_kernel.cols(), 5);
+  EXPECT_EQ(dims_of(w.query_kernel), Dims(10, 12));
+  EXPECT_EQ(dims_of(w.key_kernel), Dims(7, 12));
+  EXPECT_EQ(dims_of(w.value_kernel), Dims(9, 18));
+  EXPECT_EQ(dims_of(w.output_kernel), Dims(18, 5));
   EXPECT_EQ(w.query_bias.size(), 12);
   EXPECT_EQ(w.key_bias.size(), 12);
   EXPECT_EQ(w.value_bias.size(), 18);
@@ -91,8 +95,7 @@ TYPED_TEST(WeightsTest, GlorotUniformGivesKerasShapesAndZeroBiases) {
   // Defaults: Dv = Dk and O = Eq.
   const auto defaults = Weights::glorot_uniform(make_config(2, 3, 0, 0), 11, 4, 6, 1);
   EXPECT_EQ(defaults.value_kernel.cols(), 6);
-  EXPECT_EQ(defaults.output_kernel.rows(), 6);
-  EXPECT_EQ(defaults.output_kernel.cols(), 11);
+  EXPECT_EQ(dims_of(defaults.output_kernel), Dims(6, 11));
   EXPECT_EQ(defaults.output_bias.size(), 11);
   EXPECT_EQ(defaults.validate(make_config(2, 3, 0, 0)).output_dim, 11);
 }

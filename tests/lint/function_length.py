@@ -91,17 +91,25 @@ class ParseError(Exception):
     pass
 
 
-def matching(code, start):
-    """Index of the brace closing the one at `start`."""
+def closing(text, start, opener, closer):
+    """Index of the `closer` that balances the `opener` at `start`, or -1 when none does."""
     depth = 0
-    for k in range(start, len(code)):
-        if code[k] == "{":
+    for k in range(start, len(text)):
+        if text[k] == opener:
             depth += 1
-        elif code[k] == "}":
+        elif text[k] == closer:
             depth -= 1
             if depth == 0:
                 return k
-    raise ParseError("unbalanced brace at offset %d" % start)
+    return -1
+
+
+def matching(code, start):
+    """Index of the brace closing the one at `start`."""
+    k = closing(code, start, "{", "}")
+    if k < 0:
+        raise ParseError("unbalanced brace at offset %d" % start)
+    return k
 
 
 def without_template_prefix(head):
@@ -109,19 +117,10 @@ def without_template_prefix(head):
     head = head.strip()
     while head.startswith("template"):
         k = head.find("<")
-        if k < 0:
+        j = closing(head, k, "<", ">") if k >= 0 else -1
+        if j < 0:
             break
-        depth = 0
-        for j in range(k, len(head)):
-            if head[j] == "<":
-                depth += 1
-            elif head[j] == ">":
-                depth -= 1
-                if depth == 0:
-                    head = head[j + 1:].strip()
-                    break
-        else:
-            break
+        head = head[j + 1:].strip()
     return head
 
 
@@ -132,15 +131,7 @@ def has_parameter_list(head):
 def in_initializer_list(head):
     """Whether `head`, a function head so far, ends inside a constructor's initializer list
     right after a member's name (`X(...) : a_(1), b_`): the next brace initialises b_."""
-    depth, close = 0, -1
-    for j in range(head.find("("), len(head)):
-        if head[j] == "(":
-            depth += 1
-        elif head[j] == ")":
-            depth -= 1
-            if depth == 0:
-                close = j
-                break
+    close = closing(head, head.find("("), "(", ")")
     if close < 0 or not re.match(r"\s*(noexcept\s*)?:(?!:)", head[close + 1:]):
         return False
     return re.search(r"[\w>]\s*$", head) is not None

@@ -3,24 +3,17 @@
 // and its can_implement checks; with bfloat16_operands, the products of the rounded operands.
 #include "test_support.hpp"
 
+#include "stage_test.hpp"
+
 #include <cstring>
 
 namespace sdmha_test {
 namespace {
 
-template <typename Scalar>
-class AttendValuesTest : public ::testing::Test {};
-TYPED_TEST_SUITE(AttendValuesTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(AttendValuesTest);
 
 template <typename Scalar>
 using Attend = sdmha::AttendValues<Scalar>;
-
-template <typename Scalar>
-sdmha::RowMatrix<Scalar> to_matrix(const double* twin, Index rows, Index cols) {
-  sdmha::RowMatrix<Scalar> matrix(rows, cols);
-  for (Index i = 0; i < matrix.size(); ++i) matrix.data()[i] = Scalar(twin[i]);
-  return matrix;
-}
 
 // Σ_s P[t, s]·V[s, d] in float64, over the nonzero probabilities only (a zero weight means the
 // key is not attended, whatever its value row holds).
@@ -74,8 +67,7 @@ sdmha::RowMatrix<Scalar> attend(const sdmha::RowMatrix<Scalar>& probabilities,
       sdmha::RowMatrix<Scalar>::Constant(probabilities.rows(), value.cols(), Scalar(-1));
   typename Attend<Scalar>::Arguments args{{}, probabilities, value, output};
   args.bfloat16_operands = bfloat16_operands;
-  Attend<Scalar>::can_implement(args);
-  Attend<Scalar>{}(args);
+  run_stage<Attend<Scalar>>(args);
   return output;
 }
 
@@ -116,8 +108,7 @@ TYPED_TEST(AttendValuesTest, MatchesTheReferenceHeads) {
       typename Attend<TypeParam>::Arguments args{sdmha::TilePosition{b, h, 0, 0}, probabilities,
                                                  values.block(b * S, h * Dv, S, Dv),
                                                  heads.block(b * T, h * Dv, T, Dv)};
-      Attend<TypeParam>::can_implement(args);
-      Attend<TypeParam>{}(args);
+      run_stage<Attend<TypeParam>>(args);
     }
   EXPECT_TRUE(all_near(heads.data(), r.heads, relative_tolerance<TypeParam>()));
 }
@@ -235,36 +226,27 @@ TYPED_TEST(AttendValuesTest, WritesOnlyItsHeadsColumnsOfALargerMatrix) {
     sdmha::RowMatrix<TypeParam> heads = sdmha::RowMatrix<TypeParam>::Constant(T, 4 * Dv, sentinel);
     typename Attend<TypeParam>::Arguments args{{}, weights, value, heads.middleCols(2 * Dv, Dv)};
     ASSERT_EQ(args.output.outerStride(), 4 * Dv);
-    Attend<TypeParam>::can_implement(args);
-    Attend<TypeParam>{}(args);
+    run_stage<Attend<TypeParam>>(args);
     const sdmha::RowMatrix<TypeParam> block = heads.middleCols(2 * Dv, Dv);
     EXPECT_TRUE(
         all_near(block.data(), naive_attend(weights, value), relative_tolerance<TypeParam>()));
-    for (Index t = 0; t < T; ++t)
-      for (Index k = 0; k < 4 * Dv; ++k)
-        if (k < 2 * Dv || k >= 3 * Dv) {
-          ASSERT_EQ(heads(t, k), sentinel) << t << ", " << k;
-        }
+    ASSERT_TRUE(only_block_written(heads, 0, 2 * Dv, T, Dv, sentinel));
   }
 }
 
 TYPED_TEST(AttendValuesTest, CanImplementRejectsEachMismatch) {
   using Scalar = TypeParam;
-  using Arguments = typename Attend<Scalar>::Arguments;
   const sdmha::RowMatrix<Scalar> probabilities = sdmha::RowMatrix<Scalar>::Zero(5, 7);
   const sdmha::RowMatrix<Scalar> value = sdmha::RowMatrix<Scalar>::Zero(7, 3);
   const sdmha::RowMatrix<Scalar> short_value = sdmha::RowMatrix<Scalar>::Zero(6, 3);
   sdmha::RowMatrix<Scalar> output(5, 3), tall_output(6, 3), wide_output(5, 4);
-  EXPECT_NO_THROW(Attend<Scalar>::can_implement(Arguments{{}, probabilities, value, output}));
-  SDMHA_EXPECT_THROW_WITH(
-      Attend<Scalar>::can_implement(Arguments{{}, probabilities, short_value, output}),
-      sdmha::ShapeError, "AttendValues: value has 6 rows; expected 7 (one per key step)");
-  SDMHA_EXPECT_THROW_WITH(
-      Attend<Scalar>::can_implement(Arguments{{}, probabilities, value, tall_output}),
-      sdmha::ShapeError, "output is 6 x 3; expected 5 x 3");
-  SDMHA_EXPECT_THROW_WITH(
-      Attend<Scalar>::can_implement(Arguments{{}, probabilities, value, wide_output}),
-      sdmha::ShapeError, "output is 5 x 4; expected 5 x 3");
+  expect_accepted<Attend<Scalar>>({{}, probabilities, value, output});
+  expect_refused<Attend<Scalar>>({{}, probabilities, short_value, output},
+                                 "AttendValues: value has 6 rows; expected 7 (one per key step)");
+  expect_refused<Attend<Scalar>>({{}, probabilities, value, tall_output},
+                                 "output is 6 x 3; expected 5 x 3");
+  expect_refused<Attend<Scalar>>({{}, probabilities, value, wide_output},
+                                 "output is 5 x 4; expected 5 x 3");
 }
 
 }  // namespace

@@ -1,31 +1,21 @@
 // Tests of sdmha/stages/dense_projection.hpp: DenseProjection (the key, value and dense-query
 // projections) against sdmha_reference::project, with and without bias, on blocks of larger
-// matrices (outer stride ≠ columns), and its can_implement checks; and detail::RowProjection's
-// ranges of items, bitwise those of its single items.
+// matrices (outer stride ≠ columns), and its can_implement checks; detail::RowProjection's
+// ranges of items, bitwise those of its single items; and sdmha/stages/context_projection.hpp's
+// ContextProjection, the layers' key and value stage: DenseProjection's bits under its own name.
 #include "test_support.hpp"
+
+#include "stage_test.hpp"
 
 #include <cstring>
 
 namespace sdmha_test {
 namespace {
 
-template <typename Scalar>
-class DenseProjectionTest : public ::testing::Test {};
-TYPED_TEST_SUITE(DenseProjectionTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(DenseProjectionTest);
 
 template <typename Scalar>
 using Projection = sdmha::DenseProjection<Scalar>;
-
-template <typename Scalar>
-sdmha::RowMatrix<Scalar> project(const sdmha::ConstMatrixRef<Scalar>& input,
-                                 const sdmha::ConstMatrixRef<Scalar>& kernel,
-                                 const sdmha::ConstVectorRef<Scalar>& bias) {
-  sdmha::RowMatrix<Scalar> output(input.rows(), kernel.cols());
-  typename Projection<Scalar>::Arguments args{input, kernel, bias, output};
-  Projection<Scalar>::can_implement(args);
-  Projection<Scalar>{}(args);
-  return output;
-}
 
 // A random matrix and its float64 twin, element by element the same values.
 template <typename Scalar>
@@ -63,19 +53,21 @@ TYPED_TEST(DenseProjectionTest, KeyAndValueProjectionsMatchTheReference) {
     SCOPED_TRACE(::testing::Message() << "seed " << seed - 1);
     const sdmha::TensorRef3<TypeParam> key(c.key), value(c.value);
     const sdmha::Vector<TypeParam> no_bias;
-    const auto keys = project<TypeParam>(key.as_matrix(), c.weights.key_kernel, c.weights.key_bias);
+    const auto keys =
+        project<Projection<TypeParam>>(key.as_matrix(), c.weights.key_kernel, c.weights.key_bias);
     EXPECT_TRUE(all_near(keys.data(),
                          sdmha_reference::project(p.key, p.batch * p.key_steps, p.key_in_dim,
                                                   p.key_kernel, p.key_bias, p.heads * p.key_dim),
                          relative_tolerance<TypeParam>()));
-    const auto values =
-        project<TypeParam>(value.as_matrix(), c.weights.value_kernel, c.weights.value_bias);
+    const auto values = project<Projection<TypeParam>>(value.as_matrix(), c.weights.value_kernel,
+                                                       c.weights.value_bias);
     EXPECT_TRUE(
         all_near(values.data(),
                  sdmha_reference::project(p.value, p.batch * p.key_steps, p.value_in_dim,
                                           p.value_kernel, p.value_bias, p.heads * p.value_dim),
                  relative_tolerance<TypeParam>()));
-    const auto unbiased = project<TypeParam>(value.as_matrix(), c.weights.value_kernel, no_bias);
+    const auto unbiased =
+        project<Projection<TypeParam>>(value.as_matrix(), c.weights.value_kernel, no_bias);
     EXPECT_TRUE(all_near(unbiased.data(),
                          sdmha_reference::project(p.value, p.batch * p.key_steps, p.value_in_dim,
                                                   p.value_kernel, {}, p.heads * p.value_dim),
@@ -84,17 +76,15 @@ TYPED_TEST(DenseProjectionTest, KeyAndValueProjectionsMatchTheReference) {
 }
 
 TYPED_TEST(DenseProjectionTest, DenseQueryProjectionMatchesTheReference) {
-  Shape s;
-  s.steps = 9;
-  s.query_dim = 21;
+  Shape s = query_shape(2, 9, 21, 0.4);
   s.heads = 3;
   s.key_dim = 5;
-  s.density = 0.4;
   s.empty_rows = true;
   const auto c = make_case<TypeParam>(s, 510);
   const auto dense_query = c.dense_query();
-  const auto output = project<TypeParam>(sdmha::TensorRef3<TypeParam>(dense_query).as_matrix(),
-                                         c.weights.query_kernel, c.weights.query_bias);
+  const auto output =
+      project<Projection<TypeParam>>(sdmha::TensorRef3<TypeParam>(dense_query).as_matrix(),
+                                     c.weights.query_kernel, c.weights.query_bias);
   EXPECT_TRUE(all_near(output.data(), sdmha_reference::forward(c.problem).query,
                        relative_tolerance<TypeParam>()));
 }
@@ -118,15 +108,10 @@ TYPED_TEST(DenseProjectionTest, WorksOnBlocksOfLargerMatrices) {
   ASSERT_EQ(args.input.outerStride(), in + 3);
   ASSERT_EQ(args.kernel.outerStride(), out + 9);
   ASSERT_EQ(args.output.outerStride(), out + 4);
-  Projection<TypeParam>::can_implement(args);
-  Projection<TypeParam>{}(args);
+  run_stage<Projection<TypeParam>>(args);
   const sdmha::RowMatrix<TypeParam> block = big_output.block(1, 3, rows, out);
   EXPECT_TRUE(all_near(block.data(), expected, relative_tolerance<TypeParam>()));
-  for (Index r = 0; r < big_output.rows(); ++r)
-    for (Index k = 0; k < big_output.cols(); ++k)
-      if (r < 1 || r > rows || k < 3 || k >= 3 + out) {
-        ASSERT_EQ(big_output(r, k), sentinel) << r << ", " << k;
-      }
+  ASSERT_TRUE(only_block_written(big_output, 1, 3, rows, out, sentinel));
 }
 
 // Whether two blocks hold the same bits, entry by entry (−0 and +0 differ).
@@ -192,32 +177,60 @@ TYPED_TEST(DenseProjectionTest, ZeroRowsGiveZeroRows) {
   const auto kernel = random_matrix<TypeParam>(4, 3, generator);
   const sdmha::RowMatrix<TypeParam> input(0, 4);
   const sdmha::Vector<TypeParam> bias = sdmha::Vector<TypeParam>::Ones(3);
-  EXPECT_EQ(project<TypeParam>(input, kernel, bias).rows(), 0);
+  EXPECT_EQ(project<Projection<TypeParam>>(input, kernel, bias).rows(), 0);
+}
+
+static_assert(
+    !std::is_same<sdmha::ContextProjection<float>, sdmha::DenseProjection<float>>::value &&
+        !std::is_same<sdmha::ContextProjection<float>, sdmha::OutputProjection<float>>::value,
+    "the context projection is a type of its own, so that a layer can swap it alone");
+static_assert(std::is_same<sdmha::SparseDenseMHA<float>::ContextProjection,
+                           sdmha::ContextProjection<float>>::value,
+              "the layer's default key and value stage is ContextProjection");
+static_assert(std::is_same<sdmha::ContextProjection<double>::ScalarType, double>::value,
+              "ContextProjection exports its ScalarType");
+
+// ContextProjection computes what DenseProjection does, bit for bit, and names itself in its
+// refusals.
+TYPED_TEST(DenseProjectionTest, ContextProjectionIsDenseProjectionUnderItsOwnName) {
+  using Scalar = TypeParam;
+  using Context = sdmha::ContextProjection<Scalar>;
+  std::mt19937_64 generator(77);
+  const auto input = random_matrix<Scalar>(9, 5, generator);
+  const auto kernel = random_matrix<Scalar>(5, 7, generator);
+  const sdmha::Vector<Scalar> bias = random_matrix<Scalar>(7, 1, generator);
+  sdmha::RowMatrix<Scalar> dense(9, 7), context(9, 7);
+  const typename Projection<Scalar>::Arguments dense_args{input, kernel, bias, dense};
+  const typename Context::Arguments context_args{input, kernel, bias, context};
+  Context::can_implement(context_args);
+  Projection<Scalar>()(dense_args);
+  Context()(context_args);
+  EXPECT_EQ(0,
+            std::memcmp(dense.data(), context.data(), sizeof(Scalar) * std::size_t(dense.size())));
+  const sdmha::RowMatrix<Scalar> tall_kernel = sdmha::RowMatrix<Scalar>::Zero(6, 7);
+  expect_refused<Context>({input, tall_kernel, bias, context},
+                          "ContextProjection: kernel has 6 rows; expected the input width 5");
 }
 
 TYPED_TEST(DenseProjectionTest, CanImplementRejectsEachMismatch) {
   using Scalar = TypeParam;
-  using Arguments = typename Projection<Scalar>::Arguments;
   const sdmha::RowMatrix<Scalar> input = sdmha::RowMatrix<Scalar>::Zero(5, 4);
   const sdmha::RowMatrix<Scalar> kernel = sdmha::RowMatrix<Scalar>::Zero(4, 6);
   const sdmha::RowMatrix<Scalar> tall_kernel = sdmha::RowMatrix<Scalar>::Zero(5, 6);
   const sdmha::Vector<Scalar> bias = sdmha::Vector<Scalar>::Zero(6),
                               short_bias = sdmha::Vector<Scalar>::Zero(5), no_bias;
   sdmha::RowMatrix<Scalar> output(5, 6), short_output(4, 6), wide_output(5, 7);
-  EXPECT_NO_THROW(Projection<Scalar>::can_implement(Arguments{input, kernel, bias, output}));
-  EXPECT_NO_THROW(Projection<Scalar>::can_implement(Arguments{input, kernel, no_bias, output}));
-  SDMHA_EXPECT_THROW_WITH(
-      Projection<Scalar>::can_implement(Arguments{input, tall_kernel, bias, output}),
-      sdmha::ShapeError, "DenseProjection: kernel has 5 rows; expected the input width 4");
-  SDMHA_EXPECT_THROW_WITH(
-      Projection<Scalar>::can_implement(Arguments{input, kernel, short_bias, output}),
-      sdmha::ShapeError, "bias has 5 entries; expected 0 or 6");
-  SDMHA_EXPECT_THROW_WITH(
-      Projection<Scalar>::can_implement(Arguments{input, kernel, bias, short_output}),
-      sdmha::ShapeError, "output is 4 x 6; expected 5 x 6");
-  SDMHA_EXPECT_THROW_WITH(
-      Projection<Scalar>::can_implement(Arguments{input, kernel, bias, wide_output}),
-      sdmha::ShapeError, "output is 5 x 7; expected 5 x 6");
+  expect_accepted<Projection<Scalar>>({input, kernel, bias, output});
+  expect_accepted<Projection<Scalar>>({input, kernel, no_bias, output});
+  expect_refused<Projection<Scalar>>(
+      {input, tall_kernel, bias, output},
+      "DenseProjection: kernel has 5 rows; expected the input width 4");
+  expect_refused<Projection<Scalar>>({input, kernel, short_bias, output},
+                                     "bias has 5 entries; expected 0 or 6");
+  expect_refused<Projection<Scalar>>({input, kernel, bias, short_output},
+                                     "output is 4 x 6; expected 5 x 6");
+  expect_refused<Projection<Scalar>>({input, kernel, bias, wide_output},
+                                     "output is 5 x 7; expected 5 x 6");
 }
 
 }  // namespace

@@ -3,12 +3,12 @@
 // of larger matrices, and its can_implement checks.
 #include "test_support.hpp"
 
+#include "stage_test.hpp"
+
 namespace sdmha_test {
 namespace {
 
-template <typename Scalar>
-class OutputProjectionTest : public ::testing::Test {};
-TYPED_TEST_SUITE(OutputProjectionTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(OutputProjectionTest);
 
 template <typename Scalar>
 using Projection = sdmha::OutputProjection<Scalar>;
@@ -17,24 +17,6 @@ static_assert(!std::is_same<sdmha::OutputProjection<float>, sdmha::DenseProjecti
               "the output projection is a type of its own, so that a layer can swap it alone");
 static_assert(std::is_same<sdmha::OutputProjection<double>::ScalarType, double>::value,
               "OutputProjection exports its ScalarType");
-
-template <typename Scalar>
-sdmha::RowMatrix<Scalar> to_matrix(const std::vector<double>& twin, Index rows, Index cols) {
-  sdmha::RowMatrix<Scalar> matrix(rows, cols);
-  for (Index i = 0; i < matrix.size(); ++i) matrix.data()[i] = Scalar(twin[i]);
-  return matrix;
-}
-
-template <typename Scalar>
-sdmha::RowMatrix<Scalar> project(const sdmha::ConstMatrixRef<Scalar>& heads,
-                                 const sdmha::ConstMatrixRef<Scalar>& kernel,
-                                 const sdmha::ConstVectorRef<Scalar>& bias) {
-  sdmha::RowMatrix<Scalar> output(heads.rows(), kernel.cols());
-  typename Projection<Scalar>::Arguments args{heads, kernel, bias, output};
-  Projection<Scalar>::can_implement(args);
-  Projection<Scalar>{}(args);
-  return output;
-}
 
 TYPED_TEST(OutputProjectionTest, HeadsToOutputMatchesTheReference) {
   std::vector<Shape> shapes(4);
@@ -56,10 +38,11 @@ TYPED_TEST(OutputProjectionTest, HeadsToOutputMatchesTheReference) {
     const auto r = sdmha_reference::forward(p);
     const Index rows = p.batch * p.steps, width = p.heads * p.value_dim;
     // The reference's heads, rounded to Scalar: the input of the stage.
-    const auto heads = to_matrix<TypeParam>(r.heads, rows, width);
-    const auto output = project<TypeParam>(heads, c.weights.output_kernel, c.weights.output_bias);
+    const auto heads = to_matrix<TypeParam>(r.heads.data(), rows, width);
+    const auto output =
+        project<Projection<TypeParam>>(heads, c.weights.output_kernel, c.weights.output_bias);
     EXPECT_TRUE(all_near(output.data(), r.output, relative_tolerance<TypeParam>()));
-    const auto unbiased = project<TypeParam>(heads, c.weights.output_kernel, no_bias);
+    const auto unbiased = project<Projection<TypeParam>>(heads, c.weights.output_kernel, no_bias);
     EXPECT_TRUE(
         all_near(unbiased.data(),
                  sdmha_reference::project(r.heads, rows, width, p.output_kernel, {}, p.output_dim),
@@ -80,7 +63,7 @@ TYPED_TEST(OutputProjectionTest, WorksOnBlocksOfLargerMatrices) {
   // The heads sit in a wider matrix, the output goes into a block of another.
   sdmha::RowMatrix<TypeParam> wide_heads =
       sdmha::RowMatrix<TypeParam>::Constant(rows + 1, width + 4, TypeParam(9));
-  wide_heads.block(1, 2, rows, width) = to_matrix<TypeParam>(r.heads, rows, width);
+  wide_heads.block(1, 2, rows, width) = to_matrix<TypeParam>(r.heads.data(), rows, width);
   constexpr TypeParam sentinel = TypeParam(-555);
   sdmha::RowMatrix<TypeParam> big_output =
       sdmha::RowMatrix<TypeParam>::Constant(rows + 3, out + 2, sentinel);
@@ -89,20 +72,14 @@ TYPED_TEST(OutputProjectionTest, WorksOnBlocksOfLargerMatrices) {
                                                  big_output.block(2, 1, rows, out)};
   ASSERT_EQ(args.input.outerStride(), width + 4);
   ASSERT_EQ(args.output.outerStride(), out + 2);
-  Projection<TypeParam>::can_implement(args);
-  Projection<TypeParam>{}(args);
+  run_stage<Projection<TypeParam>>(args);
   const sdmha::RowMatrix<TypeParam> block = big_output.block(2, 1, rows, out);
   EXPECT_TRUE(all_near(block.data(), r.output, relative_tolerance<TypeParam>()));
-  for (Index row = 0; row < big_output.rows(); ++row)
-    for (Index k = 0; k < big_output.cols(); ++k)
-      if (row < 2 || row >= 2 + rows || k < 1 || k > out) {
-        ASSERT_EQ(big_output(row, k), sentinel) << row << ", " << k;
-      }
+  ASSERT_TRUE(only_block_written(big_output, 2, 1, rows, out, sentinel));
 }
 
 TYPED_TEST(OutputProjectionTest, CanImplementRejectsEachMismatch) {
   using Scalar = TypeParam;
-  using Arguments = typename Projection<Scalar>::Arguments;
   // rows = 3, H·Dv = 8, O = 5.
   const sdmha::RowMatrix<Scalar> heads = sdmha::RowMatrix<Scalar>::Zero(3, 8);
   const sdmha::RowMatrix<Scalar> kernel = sdmha::RowMatrix<Scalar>::Zero(8, 5);
@@ -110,19 +87,15 @@ TYPED_TEST(OutputProjectionTest, CanImplementRejectsEachMismatch) {
   const sdmha::Vector<Scalar> bias = sdmha::Vector<Scalar>::Zero(5),
                               long_bias = sdmha::Vector<Scalar>::Zero(8);
   sdmha::RowMatrix<Scalar> output(3, 5), tall_output(4, 5), narrow_output(3, 4);
-  EXPECT_NO_THROW(Projection<Scalar>::can_implement(Arguments{heads, kernel, bias, output}));
-  SDMHA_EXPECT_THROW_WITH(
-      Projection<Scalar>::can_implement(Arguments{heads, short_kernel, bias, output}),
-      sdmha::ShapeError, "kernel has 7 rows; expected the input width 8");
-  SDMHA_EXPECT_THROW_WITH(
-      Projection<Scalar>::can_implement(Arguments{heads, kernel, long_bias, output}),
-      sdmha::ShapeError, "bias has 8 entries; expected 0 or 5");
-  SDMHA_EXPECT_THROW_WITH(
-      Projection<Scalar>::can_implement(Arguments{heads, kernel, bias, tall_output}),
-      sdmha::ShapeError, "output is 4 x 5; expected 3 x 5");
-  SDMHA_EXPECT_THROW_WITH(
-      Projection<Scalar>::can_implement(Arguments{heads, kernel, bias, narrow_output}),
-      sdmha::ShapeError, "output is 3 x 4; expected 3 x 5");
+  expect_accepted<Projection<Scalar>>({heads, kernel, bias, output});
+  expect_refused<Projection<Scalar>>({heads, short_kernel, bias, output},
+                                     "kernel has 7 rows; expected the input width 8");
+  expect_refused<Projection<Scalar>>({heads, kernel, long_bias, output},
+                                     "bias has 8 entries; expected 0 or 5");
+  expect_refused<Projection<Scalar>>({heads, kernel, bias, tall_output},
+                                     "output is 4 x 5; expected 3 x 5");
+  expect_refused<Projection<Scalar>>({heads, kernel, bias, narrow_output},
+                                     "output is 3 x 4; expected 3 x 5");
 }
 
 }  // namespace

@@ -4,17 +4,15 @@
 // then both kernels behind it on every panel tail, strided operands, full rows and caller scratch.
 #include "test_support.hpp"
 
+#include "stage_test.hpp"
+
 namespace sdmha_test {
 namespace {
 
-template <typename Scalar>
-class QueryProjectionTest : public ::testing::Test {};
-TYPED_TEST_SUITE(QueryProjectionTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(QueryProjectionTest);
 
 template <typename Scalar>
 using Projection = sdmha::SparseQueryProjection<Scalar>;
-template <typename Scalar>
-using EigenSparse = typename sdmha::SparseQuery<Scalar>::SparseMatrixType;
 
 // The by-feature kernel's memory for X of `features` columns and up to `nonzeros` stored values
 // (its CSC, detail::FeatureGroups), carved from a ScratchBuffer of its own as a stage carves it
@@ -48,11 +46,6 @@ struct StageWorkspace {
   sdmha::StageScratch view() const { return memory.view(); }
 };
 
-std::vector<double> twin_rows(const std::vector<double>& twin, Index first, Index count,
-                              Index width) {
-  return std::vector<double>(twin.begin() + first * width, twin.begin() + (first + count) * width);
-}
-
 // The reference's Q = X·Wq (+ bq) of the case, over all rows.
 template <typename Scalar>
 std::vector<double> reference_projection(const Case<Scalar>& c, bool with_bias) {
@@ -60,17 +53,6 @@ std::vector<double> reference_projection(const Case<Scalar>& c, bool with_bias) 
   return sdmha_reference::project(p.query, p.batch * p.steps, p.query_dim, p.query_kernel,
                                   with_bias ? p.query_bias : std::vector<double>{},
                                   p.heads * p.key_dim);
-}
-
-template <typename Scalar>
-sdmha::RowMatrix<Scalar> project(const sdmha::CsrView<Scalar>& rows,
-                                 const sdmha::RowMatrix<Scalar>& kernel,
-                                 const sdmha::Vector<Scalar>& bias) {
-  sdmha::RowMatrix<Scalar> output(rows.rows, kernel.cols());
-  typename Projection<Scalar>::Arguments args{rows, kernel, bias, output};
-  Projection<Scalar>::can_implement(args);
-  Projection<Scalar>{}(args);
-  return output;
 }
 
 std::vector<std::pair<const char*, Shape>> projection_shapes() {
@@ -82,12 +64,9 @@ std::vector<std::pair<const char*, Shape>> projection_shapes() {
   s.steps = 1;
   s.heads = 1;
   shapes.push_back({"one_row_one_head", s});
-  s = Shape{};
-  s.steps = 7;
-  s.query_dim = 29;
+  s = query_shape(2, 7, 29, 0.3);
   s.heads = 3;
   s.key_dim = 5;
-  s.density = 0.3;
   shapes.push_back({"odd_sizes", s});
   s = Shape{};
   s.duplicates = true;
@@ -101,13 +80,9 @@ std::vector<std::pair<const char*, Shape>> projection_shapes() {
   s.use_bias = false;
   s.empty_rows = true;
   shapes.push_back({"no_bias", s});
-  s = Shape{};
-  s.batch = 3;
-  s.steps = 40;
-  s.query_dim = 70;
+  s = query_shape(3, 40, 70, 0.05);
   s.heads = 4;
   s.key_dim = 6;
-  s.density = 0.05;
   s.empty_rows = true;
   shapes.push_back({"larger", s});
   return shapes;
@@ -120,38 +95,32 @@ TYPED_TEST(QueryProjectionTest, MatchesTheReferenceWithAndWithoutBias) {
     SCOPED_TRACE(name);
     const auto c = make_case<TypeParam>(shape, seed++);
     const auto query = c.query();
-    const auto with_bias = project(query.csr(), c.weights.query_kernel, c.weights.query_bias);
+    const auto with_bias =
+        project<Projection<TypeParam>>(query.csr(), c.weights.query_kernel, c.weights.query_bias);
     EXPECT_TRUE(all_near(with_bias.data(), reference_projection(c, shape.use_bias),
                          relative_tolerance<TypeParam>()));
-    const auto without_bias = project(query.csr(), c.weights.query_kernel, no_bias);
+    const auto without_bias =
+        project<Projection<TypeParam>>(query.csr(), c.weights.query_kernel, no_bias);
     EXPECT_TRUE(all_near(without_bias.data(), reference_projection(c, false),
                          relative_tolerance<TypeParam>()));
   }
 }
 
 TYPED_TEST(QueryProjectionTest, MatchesTheReferenceOnUncompressedRows) {
-  Shape s;
-  s.batch = 3;
-  s.steps = 6;
-  s.query_dim = 20;
-  s.density = 0.3;
-  s.duplicates = true;
-  s.empty_rows = true;
+  const Shape s = uncompressed_query_shape();
   const auto c = make_case<TypeParam>(s, 410);
-  EigenSparse<TypeParam> matrix(s.batch * s.steps, s.query_dim);
-  matrix.reserve(Eigen::VectorXi::Constant(matrix.rows(), 4));
-  for (Index i = 0; i < c.indices.rows(); ++i)
-    matrix.coeffRef(c.indices(i, 0) * s.steps + c.indices(i, 1), c.indices(i, 2)) += c.values[i];
+  auto matrix = uncompressed_matrix(c, 4);
   ASSERT_FALSE(matrix.isCompressed());
   const auto query = sdmha::SparseQuery<TypeParam>::from_eigen(s.batch, s.steps, std::move(matrix));
   ASSERT_NE(query.csr().row_nonzeros, nullptr);
-  const auto output = project(query.csr(), c.weights.query_kernel, c.weights.query_bias);
+  const auto output =
+      project<Projection<TypeParam>>(query.csr(), c.weights.query_kernel, c.weights.query_bias);
   EXPECT_TRUE(
       all_near(output.data(), reference_projection(c, true), relative_tolerance<TypeParam>()));
   // And a sub-view of uncompressed rows.
   const Index width = s.heads * s.key_dim;
-  const auto middle =
-      project(query.csr().middle_rows(5, 8), c.weights.query_kernel, c.weights.query_bias);
+  const auto middle = project<Projection<TypeParam>>(query.csr().middle_rows(5, 8),
+                                                     c.weights.query_kernel, c.weights.query_bias);
   EXPECT_TRUE(all_near(middle.data(), twin_rows(reference_projection(c, true), 5, 8, width),
                        relative_tolerance<TypeParam>()));
 }
@@ -175,7 +144,8 @@ TYPED_TEST(QueryProjectionTest, MatchesTheReferenceOnCallerCsrWithUnsortedDuplic
   const auto c = make_case<Scalar>(s, 420);  // for its weights
   const auto query = sdmha::SparseQuery<Scalar>::view_csr(1, 3, 5, offsets.data(), 4,
                                                           columns.data(), values.data(), 6);
-  const auto output = project(query.csr(), c.weights.query_kernel, c.weights.query_bias);
+  const auto output =
+      project<Projection<Scalar>>(query.csr(), c.weights.query_kernel, c.weights.query_bias);
   const auto expected = sdmha_reference::project(dense, 3, 5, c.problem.query_kernel,
                                                  c.problem.query_bias, s.heads * s.key_dim);
   EXPECT_TRUE(all_near(output.data(), expected, relative_tolerance<Scalar>()));
@@ -202,16 +172,11 @@ TYPED_TEST(QueryProjectionTest, ProjectsRowSubViewsIntoABlockOfALargerOutput) {
     typename Projection<TypeParam>::Arguments args{query.csr().middle_rows(first, count),
                                                    c.weights.query_kernel, c.weights.query_bias,
                                                    big.block(1, 2, count, width)};
-    Projection<TypeParam>::can_implement(args);
-    Projection<TypeParam>{}(args);
+    run_stage<Projection<TypeParam>>(args);
     const sdmha::RowMatrix<TypeParam> block = big.block(1, 2, count, width);
     EXPECT_TRUE(all_near(block.data(), twin_rows(expected, first, count, width),
                          relative_tolerance<TypeParam>()));
-    for (Index r = 0; r < big.rows(); ++r)
-      for (Index k = 0; k < big.cols(); ++k)
-        if (r < 1 || r >= 1 + count || k < 2 || k >= 2 + width) {
-          ASSERT_EQ(big(r, k), sentinel) << r << ", " << k;
-        }
+    ASSERT_TRUE(only_block_written(big, 1, 2, count, width, sentinel));
   }
 }
 
@@ -221,9 +186,11 @@ TYPED_TEST(QueryProjectionTest, EmptyRowsGiveExactlyTheBias) {
   s.empty_rows = true;
   const auto c = make_case<TypeParam>(s, 440);
   const auto query = c.query();
-  const auto output = project(query.csr(), c.weights.query_kernel, c.weights.query_bias);
+  const auto output =
+      project<Projection<TypeParam>>(query.csr(), c.weights.query_kernel, c.weights.query_bias);
   const sdmha::Vector<TypeParam> no_bias;
-  const auto unbiased = project(query.csr(), c.weights.query_kernel, no_bias);
+  const auto unbiased =
+      project<Projection<TypeParam>>(query.csr(), c.weights.query_kernel, no_bias);
   Index empty = 0;
   for (Index row = 0; row < query.rows(); ++row) {
     if (query.csr().row_size(row) != 0) continue;
@@ -238,12 +205,16 @@ TYPED_TEST(QueryProjectionTest, EmptyRowsGiveExactlyTheBias) {
   const CooIndices no_indices(0, 3);
   const auto nothing = sdmha::SparseQuery<TypeParam>::from_coo(2, 3, s.query_dim, no_indices,
                                                                sdmha::Vector<TypeParam>());
-  const auto biases = project(nothing.csr(), c.weights.query_kernel, c.weights.query_bias);
+  const auto biases =
+      project<Projection<TypeParam>>(nothing.csr(), c.weights.query_kernel, c.weights.query_bias);
   for (Index row = 0; row < biases.rows(); ++row)
     EXPECT_TRUE((biases.row(row).transpose().array() == c.weights.query_bias.array()).all()) << row;
   const auto no_rows = sdmha::SparseQuery<TypeParam>::from_coo(0, 3, s.query_dim, no_indices,
                                                                sdmha::Vector<TypeParam>());
-  EXPECT_EQ(project(no_rows.csr(), c.weights.query_kernel, c.weights.query_bias).rows(), 0);
+  EXPECT_EQ(
+      project<Projection<TypeParam>>(no_rows.csr(), c.weights.query_kernel, c.weights.query_bias)
+          .rows(),
+      0);
 }
 
 TYPED_TEST(QueryProjectionTest, CanImplementRejectsEachMismatch) {
@@ -253,36 +224,21 @@ TYPED_TEST(QueryProjectionTest, CanImplementRejectsEachMismatch) {
   const sdmha::RowMatrix<Scalar> short_kernel = sdmha::RowMatrix<Scalar>::Zero(15, 8);
   const sdmha::Vector<Scalar> long_bias = sdmha::Vector<Scalar>::Zero(9), no_bias;
   sdmha::RowMatrix<Scalar> output(10, 8), short_output(9, 8), narrow_output(10, 7);
-  using Arguments = typename Projection<Scalar>::Arguments;
-  EXPECT_NO_THROW(Projection<Scalar>::can_implement(
-      Arguments{query.csr(), c.weights.query_kernel, no_bias, output}));
-  SDMHA_EXPECT_THROW_WITH(
-      Projection<Scalar>::can_implement(
-          Arguments{query.csr(), short_kernel, c.weights.query_bias, output}),
-      sdmha::ShapeError,
+  expect_accepted<Projection<Scalar>>({query.csr(), c.weights.query_kernel, no_bias, output});
+  expect_refused<Projection<Scalar>>(
+      {query.csr(), short_kernel, c.weights.query_bias, output},
       "SparseQueryProjection: kernel has 15 rows; expected the query's feature width 16");
-  SDMHA_EXPECT_THROW_WITH(Projection<Scalar>::can_implement(
-                              Arguments{query.csr(), c.weights.query_kernel, long_bias, output}),
-                          sdmha::ShapeError, "bias has 9 entries; expected 0 or 8");
-  SDMHA_EXPECT_THROW_WITH(Projection<Scalar>::can_implement(Arguments{
-                              query.csr(), c.weights.query_kernel, no_bias, short_output}),
-                          sdmha::ShapeError, "output is 9 x 8; expected 10 x 8");
-  SDMHA_EXPECT_THROW_WITH(Projection<Scalar>::can_implement(Arguments{
-                              query.csr(), c.weights.query_kernel, no_bias, narrow_output}),
-                          sdmha::ShapeError, "output is 10 x 7; expected 10 x 8");
+  expect_refused<Projection<Scalar>>({query.csr(), c.weights.query_kernel, long_bias, output},
+                                     "bias has 9 entries; expected 0 or 8");
+  expect_refused<Projection<Scalar>>({query.csr(), c.weights.query_kernel, no_bias, short_output},
+                                     "output is 9 x 8; expected 10 x 8");
+  expect_refused<Projection<Scalar>>({query.csr(), c.weights.query_kernel, no_bias, narrow_output},
+                                     "output is 10 x 7; expected 10 x 8");
 }
-
-}  // namespace
-}  // namespace sdmha_test
 
 // ---- the two kernels behind the stage: by rows and by features ----
 
-namespace sdmha_test {
-namespace {
-
-template <typename Scalar>
-class QueryProjectionKernelsTest : public ::testing::Test {};
-TYPED_TEST_SUITE(QueryProjectionKernelsTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(QueryProjectionKernelsTest);
 
 // Both kernels against a naive product, over widths that exercise full panels, the narrower
 // panels (8, 4 and 1 packets with AVX-512's 16 floats: 128, 192 and 464 columns) and the scalar
@@ -292,11 +248,7 @@ TYPED_TEST(QueryProjectionKernelsTest, ByRowsAndByFeaturesMatchTheNaiveProductAn
   std::mt19937_64 generator(31);
   std::uniform_real_distribution<double> uniform(-1.0, 1.0);
   for (Index columns : {1, 3, 16, 37, 128, 192, 256, 300, 464, 517}) {
-    Shape s;
-    s.batch = 3;
-    s.steps = 11;
-    s.query_dim = 50;
-    s.density = 0.3;
+    Shape s = query_shape(3, 11, 50, 0.3);
     s.empty_rows = true;
     s.duplicates = true;
     const auto c = make_case<Scalar>(s, 40 + std::uint64_t(columns));
@@ -339,12 +291,7 @@ TYPED_TEST(QueryProjectionKernelsTest, ByRowsAndByFeaturesMatchTheNaiveProductAn
 TYPED_TEST(QueryProjectionKernelsTest, StageOnAWideKernelMatchesTheNaiveProduct) {
   using Scalar = TypeParam;
   const Index features = 4200, columns = 40 + 4 * 1024 * 1024 / (4200 * Index(sizeof(Scalar)));
-  Shape s;
-  s.batch = 2;
-  s.steps = 60;
-  s.query_dim = features;
-  s.density = 0.04;
-  const auto c = make_case<Scalar>(s, 77);
+  const auto c = make_case<Scalar>(query_shape(2, 60, features, 0.04), 77);
   const auto query = c.query();
   ASSERT_GE(query.nonzeros(), 2 * features);
   std::mt19937_64 generator(5);
@@ -379,18 +326,10 @@ TYPED_TEST(QueryProjectionKernelsTest, StageOnAWideKernelMatchesTheNaiveProduct)
     }
 }
 
-}  // namespace
-}  // namespace sdmha_test
-
 // ---- the kernels on hand-made CSR: every panel tail, empty and full rows, strides, scratch ----
 // (QueryProjection in the suite name so that --gtest_filter='*QueryProjection*' selects them.)
 
-namespace sdmha_test {
-namespace {
-
-template <typename Scalar>
-class QueryProjectionCsrKernelsTest : public ::testing::Test {};
-TYPED_TEST_SUITE(QueryProjectionCsrKernelsTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(QueryProjectionCsrKernelsTest);
 
 // A CSR of `rows` × `features` with sorted distinct columns; row r holds row_sizes[r % size]
 // values (clamped to `features`), so rows can be empty or full.
@@ -594,11 +533,7 @@ TYPED_TEST(QueryProjectionCsrKernelsTest,
     const sdmha::RowMatrix<Scalar> block = big.block(1, 1, count, width);
     EXPECT_TRUE(all_near(block.data(), twin_rows(expected, first, count, width),
                          relative_tolerance<Scalar>()));
-    for (Index r = 0; r < big.rows(); ++r)
-      for (Index k = 0; k < big.cols(); ++k)
-        if (r < 1 || r >= 1 + count || k < 1 || k >= 1 + width) {
-          ASSERT_EQ(big(r, k), sentinel) << r << ", " << k;
-        }
+    ASSERT_TRUE(only_block_written(big, 1, 1, count, width, sentinel));
   }
   // A small kernel stays on the by-row path.
   sdmha::RowMatrix<Scalar> small_output(x.rows, 8);
@@ -638,22 +573,11 @@ TYPED_TEST(QueryProjectionCsrKernelsTest, StageWithStreamingStoresMatchesTheDoub
   stage(block);
   const sdmha::RowMatrix<Scalar> inner = big.block(1, 3, rows, width);
   EXPECT_TRUE(all_near(inner.data(), expected, relative_tolerance<Scalar>()));
-  for (Index r = 0; r < big.rows(); ++r)
-    for (Index k = 0; k < big.cols(); ++k)
-      if (r < 1 || r >= 1 + rows || k < 3 || k >= 3 + width) {
-        ASSERT_EQ(big(r, k), sentinel) << r << ", " << k;
-      }
+  ASSERT_TRUE(only_block_written(big, 1, 3, rows, width, sentinel));
 }
 
-}  // namespace
-}  // namespace sdmha_test
-
-// ---- the query kernel in bfloat16
-// ---------------------------------------------------------------- (QueryProjection in the suite
-// name so that --gtest_filter='*QueryProjection*' selects them.)
-
-namespace sdmha_test {
-namespace {
+// ---- the query kernel in bfloat16 ----
+// (QueryProjection in the suite name so that --gtest_filter='*QueryProjection*' selects them.)
 
 using BFloat16Matrix = sdmha::RowMatrix<Eigen::bfloat16>;
 using FloatProjection = sdmha::SparseQueryProjection<float>;
@@ -812,8 +736,7 @@ TEST(QueryProjectionBFloat16Test, StageBeyondTheCacheTakesSortedAndUnsortedRows)
     sdmha::RowMatrix<float> output(rows, width), in_float(rows, width);
     FloatProjection::Arguments args{view, kernel.widened, bias, output, workspace.view()};
     args.kernel_bfloat16 = &kernel.panels;
-    FloatProjection::can_implement(args);
-    FloatProjection()(args);
+    run_stage<FloatProjection>(args);
     FloatProjection()({view, kernel.widened, bias, in_float, workspace.view()});
     EXPECT_EQ(
         0, std::memcmp(output.data(), in_float.data(), sizeof(float) * std::size_t(rows * width)));
@@ -911,8 +834,7 @@ TEST(QueryProjectionBFloat16Test, StageTakesNoRows) {
   const StageWorkspace<float> workspace(features, width, 0);
   FloatProjection::Arguments args{x.view(), kernel.widened, bias, output, workspace.view()};
   args.kernel_bfloat16 = &kernel.panels;
-  FloatProjection::can_implement(args);
-  FloatProjection()(args);
+  run_stage<FloatProjection>(args);
   EXPECT_EQ(output.size(), 0);
 }
 
@@ -972,12 +894,6 @@ TEST(QueryProjectionBFloat16Test, CanImplementRejectsAMismatchedOrDoubleKernel) 
   SDMHA_EXPECT_THROW_WITH(sdmha::SparseQueryProjection<double>::can_implement(args64),
                           sdmha::ConfigError, "bfloat16 kernels need Scalar = float");
 }
-
-}  // namespace
-}  // namespace sdmha_test
-
-namespace sdmha_test {
-namespace {
 
 // Q in windows of Wq's columns (first_column, kernel_columns), with and without a CSC built once
 // for the rows (build_query_groups), is bitwise the whole call: by rows (Wq in L2) and by feature
