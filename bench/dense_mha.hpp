@@ -20,18 +20,17 @@
 
 namespace sdmha {
 
-template <typename Scalar, typename QueryProjectionT = DenseProjection<Scalar>,
-          typename ScoreKernelT = ScoreKernel<Scalar>, typename SoftmaxT = MaskedSoftmax<Scalar>,
-          typename AttendValuesT = AttendValues<Scalar>,
-          typename OutputProjectionT = OutputProjection<Scalar>,
-          typename ContextProjectionT = ContextProjection<Scalar>>
-// Bench code on the library's internals: it inherits the layer state publicly (weights, stages,
-// project_context) rather than repeating SparseDenseMHA's list of what it exposes.
-class DenseMHA
-    : public detail::AttentionCore<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT, AttendValuesT,
-                                   OutputProjectionT, ContextProjectionT> {
-  using Core = detail::AttentionCore<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT,
-                                     AttendValuesT, OutputProjectionT, ContextProjectionT>;
+// The library's default stages on a dense query (DenseProjection for Q). Bench code on the
+// library's internals: it inherits the layer state publicly (weights, stages, project_context)
+// rather than repeating SparseDenseMHA's list of what it exposes.
+template <typename Scalar>
+using DenseLayerCore = detail::AttentionCore<Scalar, DenseProjection<Scalar>, ScoreKernel<Scalar>,
+                                             MaskedSoftmax<Scalar>, AttendValues<Scalar>,
+                                             OutputProjection<Scalar>, ContextProjection<Scalar>>;
+
+template <typename Scalar>
+class DenseMHA : public DenseLayerCore<Scalar> {
+  using Core = DenseLayerCore<Scalar>;
 
  public:
   using typename Core::QueryProjection;

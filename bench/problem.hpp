@@ -195,24 +195,14 @@ struct StagePlans {
 
 // One workload at one density: the inputs, both layers, the dense path's intermediates (the
 // references every case is checked against) and the output buffers of the stage cases.
-class Problem {
+class Problem : public WorkloadInputs {
  public:
   Problem(const WorkloadShape& workload, double query_density)
-      : shape(workload),
-        density(query_density),
-        query(make_sparse_query(workload, query_density, kQuerySeed)),
-        key(make_dense_input(workload.batch, workload.key_steps, workload.context_dim, kKeySeed)),
-        value(
-            make_dense_input(workload.batch, workload.key_steps, workload.context_dim, kValueSeed)),
-        sparse_layer(workload.config(),
-                     sdmha::MhaWeights<float>::glorot_uniform(workload.config(), workload.query_dim,
-                                                              workload.context_dim,
-                                                              workload.context_dim, kWeightSeed)),
+      : WorkloadInputs(workload, query_density),
+        sparse_layer(workload.config(), make_weights()),
         dense_layer(workload.config(), sparse_layer.weights()),
         bfloat16_layer(workload.config(), sparse_layer.shared_weights()),
-        flops(flop_counts(workload, query.nonzeros())),
-        d_output(make_dense_input(workload.batch, workload.steps, workload.output_dim,
-                                  kOutputGradientSeed)) {
+        flops(flop_counts(workload, query.nonzeros())) {
     bfloat16_layer.set_precision(sdmha::Precision::bfloat16);
     build_references();
   }
@@ -238,16 +228,10 @@ class Problem {
     return *plans;
   }
 
-  const WorkloadShape shape;
-  const double density;
-  const sdmha::SparseQuery<float> query;
-  const Tensor3 key, value;
   const Layer sparse_layer;
   const sdmha::DenseMHA<float> dense_layer;
   Layer bfloat16_layer;  // the same weights, every kernel read in bfloat16
   const FlopCounts flops;
-  // ∂loss/∂output for the backward case.
-  const Tensor3 d_output;
 
   // Each forward path keeps its workspace and result between calls, as a serving loop would (a
   // case's checked call starts from fresh ones, so that its peak heap includes them).

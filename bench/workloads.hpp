@@ -182,6 +182,31 @@ inline Tensor3 make_dense_input(Index batch, Index steps, Index width, std::uint
   return tensor;
 }
 
+// One workload's inputs at one density, as bench/workloads.md builds them: the sparse query, key,
+// value, ∂loss/∂output, and the layer's weights (glorot_uniform, kWeightSeed).
+struct WorkloadInputs {
+  WorkloadInputs(const WorkloadShape& workload, double query_density)
+      : shape(workload),
+        density(query_density),
+        query(make_sparse_query(workload, query_density, kQuerySeed)),
+        key(make_dense_input(workload.batch, workload.key_steps, workload.context_dim, kKeySeed)),
+        value(
+            make_dense_input(workload.batch, workload.key_steps, workload.context_dim, kValueSeed)),
+        d_output(make_dense_input(workload.batch, workload.steps, workload.output_dim,
+                                  kOutputGradientSeed)) {}
+
+  sdmha::MhaWeights<float> make_weights() const {
+    return sdmha::MhaWeights<float>::glorot_uniform(
+        shape.config(), shape.query_dim, shape.context_dim, shape.context_dim, kWeightSeed);
+  }
+
+  const WorkloadShape shape;
+  const double density;
+  const sdmha::SparseQuery<float> query;
+  const Tensor3 key, value;
+  const Tensor3 d_output;  // ∂loss/∂output for the backward
+};
+
 // The query's own bytes in each form.
 inline double csr_bytes(const sdmha::SparseQuery<float>& query) {
   return double(query.nonzeros()) * double(sizeof(float) + sizeof(int)) +

@@ -54,24 +54,10 @@ inline double scaling_density(const WorkloadShape& shape) {
 }
 
 // One workload's inputs and layer, built as bench/workloads.md says.
-struct StepProblem {
+struct StepProblem : WorkloadInputs {
   StepProblem(const WorkloadShape& workload, double query_density)
-      : shape(workload),
-        density(query_density),
-        query(make_sparse_query(workload, query_density, kQuerySeed)),
-        key(make_dense_input(workload.batch, workload.key_steps, workload.context_dim, kKeySeed)),
-        value(
-            make_dense_input(workload.batch, workload.key_steps, workload.context_dim, kValueSeed)),
-        d_output(make_dense_input(workload.batch, workload.steps, workload.output_dim,
-                                  kOutputGradientSeed)),
-        layer(workload.config(), sdmha::MhaWeights<float>::glorot_uniform(
-                                     workload.config(), workload.query_dim, workload.context_dim,
-                                     workload.context_dim, kWeightSeed)) {}
+      : WorkloadInputs(workload, query_density), layer(workload.config(), make_weights()) {}
 
-  const WorkloadShape shape;
-  const double density;
-  const sdmha::SparseQuery<float> query;
-  const Tensor3 key, value, d_output;
   const Layer layer;
 };
 
