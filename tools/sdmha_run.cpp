@@ -70,6 +70,9 @@ __metadata__; an option with a value also takes the form --option=value):
   --strategy S      project_first (default) or sparse_regrouped; both give the same result
   --layer NAME      Keras files: the MultiHeadAttention to run, by its Keras name or HDF5
                     group (default: the file's only one)
+  --allow-non-finite-weights
+                    load weights that hold NaN or +-Inf (refused by default, naming the
+                    tensor and its first such entry)
   --trusted-file    Keras files: read in this process instead of an isolated child (libhdf5
                     can crash or hang on a damaged or hostile file; only for files you trust)
   --help            print this text and exit
@@ -223,6 +226,9 @@ Arguments parse_arguments(int argc, char** argv) {
       arguments.layer_options.prefix = value();
     } else if (flag == "--layer") {
       arguments.keras_layer = value();
+    } else if (flag == "--allow-non-finite-weights") {
+      no_value();
+      arguments.layer_options.allow_non_finite_weights = true;
     } else if (flag == "--trusted-file") {
       no_value();
       arguments.trusted_file = true;
@@ -382,8 +388,11 @@ sdmha::io::LayerFile<Scalar> load_keras_weights(const Arguments& arguments) {
 #ifdef SDMHA_HAS_KERAS_IO
   const std::string& path = arguments.weights_path;
   const std::string name = arguments.keras_layer.value_or("");
-  auto keras = arguments.trusted_file ? sdmha::io::load_keras_layer<Scalar>(path, name)
-                                      : sdmha::io::load_keras_layer_isolated<Scalar>(path, name);
+  sdmha::io::KerasReadOptions options;
+  options.allow_non_finite_weights = arguments.layer_options.allow_non_finite_weights;
+  auto keras = arguments.trusted_file
+                   ? sdmha::io::load_keras_layer<Scalar>(path, name, options)
+                   : sdmha::io::load_keras_layer_isolated<Scalar>(path, name, options);
   sdmha::io::LayerFile<Scalar> layer_file;
   layer_file.config = keras.config;
   layer_file.weights = std::move(keras.weights);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "sdmha/io/detail/child_process.hpp"
+#include "sdmha/io/isolation.hpp"
 
 #ifdef SDMHA_HAS_KERAS_IO
 #include "sdmha/io/keras_isolated.hpp"

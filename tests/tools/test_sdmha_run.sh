@@ -289,6 +289,13 @@ case $CASE in
         --weights "$(keras damaged/$damaged.weights.h5)" \
         --inputs "$(keras functional_bias.inputs.safetensors)" --out "$OUT"
     done
+    # A NaN weight is refused, naming the tensor and entry, unless allowed.
+    expect_error 1 "nan_query_kernel.weights.h5" "query kernel holds NaN at (0, 1)" -- \
+      --weights "$(keras damaged/nan_query_kernel.weights.h5)" \
+      --inputs "$(keras functional_bias.inputs.safetensors)" --out "$OUT"
+    expect_success --weights "$(keras damaged/nan_query_kernel.weights.h5)" --allow-non-finite-weights \
+      --inputs "$(keras functional_bias.inputs.safetensors)" --out "$OUT"
+    rm -f "$OUT"
     expect_error 1 "bad_shape.keras" "query_dense" -- --weights "$(keras bad_shape.keras)" \
       --inputs "$(keras functional_bias.inputs.safetensors)" --out "$OUT"
     head -c 2000 "$(keras functional_bias.weights.h5)" >truncated.weights.h5

@@ -60,6 +60,7 @@
 
 #include "sdmha/errors.hpp"
 #include "sdmha/io/detail/hdf5.hpp"
+#include "sdmha/io/detail/finite_weights.hpp"
 #include "sdmha/io/detail/keras_archive.hpp"
 #include "sdmha/io/detail/keras_config.hpp"
 #include "sdmha/io/detail/keras_locate.hpp"
@@ -206,7 +207,7 @@ io::KerasLayer<Scalar> read_layer(const KerasFile& file, const Location& locatio
 
 template <typename Scalar>
 io::KerasLayer<Scalar> load(const std::string& path, const std::string& layer_name,
-                            const MhaConfig* config) {
+                            const MhaConfig* config, const io::KerasReadOptions& options) {
   static_assert(std::is_same<Scalar, float>::value || std::is_same<Scalar, double>::value,
                 "load_keras_layer reads float or double weights");
   if (config) config->validate();
@@ -222,7 +223,10 @@ io::KerasLayer<Scalar> load(const std::string& path, const std::string& layer_na
   } else if (config) {
     expected = caller_expectations(*config);
   }
-  return read_layer<Scalar>(file, location, expected);
+  auto layer = read_layer<Scalar>(file, location, expected);
+  if (!options.allow_non_finite_weights)
+    check_finite_weights("load_keras_layer", "'" + file.h5.name + "'", layer.weights);
+  return layer;
 }
 
 }  // namespace sdmha::detail::keras
@@ -233,8 +237,9 @@ namespace sdmha::io {
 // for the file's only one) from a .keras file, its unzipped directory, or a .weights.h5 file. The
 // configuration comes from config.json, or else from the kernels' shapes.
 template <typename Scalar>
-KerasLayer<Scalar> load_keras_layer(const std::string& path, const std::string& layer_name) {
-  return detail::keras::load<Scalar>(path, layer_name, nullptr);
+KerasLayer<Scalar> load_keras_layer(const std::string& path, const std::string& layer_name,
+                                    const KerasReadOptions& options = {}) {
+  return detail::keras::load<Scalar>(path, layer_name, nullptr, options);
 }
 
 // The same with the configuration given, for a .weights.h5 file (which holds none): every shape
@@ -242,8 +247,8 @@ KerasLayer<Scalar> load_keras_layer(const std::string& path, const std::string& 
 // bias datasets must be present). With config.json as well, the two must agree.
 template <typename Scalar>
 KerasLayer<Scalar> load_keras_layer(const std::string& path, const std::string& layer_name,
-                                    const MhaConfig& config) {
-  return detail::keras::load<Scalar>(path, layer_name, &config);
+                                    const MhaConfig& config, const KerasReadOptions& options = {}) {
+  return detail::keras::load<Scalar>(path, layer_name, &config, options);
 }
 
 // Every MultiHeadAttention of a Keras file: from config.json when there is one, else every HDF5

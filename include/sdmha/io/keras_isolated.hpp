@@ -141,14 +141,19 @@ io::KerasLayer<Scalar> decode(const std::string& bytes, const std::string& path)
 
 template <typename Scalar>
 io::KerasLayer<Scalar> load_isolated(const std::string& path, const std::string& layer_name,
-                                     const MhaConfig* config, const io::IsolationLimits& limits) {
+                                     const MhaConfig* config, const io::KerasReadOptions& options) {
   static_assert(std::is_same<Scalar, float>::value || std::is_same<Scalar, double>::value,
                 "load_keras_layer_isolated reads float or double weights");
   if (config) config->validate();  // before the fork: a bad argument costs no child
-  const std::string reply = run_in_child("load_keras_layer_isolated", path, limits, [&] {
-    return encode(load<Scalar>(path, layer_name, config));
+  io::KerasReadOptions in_child = options;
+  in_child.allow_non_finite_weights = true;  // checked here, on what arrives
+  const std::string reply = run_in_child("load_keras_layer_isolated", path, options.isolation, [&] {
+    return encode(load<Scalar>(path, layer_name, config, in_child));
   });
-  return decode<Scalar>(reply, path);
+  auto layer = decode<Scalar>(reply, path);
+  if (!options.allow_non_finite_weights)
+    check_finite_weights("load_keras_layer_isolated", "'" + path + "'", layer.weights);
+  return layer;
 }
 
 }  // namespace sdmha::detail::keras
@@ -182,20 +187,21 @@ inline bool is_keras_file(const std::string& path) {
   }
 }
 
-// load_keras_layer(path, layer_name) in a child process under `limits`: the same layer, or the
-// same typed error, or an IoError when the reader crashed, hung or ran out of its memory.
+// load_keras_layer(path, layer_name, options) in a child process under options.isolation: the
+// same layer, or the same typed error, or an IoError when the reader crashed, hung or ran out of
+// its memory.
 template <typename Scalar>
 KerasLayer<Scalar> load_keras_layer_isolated(const std::string& path, const std::string& layer_name,
-                                             const IsolationLimits& limits = {}) {
-  return detail::keras::load_isolated<Scalar>(path, layer_name, nullptr, limits);
+                                             const KerasReadOptions& options = {}) {
+  return detail::keras::load_isolated<Scalar>(path, layer_name, nullptr, options);
 }
 
 // The same with the configuration given (see load_keras_layer).
 template <typename Scalar>
 KerasLayer<Scalar> load_keras_layer_isolated(const std::string& path, const std::string& layer_name,
                                              const MhaConfig& config,
-                                             const IsolationLimits& limits = {}) {
-  return detail::keras::load_isolated<Scalar>(path, layer_name, &config, limits);
+                                             const KerasReadOptions& options = {}) {
+  return detail::keras::load_isolated<Scalar>(path, layer_name, &config, options);
 }
 
 }  // namespace sdmha::io

@@ -1,9 +1,11 @@
 // sdmha/io/keras_layer.hpp — what io/keras_file.hpp returns: a MultiHeadAttention layer read from
-// a Keras file (its configuration and weights), and the list entry of one such layer.
+// a Keras file (its configuration and weights), how to read it, and the list entry of one such
+// layer.
 #pragma once
 
 #include <string>
 
+#include "sdmha/io/isolation.hpp"
 #include "sdmha/weights.hpp"
 
 namespace sdmha::io {
@@ -17,6 +19,14 @@ struct KerasLayer {
   std::string name;            // the Keras layer name; empty when the file does not say
   std::string group;  // its HDF5 group, e.g. "layers/functional/layers/multi_head_attention_1"
   std::string keras_version;  // from metadata.json; empty for a .weights.h5
+};
+
+// How a Keras file is read. A NaN or ±Inf weight is a FormatError naming the tensor and its first
+// such entry unless allow_non_finite_weights; `isolation` bounds load_keras_layer_isolated's
+// child process.
+struct KerasReadOptions {
+  bool allow_non_finite_weights = false;
+  IsolationLimits isolation;
 };
 
 // One MultiHeadAttention of a Keras file, as keras_attention_layers lists it.

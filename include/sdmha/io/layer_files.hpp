@@ -35,6 +35,7 @@
 #include "sdmha/broadcast_ref.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/io/detail/bytes.hpp"
+#include "sdmha/io/detail/finite_weights.hpp"
 #include "sdmha/io/detail/shape_format.hpp"
 #include "sdmha/io/dtype.hpp"
 #include "sdmha/io/npy.hpp"
@@ -54,6 +55,8 @@ struct LayerFileOptions {
   std::optional<Index> num_heads;       // default: metadata "num_heads" (required for torch)
   std::optional<bool> use_causal_mask;  // default: metadata "use_causal_mask", else false
   std::optional<std::string> prefix;    // Keras layer prefix; default: found from the names
+  // A NaN or ±Inf weight is a FormatError naming the tensor and its first such entry, unless set.
+  bool allow_non_finite_weights = false;
 };
 
 template <typename Scalar>
@@ -343,6 +346,8 @@ LayerFile<Scalar> load_layer(const TensorSource& source, const LayerFileOptions&
   layer.scale = detail::metadata_number(source, "scale");
   layer.fully_masked_rows = detail::metadata_fully_masked_rows(source);
   layer.weights.validate(layer.config);
+  if (!options.allow_non_finite_weights)
+    detail::check_finite_weights("io", source.source(), layer.weights);
   return layer;
 }
 

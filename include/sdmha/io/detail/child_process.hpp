@@ -31,17 +31,7 @@
 #include <string>
 
 #include "sdmha/errors.hpp"
-
-namespace sdmha::io {
-
-// What a child process may use before it is stopped: address space (RLIMIT_AS; an allocation
-// beyond it fails in the child) and wall-clock time (then SIGKILL).
-struct IsolationLimits {
-  std::size_t memory_bytes = std::size_t(4) << 30;
-  double seconds = 60.0;
-};
-
-}  // namespace sdmha::io
+#include "sdmha/io/isolation.hpp"
 
 namespace sdmha::detail {
 
