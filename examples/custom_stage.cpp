@@ -200,6 +200,8 @@ template <typename Scalar>
 struct Inputs {
   sdmha::SparseQuery<Scalar> query;
   Eigen::Tensor<Scalar, 3, Eigen::RowMajor> key, value;
+  // (B, S), true = may attend: options.key_mask is a view of it (a move keeps its data in place).
+  Eigen::Tensor<bool, 2, Eigen::RowMajor> key_mask;
   sdmha::AttentionOptions<Scalar> options;
 };
 
@@ -214,7 +216,7 @@ Inputs<Scalar> inputs_of(const Problem& p, sdmha::ScoreStrategy strategy) {
     values[i] = Scalar(e.value);
   }
   Inputs<Scalar> in{
-      sdmha::SparseQuery<Scalar>::from_coo(p.B, p.T, p.Eq, indices, values), {}, {}, {}};
+      sdmha::SparseQuery<Scalar>::from_coo(p.B, p.T, p.Eq, indices, values), {}, {}, {}, {}};
   in.key.resize(p.B, p.S, p.Ek);
   in.value.resize(p.B, p.S, p.Ek);
   for (std::size_t i = 0; i < p.key.size(); ++i) {
@@ -222,9 +224,9 @@ Inputs<Scalar> inputs_of(const Problem& p, sdmha::ScoreStrategy strategy) {
     in.value.data()[i] = Scalar(p.value[i]);
   }
   in.options.use_causal_mask = p.causal;
-  in.options.key_padding_mask.resize(p.B, p.S);
-  for (std::size_t i = 0; i < p.padded.size(); ++i)
-    in.options.key_padding_mask.data()[i] = p.padded[i] != 0;
+  in.key_mask.resize(p.B, p.S);
+  for (std::size_t i = 0; i < p.padded.size(); ++i) in.key_mask.data()[i] = p.padded[i] == 0;
+  in.options.key_mask = in.key_mask;
   in.options.score_strategy = strategy;
   in.options.num_threads = 2;
   return in;
@@ -302,8 +304,9 @@ struct Settings {
 
 template <typename Scalar>
 void configure(CustomLayer<Scalar>& layer, const Settings& settings) {
-  layer.score_kernel().slope.assign(settings.slope.begin(), settings.slope.end());
-  layer.softmax().temperature.assign(settings.temperature.begin(), settings.temperature.end());
+  layer.stages().score_kernel.slope.assign(settings.slope.begin(), settings.slope.end());
+  layer.stages().softmax.temperature.assign(settings.temperature.begin(),
+                                            settings.temperature.end());
 }
 
 const sdmha::ScoreStrategy kStrategies[] = {sdmha::ScoreStrategy::project_first,

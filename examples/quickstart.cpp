@@ -1,8 +1,11 @@
 // quickstart.cpp — a sparse multi-hot query over a dense context, through SparseDenseMHA, checked
 // against the dense baseline, then one training step: backward and an in-place update of the
 // layer's weights. The calls are the README's quickstart. Copy it into your project and replace
-// the random inputs.
+// the random inputs; the check against DenseMHA, the bench's dense baseline, needs bench/ on the
+// include path (-I bench; DenseMHA is not part of the library's API).
 #include <sdmha/sdmha.hpp>
+
+#include "dense_mha.hpp"  // DenseMHA, the dense baseline: bench/dense_mha.hpp, not part of the API
 
 #include <cstdint>
 #include <cstdio>

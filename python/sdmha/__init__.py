@@ -98,6 +98,12 @@ def Layer(num_heads, key_dim, query_dim, key_in_dim, value_in_dim, value_dim=0, 
     output_dim 0 means Eq (Keras' defaults). seed=None gives zero weights, an integer sdmha's
     glorot_uniform(seed). ``layer.weight(name)`` is a writable view of a weight (no copy),
     ``layer.set_weight(name, array)`` copies into it.
+
+    ``layer.forward(query, key, value, key_mask=...)`` takes the C++ API's key mask: bool (B, S),
+    True = key step s of batch entry b may be attended (attention_mask's polarity, the negation
+    of PyTorch's key_padding_mask, which only ``sdmha.torch`` takes). ``layer.set_precision(p)``
+    with p = 'float32', 'bfloat16' (every kernel) or 'bfloat16_query_kernel' (Wq only); float32
+    layers only for the bfloat16 modes; ``layer.precision`` is the mode last set.
     """
     return _class("Layer", dtype)(num_heads, key_dim, query_dim, key_in_dim, value_in_dim,
                                   value_dim, output_dim, use_bias, seed)

@@ -347,7 +347,9 @@ def _options(attention_mask, key_padding_mask, use_causal_mask, return_attention
         options["attention_mask"] = attention_mask
     padding = _mask("key_padding_mask", key_padding_mask, 2)
     if padding is not None:
-        options["key_padding_mask"] = padding
+        # PyTorch's polarity (True = padding) inverted into sdmha's key_mask (True = may attend):
+        # an array of its own, which the options (kept for the backward) hold alive.
+        options["key_mask"] = np.logical_not(padding)
     if training and dropout > 0:
         # A fresh seed per call from torch's generator: reproducible under torch.manual_seed,
         # and the backward (same options) drops the same entries.
@@ -366,6 +368,10 @@ def _apply(binding, query, key, value, weights, options, num_threads, bias=None)
         if tensor.shape[0] != batch:  # before project_context, whose message would speak of a context
             raise ShapeError(f"sdmha: SparseDenseMHA::forward: {name} has batch {tensor.shape[0]}; expected the "
                              f"query's batch {batch}")
+    key_mask = options.get("key_mask")
+    if key_mask is not None and key_mask.shape != (batch, key.shape[1]):  # named as the caller gave it
+        raise ShapeError(f"sdmha: key_padding_mask has shape {tuple(key_mask.shape)}; expected (B, S) = "
+                         f"({batch}, {key.shape[1]})")
     needs_grad = torch.is_grad_enabled() and (
         values.requires_grad or key.requires_grad or value.requires_grad
         or (bias is not None and bias.requires_grad)

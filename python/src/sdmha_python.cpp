@@ -262,6 +262,7 @@ struct CallArguments {
   std::shared_ptr<sdmha::ProjectedContext<Scalar>> context;
   py::object keep_workspace;
   py::object keep_mask, keep_bias;      // the contiguous arrays the options view
+  py::object keep_key_mask;             // the key mask's, likewise
   std::vector<py::ssize_t> bias_shape;  // the bias as given, for its gradient
 };
 
@@ -309,7 +310,9 @@ inline sdmha::ScoreStrategy strategy_from(const std::string& name) {
 inline sdmha::Precision precision_from(const char* where, const std::string& name) {
   if (name == "float32") return sdmha::Precision::float32;
   if (name == "bfloat16") return sdmha::Precision::bfloat16;
-  fail<sdmha::ConfigError>(where, "precision = '", name, "'; expected 'float32' or 'bfloat16'");
+  if (name == "bfloat16_query_kernel") return sdmha::Precision::bfloat16_query_kernel;
+  fail<sdmha::ConfigError>(where, "precision = '", name,
+                           "'; expected 'float32', 'bfloat16' or 'bfloat16_query_kernel'");
 }
 
 template <typename Scalar>
@@ -348,15 +351,19 @@ CallArguments<Scalar> call_arguments(const char* where, const py::dict& kwargs) 
         options.causal_alignment = alignment_from(value.cast<std::string>());
       } else if (key == "fully_masked_rows") {
         options.fully_masked_rows = fully_masked_from(value.cast<std::string>());
-      } else if (key == "key_padding_mask") {
+      } else if (key == "key_mask") {
         if (value.is_none()) continue;
-        const BoolArray mask = BoolArray::ensure(value);
+        const BoolArray mask = BoolArray::ensure(value);  // a copy only if not C-contiguous bool
         if (!mask) throw py::error_already_set();
         if (mask.ndim() != 2)
-          fail<sdmha::ShapeError>(where, "key_padding_mask has ", mask.ndim(),
+          fail<sdmha::ShapeError>(where, "key_mask has ", mask.ndim(),
                                   " dimensions; expected 2 (B, S)");
-        options.key_padding_mask.resize(mask.shape(0), mask.shape(1));
-        std::copy(mask.data(), mask.data() + mask.size(), options.key_padding_mask.data());
+        call.keep_key_mask = mask;
+        options.key_mask = sdmha::TensorRef<bool, 2>(mask.data(), mask.shape(0), mask.shape(1));
+      } else if (key == "key_padding_mask") {
+        throw py::type_error(std::string("sdmha: ") + where +
+                             ": key_padding_mask (PyTorch's, True = padding) is not taken here; "
+                             "expected key_mask (True = may attend): pass ~key_padding_mask");
       } else if (key == "use_causal_mask") {
         options.use_causal_mask = value.cast<bool>();
       } else if (key == "return_attention_scores") {
@@ -480,28 +487,22 @@ class PyLayer {
     const std::unique_lock<std::shared_mutex> lock = exclusive();
     if (array.size() > 0 && array.data() != data)
       std::copy(array.data(), array.data() + array.size(), data);
-    // bfloat16 kernels are snapshots: round the new one.
-    if (name == "query_kernel" && layer_.query_kernel_precision() == sdmha::Precision::bfloat16)
-      layer_.set_query_kernel_precision(sdmha::Precision::bfloat16);
-    else if (name.size() > 7 && name.compare(name.size() - 7, 7, "_kernel") == 0 &&
-             layer_.precision() == sdmha::Precision::bfloat16)
-      layer_.set_precision(sdmha::Precision::bfloat16);
+    // bfloat16 kernels are snapshots: round the new one (the mode stays what it was). Wq is
+    // rounded in both bfloat16 modes, Wk, Wv and Wo in bfloat16 only.
+    const sdmha::Precision precision = layer_.precision();
+    const bool rounded = name == "query_kernel"
+                             ? precision != sdmha::Precision::float32
+                             : precision == sdmha::Precision::bfloat16 && name.size() > 7 &&
+                                   name.compare(name.size() - 7, 7, "_kernel") == 0;
+    if (rounded) layer_.set_precision(precision);
   }
 
-  void set_query_kernel_precision(const std::string& precision) {
-    const sdmha::Precision value = precision_from("Layer.set_query_kernel_precision", precision);
-    const std::unique_lock<std::shared_mutex> lock = exclusive();
-    layer_.set_query_kernel_precision(value);
-  }
   void set_precision(const std::string& precision) {
     const sdmha::Precision value = precision_from("Layer.set_precision", precision);
     const std::unique_lock<std::shared_mutex> lock = exclusive();
     layer_.set_precision(value);
   }
   std::string precision() const { return sdmha::to_string(layer_.precision()); }
-  std::string query_kernel_precision() const {
-    return sdmha::to_string(layer_.query_kernel_precision());
-  }
 
   py::tuple forward(const py::object& query_object, const InArray<Scalar>& key,
                     const py::object& value_object, const py::kwargs& kwargs) const {
@@ -803,27 +804,26 @@ void bind_layer(py::module_& m, const std::string& suffix) {
       .def("set_weight", &L::set_weight, py::arg("name"), py::arg("array"),
            "copies `array` (same shape) into the weight, in place (and rounds a bfloat16 kernel "
            "again)")
-      .def("set_query_kernel_precision", &L::set_query_kernel_precision, py::arg("precision"),
-           "'bfloat16' (float32 layers): forward reads Wq rounded to bfloat16 now, a snapshot "
-           "(call again after writing Wq through weight('query_kernel'); set_weight does it); "
-           "backward then refuses. 'float32': the weights as they are.")
-      .def_property_readonly("query_kernel_precision", &L::query_kernel_precision)
       .def("set_precision", &L::set_precision, py::arg("precision"),
-           "'bfloat16' (float32 layers): every kernel rounded to bfloat16 now, a snapshot as for "
-           "set_query_kernel_precision; the projections run on bfloat16 dot products with "
-           "float32 sums, their inputs rounded as read; backward then refuses. 'float32': the "
-           "weights as they are.")
-      .def_property_readonly("precision", &L::precision)
+           "'bfloat16' (float32 layers): every kernel rounded to bfloat16 now, a snapshot (call "
+           "again after writing a kernel through weight(name); set_weight does it); the "
+           "projections, scores and P·V run on bfloat16 dot products with float32 sums, their "
+           "inputs rounded as read; backward then refuses. 'bfloat16_query_kernel': only Wq "
+           "rounded, likewise a snapshot, the rest float32. 'float32': the weights as they are.")
+      .def_property_readonly("precision", &L::precision,
+                             "the mode set_precision last set ('float32' at first)")
       .def("forward", &L::forward, py::arg("query"), py::arg("key"), py::arg("value") = py::none(),
            "forward(query, key, value=None, *, attention_mask=None, attention_bias=None, "
            "use_causal_mask=False, causal_alignment='top_left', scale=None, "
-           "fully_masked_rows='zeros', key_padding_mask=None, return_attention_scores=False, "
+           "fully_masked_rows='zeros', key_mask=None, return_attention_scores=False, "
            "num_threads=0, training=False, dropout_rate=0.0, dropout_seed=0, "
            "score_strategy='automatic', workspace=None, context=None) -> (output (B, T, O), scores "
            "(B, H, T, S) or None). value=None means value = key; with a context, key and value are "
            "not read. attention_mask (bool, True = may attend) and attention_bias (the layer's "
            "dtype, added to the scaled scores) are (T, S), (B, T, S), (B, 1, T, S), (B, H, T, S) "
-           "or (1, H, T, S) arrays, read in place when C-contiguous.")
+           "or (1, H, T, S) arrays, read in place when C-contiguous. key_mask: bool (B, S), True "
+           "= key step s of batch entry b may be attended (the negation of PyTorch's "
+           "key_padding_mask), read in place when C-contiguous bool.")
       .def("backward", &L::backward, py::arg("query"), py::arg("key"), py::arg("value"),
            py::arg("d_output"),
            "backward(query, key, value, d_output, **the forward's options) -> dict of gradients: "

@@ -68,6 +68,41 @@ def test_csr_forward_and_backward_match_the_reference(dtype):
     assert_close(grads["value"], ref_value.grad, torch_dtype, "value")
 
 
+def test_key_mask_true_may_attend():
+    """key_mask (B, S), True = may attend (the negation of PyTorch's key_padding_mask): a key step
+    whose entry is False gets probability 0 from every query and head of its batch entry; the
+    forward and backward equal the reference with key_padding_mask = ~key_mask. A view of a
+    non-contiguous array is taken on a copy that the call keeps alive."""
+    case = Case()
+    layer = layer_of(case)
+    indptr, indices, values = csr_arrays(case)
+    query = sdmha.csr_query(case.batch, case.steps, case.features, indptr, indices, values)
+    key, value = numpy_of(case.key), numpy_of(case.value)
+    key_mask = np.ones((case.batch, case.key_steps), bool)
+    key_mask[0, 1] = False
+    key_mask[1, -1] = False
+    output, scores = layer.forward(query, key, value, key_mask=key_mask, return_attention_scores=True)
+    assert np.all(scores[0, :, :, 1] == 0) and np.all(scores[1, :, :, -1] == 0)
+    assert np.all(scores[0, :, :, 0] > 0) and np.all(scores[1, :, :, 0] > 0)
+    expected, expected_scores = reference(case.dense_query(), case.key, case.value, case.weights, case.heads,
+                                          key_padding_mask=torch.from_numpy(~key_mask))
+    assert_close(output, expected, torch.float64, "output")
+    assert_close(scores, expected_scores, torch.float64, "scores")
+    transposed = np.asfortranarray(key_mask)  # not C-contiguous: copied for the call
+    assert np.array_equal(layer.forward(query, key, value, key_mask=transposed)[0], output)
+    d_output = numpy_of(case.d_output)
+    masked = layer.backward(query, key, value, d_output, key_mask=key_mask)
+    assert np.all(masked["key"][0, 1] == 0) and np.all(masked["value"][1, -1] == 0)
+    everything = layer.backward(query, key, value, d_output, key_mask=np.ones_like(key_mask))
+    assert not np.all(everything["key"][0, 1] == 0)
+    with pytest.raises(sdmha.ShapeError, match=r"key_mask is \(1, 4\); expected \(B, S\) = \(2, 4\)"):
+        layer.forward(query, key, value, key_mask=np.ones((1, case.key_steps), bool))
+    with pytest.raises(sdmha.ShapeError, match="key_mask has 1 dimensions; expected 2"):
+        layer.forward(query, key, value, key_mask=np.ones(case.key_steps, bool))
+    with pytest.raises(TypeError, match="key_padding_mask .* expected key_mask"):
+        layer.forward(query, key, value, key_padding_mask=~key_mask)
+
+
 def test_coo_query_gives_one_gradient_per_input_entry():
     case = Case(duplicates=3)
     layer = layer_of(case)
@@ -291,6 +326,10 @@ def test_torch_module_bad_input():
         module(query, case.key, case.value, attention_mask=torch.ones(1, 1, 1, dtype=torch.bool))
     with pytest.raises(TypeError, match="torch.bool"):
         module(query, case.key, case.value, attention_mask=torch.ones(2, 5, 4))
+    with pytest.raises(sdmha.ShapeError, match=r"key_padding_mask has shape \(2, 5\); expected \(B, S\) = \(2, 4\)"):
+        module(query, case.key, case.value, key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))
+    with pytest.raises(TypeError, match="key_padding_mask has dtype"):
+        module(query, case.key, case.value, key_padding_mask=torch.zeros(2, 4))
     with pytest.raises(sdmha.ConfigError, match="dropout"):
         SparseQueryMultiheadAttention(2, 3, 7, 6, 5, dropout=1.5)
     with pytest.raises(TypeError, match="float16"):
@@ -300,17 +339,17 @@ def test_torch_module_bad_input():
 
 
 def test_bfloat16_query_kernel_is_the_float32_layer_on_the_rounded_kernel():
-    """set_query_kernel_precision('bfloat16'): the forward equals the float32 layer whose query
-    kernel is rounded to bfloat16 by torch (bit for bit), set_weight rounds the new kernel, and
-    backward refuses."""
+    """set_precision('bfloat16_query_kernel'): the forward equals the float32 layer whose query
+    kernel is rounded to bfloat16 by torch (bit for bit), set_weight rounds the new kernel (and
+    keeps the mode), and backward refuses."""
     case = Case()
     layer = layer_of(case, "float32")
     indptr, indices, values = csr_arrays(case)
     query = sdmha.csr_query(case.batch, case.steps, case.features, indptr, indices, values.astype("float32"))
     key, value = numpy_of(case.key).astype("float32"), numpy_of(case.value).astype("float32")
-    assert layer.query_kernel_precision == "float32"
-    layer.set_query_kernel_precision("bfloat16")
-    assert layer.query_kernel_precision == "bfloat16"
+    assert layer.precision == "float32"
+    layer.set_precision("bfloat16_query_kernel")
+    assert layer.precision == "bfloat16_query_kernel"
     output, _ = layer.forward(query, key, value)
 
     twin = layer_of(case, "float32")
@@ -323,13 +362,18 @@ def test_bfloat16_query_kernel_is_the_float32_layer_on_the_rounded_kernel():
     layer.set_weight("query_kernel", doubled)
     twin.set_weight("query_kernel", torch.from_numpy(doubled).to(torch.bfloat16).to(torch.float32).numpy())
     assert np.array_equal(layer.forward(query, key, value)[0], twin.forward(query, key, value)[0])
+    assert layer.precision == "bfloat16_query_kernel"
 
     with pytest.raises(sdmha.ConfigError, match="expected float32 for the backward"):
         layer.backward(query, key, value, numpy_of(case.d_output).astype("float32"))
-    with pytest.raises(sdmha.ConfigError, match="expected 'float32' or 'bfloat16'"):
-        layer.set_query_kernel_precision("half")
-    with pytest.raises(sdmha.ConfigError, match="need Scalar = float"):
-        layer_of(case, "float64").set_query_kernel_precision("bfloat16")
+    with pytest.raises(sdmha.ConfigError,
+                       match="expected 'float32', 'bfloat16' or 'bfloat16_query_kernel'"):
+        layer.set_precision("half")
+    with pytest.raises(sdmha.ConfigError,
+                       match="precision is bfloat16_query_kernel for a double layer.*need Scalar = float"):
+        layer_of(case, "float64").set_precision("bfloat16_query_kernel")
+    layer.set_precision("float32")
+    assert layer.precision == "float32"
 
 
 def test_bfloat16_precision_rounds_every_kernel():
@@ -343,7 +387,7 @@ def test_bfloat16_precision_rounds_every_kernel():
     key, value = numpy_of(case.key).astype("float32"), numpy_of(case.value).astype("float32")
     expected, _ = layer.forward(query, key, value)
     layer.set_precision("bfloat16")
-    assert layer.precision == "bfloat16" and layer.query_kernel_precision == "bfloat16"
+    assert layer.precision == "bfloat16"
     output, _ = layer.forward(query, key, value)
     assert not np.array_equal(output, expected)
     # Each projection term within 2^-7 of itself; the small case's outputs move by well under 2^-5.
@@ -358,12 +402,13 @@ def test_bfloat16_precision_rounds_every_kernel():
 
     with pytest.raises(sdmha.ConfigError, match="expected float32 for the backward"):
         layer.backward(query, key, value, numpy_of(case.d_output).astype("float32"))
-    with pytest.raises(sdmha.ConfigError, match="Layer.set_precision.*expected 'float32' or 'bfloat16'"):
+    with pytest.raises(sdmha.ConfigError,
+                       match="Layer.set_precision.*expected 'float32', 'bfloat16' or 'bfloat16_query_kernel'"):
         layer.set_precision("half")
     with pytest.raises(sdmha.ConfigError, match="need Scalar = float"):
         layer_of(case, "float64").set_precision("bfloat16")
     layer.set_precision("float32")
-    assert layer.precision == "float32" and layer.query_kernel_precision == "float32"
+    assert layer.precision == "float32"
 
 
 def test_precision_and_weights_change_safely_beside_running_calls():

@@ -9,11 +9,13 @@
 #include "allocation_counter.hpp"
 #include "test_support.hpp"
 
+#include "dense_mha.hpp"  // the bench's dense baseline (bench/), which the layers are compared with
+
 #include "internal_access.hpp"
 
 #include <limits>
 
-#include <sdmha/backward.hpp>
+#include <sdmha/sparse_dense_mha.hpp>
 
 namespace sdmha_test {
 namespace {
@@ -68,7 +70,7 @@ Shape steady_shape(bool masks) {
   s.density = 0.03;
   s.random_mask = masks;
   s.causal = masks;
-  s.key_padding = masks;
+  s.key_mask = masks;
   s.empty_rows = masks;
   return s;
 }
@@ -203,7 +205,7 @@ TEST(SteadyState, BackwardAllocatesNothingOnceWarm) {
     if (masks) {
       // A NaN in a padded key row: the key kernel's gradient takes its gathering path.
       for (Index s = 0; s < shape.key_steps; ++s)
-        if (c.options.key_padding_mask(0, s)) {
+        if (!c.key_mask()(0, s)) {
           c.key(0, s, 0) = std::numeric_limits<float>::quiet_NaN();
           break;
         }
@@ -288,15 +290,20 @@ TEST(SteadyState, BackwardByFeatureAllocatesNothingOnceWarm) {
 // padding. Its scratch is sized for all rows, so alternating two paddings allocates nothing.
 TEST(SteadyState, BackwardWithAChangingPaddingAllocatesNothingOnceWarm) {
   Shape shape = steady_shape(false);
-  shape.key_padding = true;
+  shape.key_mask = true;
   auto c = make_case<float>(shape, 15);
   for (Index b = 0; b < shape.batch; ++b) c.key(b, 0, 0) = std::numeric_limits<float>::quiet_NaN();
+  // The two key masks (true = may attend) the loop alternates: the first 1 or 7 key steps padded.
+  KeyMask key_masks[2] = {KeyMask(shape.batch, shape.key_steps),
+                          KeyMask(shape.batch, shape.key_steps)};
   auto padding = [&](Index padded_steps, int threads) {
+    KeyMask& key_mask = key_masks[padded_steps == 1 ? 0 : 1];
+    key_mask.setConstant(true);
+    for (Index b = 0; b < shape.batch; ++b)
+      for (Index s = 0; s < padded_steps; ++s) key_mask(b, s) = false;
     auto options = c.options;
     options.num_threads = threads;
-    options.key_padding_mask.setConstant(false);
-    for (Index b = 0; b < shape.batch; ++b)
-      for (Index s = 0; s < padded_steps; ++s) options.key_padding_mask(b, s) = true;
+    options.key_mask = key_mask;
     return options;
   };
   const sdmha::SparseDenseMHA<float> layer(c.config, c.weights);

@@ -3,7 +3,7 @@
 // The bytes choose the dimensions (B, T, S ≤ 6, or T up to 70 to cross a query tile; Eq, Ek, Ev
 // ≤ 12; H ≤ 3; Dk, Dv ≤ 5), the projection biases, the masks (an attention mask of any broadcast
 // shape (T, S), (B, T, S), (B', H', T, S) with B' ∈ {1, B}, H' ∈ {1, H}; causal top-left or
-// bottom-right; key padding), an attention bias of any of those shapes with −∞ entries, the scale,
+// bottom-right; a key mask), an attention bias of any of those shapes with −∞ entries, the scale,
 // the policy for fully masked rows, the score strategy, the thread count and every value. Weights,
 // inputs and bias values are multiples of 1/16, exact in float and double, optionally scaled so
 // that logits reach about ±1e4 (inputs of extreme values, such as the crafted bfloat16 seeds,
@@ -39,6 +39,8 @@
 
 #include <sdmha/sdmha.hpp>
 
+#include "dense_mha.hpp"  // DenseMHA, the bench's dense baseline (bench/)
+
 #include "fuzz_support.hpp"
 #include "reference/reference_mha.hpp"
 
@@ -51,7 +53,7 @@ struct Setup {
   bool use_bias = true;
   int threads = 1;
   sdmha::ScoreStrategy strategy = sdmha::ScoreStrategy::automatic;
-  bool has_key_padding = false;
+  bool has_key_mask = false;
   // The attention mask's and bias's shapes: (B', H', rank) with rank 2 (T, S), 3 (B, T, S) or 4;
   // rank 0: none. The reference holds a rank-3 mask in attention_mask, the others in
   // broadcast_mask.
@@ -100,7 +102,7 @@ void broadcast_shape(int code, long batch, long heads, int& rank, long& shape_ba
   shape_heads = code == 5 || code == 6 ? heads : 1;
 }
 
-// The attention mask, bias and key padding, drawn before the weights so that short inputs reach
+// The attention mask, bias and key mask, drawn before the weights so that short inputs reach
 // them too.
 void decode_masks(FuzzedDataProvider& provider, Setup& setup) {
   auto& p = setup.problem;
@@ -125,10 +127,9 @@ void decode_masks(FuzzedDataProvider& provider, Setup& setup) {
         p.attention_bias[i] = -std::numeric_limits<double>::infinity();
     }
   }
-  if (setup.has_key_padding) {
-    p.key_padding_mask.resize(static_cast<std::size_t>(B * S));
-    for (char& padded : p.key_padding_mask)
-      padded = provider.ConsumeIntegralInRange<int>(0, 4) == 0;
+  if (setup.has_key_mask) {  // one key step in five blocked (padding)
+    p.key_mask.resize(static_cast<std::size_t>(B * S));
+    for (char& allowed : p.key_mask) allowed = provider.ConsumeIntegralInRange<int>(0, 4) != 0;
   }
   setup.blocked_everywhere.assign(static_cast<std::size_t>(B * S), 1);
   for (long b = 0; b < B; ++b)
@@ -175,7 +176,7 @@ Setup decode(FuzzedDataProvider& provider) {
   setup.use_bias = provider.ConsumeBool();
   p.causal = provider.ConsumeBool();
   broadcast_shape(mask_code, p.batch, p.heads, setup.mask_rank, setup.mask_batch, setup.mask_heads);
-  setup.has_key_padding = provider.ConsumeBool();
+  setup.has_key_mask = provider.ConsumeBool();
   setup.strategy = provider.PickValueInArray({sdmha::ScoreStrategy::automatic,
                                               sdmha::ScoreStrategy::project_first,
                                               sdmha::ScoreStrategy::sparse_regrouped});
@@ -374,13 +375,14 @@ sdmha::MhaConfig config_of(const Setup& setup) {
 }
 
 // The query, key, value and options of a forward in Scalar, as the setup decoded them; the
-// options view the mask and bias held here, so an Inputs stays where it was built.
+// options view the masks and bias held here, so an Inputs stays where it was built.
 template <typename Scalar>
 struct Inputs {
   sdmha::SparseQuery<Scalar> query;
   Eigen::Tensor<Scalar, 3, Eigen::RowMajor> key, value;
   Broadcast<bool> mask;
   Broadcast<Scalar> bias;
+  Eigen::Tensor<bool, 2, Eigen::RowMajor> key_mask;  // (B, S), true = may attend; empty = none
   sdmha::AttentionOptions<Scalar> options;
 
   explicit Inputs(const Setup& setup)
@@ -404,10 +406,11 @@ struct Inputs {
     if (setup.scale != 0.0) options.scale = setup.scale;
     options.attention_mask = mask.ref();
     options.attention_bias = bias.ref();
-    if (setup.has_key_padding) {
-      options.key_padding_mask.resize(p.batch, p.key_steps);
+    if (setup.has_key_mask) {
+      key_mask.resize(p.batch, p.key_steps);
       for (Index i = 0; i < p.batch * p.key_steps; ++i)
-        options.key_padding_mask.data()[i] = p.key_padding_mask[std::size_t(i)] != 0;
+        key_mask.data()[i] = p.key_mask[std::size_t(i)] != 0;
+      options.key_mask = key_mask;
     }
     options.return_attention_scores = true;
     options.score_strategy = setup.strategy;

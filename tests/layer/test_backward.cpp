@@ -1,8 +1,8 @@
-// Tests of sdmha/backward.hpp (SparseDenseMHA::backward) and of the backward of the sparse query
-// projection (SparseQueryProjection's KernelGradientArguments and ValuesGradientArguments, in
-// sdmha/stages/query_projection.hpp): gradients against central finite differences of the forward
-// over random configurations, dropout, masks, non-finite blocked inputs, thread counts and bad
-// input.
+// Tests of sdmha/detail/backward_pass.hpp (SparseDenseMHA::backward) and of the backward of the
+// sparse query projection (SparseQueryProjection's KernelGradientArguments and
+// ValuesGradientArguments, in sdmha/stages/query_projection.hpp): gradients against central finite
+// differences of the forward over random configurations, dropout, masks, non-finite blocked inputs,
+// thread counts and bad input.
 #include "test_support.hpp"
 
 #include "gradient_check.hpp"
@@ -11,7 +11,7 @@
 #include <cstring>
 #include <string>
 
-#include <sdmha/backward.hpp>
+#include <sdmha/sparse_dense_mha.hpp>
 
 namespace sdmha_test {
 namespace {
@@ -67,7 +67,7 @@ TEST(BackwardGradientCheck, MatchesCentralDifferencesOnRandomConfigurations) {
     s.density = 0.25;
     s.random_mask = round % 2 == 0;
     s.causal = round % 3 == 1;
-    s.key_padding = round % 5 == 2;
+    s.key_mask = round % 5 == 2;
     s.empty_rows = round % 4 == 1;
     s.fully_blocked_rows = round % 6 == 3;
     s.duplicates = round % 3 == 2;
@@ -303,11 +303,11 @@ TYPED_TEST(BackwardTest, FullyBlockedRowsPassExactlyZeroGradient) {
 TYPED_TEST(BackwardTest, NonFiniteKeyAndValueInBlockedRowsNeverReachAGradient) {
   Shape s;
   s.random_mask = true;
-  s.key_padding = true;
+  s.key_mask = true;
   auto clean = make_case<TypeParam>(s, 44);
   // Key step 3 of batch 0 blocked for every query; key step 5 of batch 1 padded.
   for (long t = 0; t < s.steps; ++t) clean.mutable_mask()(0, t, 3) = false;
-  clean.options.key_padding_mask(1, 5) = true;
+  clean.mutable_key_mask()(1, 5) = false;
   auto poisoned = clean;
   constexpr TypeParam nan = std::numeric_limits<TypeParam>::quiet_NaN();
   constexpr TypeParam inf = std::numeric_limits<TypeParam>::infinity();
@@ -348,7 +348,7 @@ TYPED_TEST(BackwardTest, NonFiniteKeyAndValueInBlockedRowsNeverReachAGradient) {
 // data). Nothing is attended, so every gradient but dbo is exactly 0.
 TYPED_TEST(BackwardTest, NonFiniteContextWithEveryKeyPaddedAndWideKernelsGivesZeroGradients) {
   Shape s;
-  s.key_padding = true;
+  s.key_mask = true;
   s.query_dim = 20;
   s.key_in_dim = 270;
   s.value_in_dim = 300;
@@ -356,7 +356,7 @@ TYPED_TEST(BackwardTest, NonFiniteContextWithEveryKeyPaddedAndWideKernelsGivesZe
   s.key_dim = 150;
   s.value_dim = 140;
   auto c = make_case<TypeParam>(s, 46);
-  c.options.key_padding_mask.setConstant(true);
+  c.mutable_key_mask().setConstant(false);
   c.key(0, 1, 3) = std::numeric_limits<TypeParam>::quiet_NaN();
   c.value(1, 2, 280) = std::numeric_limits<TypeParam>::infinity();
   const auto d_output = random_d_output(c, 47);
@@ -521,7 +521,7 @@ TYPED_TEST(BackwardTest, AKeptWorkspaceAndGradientsGiveTheBitsOfAFreshCall) {
   large.key_dim = 9;
   large.value_dim = 5;
   large.causal = true;
-  large.key_padding = true;
+  large.key_mask = true;
   large.duplicates = true;
   large.empty_rows = true;
   sdmha::Workspace<TypeParam> workspace;
@@ -783,7 +783,7 @@ Case<double> widened(const Case<float>& c) {
   d.key = c.key.cast<double>();
   d.value = c.value.cast<double>();
   d.use_mask(c.mask_storage);
-  d.options.key_padding_mask = c.options.key_padding_mask;
+  d.use_key_mask(c.key_mask_storage);
   d.options.use_causal_mask = c.options.use_causal_mask;
   return d;
 }

@@ -55,7 +55,6 @@ TEST(BFloat16LayerTest, ProjectedContextIsTheBFloat16GemmOfTheInputs) {
   Layer layer(c.config, c.weights);
   layer.set_precision(sdmha::Precision::bfloat16);
   EXPECT_EQ(layer.precision(), sdmha::Precision::bfloat16);
-  EXPECT_EQ(layer.query_kernel_precision(), sdmha::Precision::bfloat16);
   const auto context = layer.project_context(c.key, c.value);
   const auto keys = bfloat16_projection(c.key, c.weights.key_kernel, c.weights.key_bias);
   const auto values = bfloat16_projection(c.value, c.weights.value_kernel, c.weights.value_bias);
@@ -191,8 +190,9 @@ TEST(BFloat16LayerTest, StreamedContextIsBitwiseTheWholeOne) {
                         streamed.forward(query, c.key, c.value, c.options).output));
 }
 
-// Back to float32, the layer is the float32 layer again; set_query_kernel_precision alone
-// leaves precision() at float32.
+// Back to float32, the layer is the float32 layer again; precision() is the mode last set, and
+// bfloat16_query_kernel after bfloat16 drops the dense kernels' copies (the layer is then the one
+// set to bfloat16_query_kernel from float32, bit for bit).
 TEST(BFloat16LayerTest, Float32RestoresTheFloatLayer) {
   const auto c = make_case<float>(Shape{}, 430);
   Layer layer(c.config, c.weights);
@@ -202,10 +202,17 @@ TEST(BFloat16LayerTest, Float32RestoresTheFloatLayer) {
   EXPECT_FALSE(same_bits(before.output, layer.forward(query, c.key, c.value, c.options).output));
   layer.set_precision(sdmha::Precision::float32);
   EXPECT_EQ(layer.precision(), sdmha::Precision::float32);
-  EXPECT_EQ(layer.query_kernel_precision(), sdmha::Precision::float32);
   EXPECT_TRUE(same_bits(before.output, layer.forward(query, c.key, c.value, c.options).output));
-  layer.set_query_kernel_precision(sdmha::Precision::bfloat16);
-  EXPECT_EQ(layer.precision(), sdmha::Precision::float32);
+  Layer query_only(c.config, c.weights);
+  query_only.set_precision(sdmha::Precision::bfloat16_query_kernel);
+  EXPECT_EQ(query_only.precision(), sdmha::Precision::bfloat16_query_kernel);
+  layer.set_precision(sdmha::Precision::bfloat16);
+  layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
+  EXPECT_EQ(layer.precision(), sdmha::Precision::bfloat16_query_kernel);
+  const auto query_rounded = layer.forward(query, c.key, c.value, c.options);
+  EXPECT_TRUE(
+      same_bits(query_rounded.output, query_only.forward(query, c.key, c.value, c.options).output));
+  EXPECT_FALSE(same_bits(before.output, query_rounded.output));
 }
 
 // The snapshot: a write access through weights() or an output kernel replaced through the shared
@@ -219,9 +226,9 @@ TEST(BFloat16LayerTest, StaleKernelsAreAConfigErrorUntilRoundedAgain) {
   const auto query = c.query();
   layer.weights().key_kernel *= 2.0f;
   SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, c.options), sdmha::ConfigError,
-                          "set_precision(Precision::bfloat16) again");
+                          "rounded before the weights' last write access; expected set_precision");
   SDMHA_EXPECT_THROW_WITH(layer.project_context(c.key, c.value), sdmha::ConfigError,
-                          "set_precision(Precision::bfloat16) again");
+                          "rounded before the weights' last write access; expected set_precision");
   layer.set_precision(sdmha::Precision::bfloat16);
   Layer twin(c.config, shared);  // the doubled Wk, rounded afresh
   twin.set_precision(sdmha::Precision::bfloat16);
@@ -245,9 +252,9 @@ TEST(BFloat16LayerTest, RefusesBackwardAndDoubleLayers) {
   const auto c64 = make_case<double>(Shape{}, 451);
   sdmha::SparseDenseMHA<double> layer64(c64.config, c64.weights);
   SDMHA_EXPECT_THROW_WITH(layer64.set_precision(sdmha::Precision::bfloat16), sdmha::ConfigError,
-                          "bfloat16 kernels need Scalar = float");
+                          "precision is bfloat16 for a double layer; expected float32 (bfloat16 "
+                          "kernels need Scalar = float)");
   EXPECT_EQ(layer64.precision(), sdmha::Precision::float32);
-  EXPECT_EQ(layer64.query_kernel_precision(), sdmha::Precision::float32);
 }
 
 }  // namespace

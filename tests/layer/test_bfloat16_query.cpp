@@ -1,7 +1,7 @@
-// Tests of SparseDenseMHA::set_query_kernel_precision: a forward with the query kernel in
-// bfloat16 is the float32 layer whose Wq is rounded to bfloat16, bit for bit, and agrees with the
-// float64 reference on that rounding; the snapshot's staleness, the backward and the regrouped
-// strategy are refused with clear errors.
+// Tests of SparseDenseMHA::set_precision(Precision::bfloat16_query_kernel): a forward with the
+// query kernel in bfloat16 is the float32 layer whose Wq is rounded to bfloat16, bit for bit, and
+// agrees with the float64 reference on that rounding; the snapshot's staleness, the backward and
+// the regrouped strategy are refused with clear errors.
 #include "test_support.hpp"
 
 namespace sdmha_test {
@@ -53,8 +53,8 @@ TEST(BFloat16QueryKernelTest, IsTheFloatLayerOnTheRoundedQueryKernel) {
     SCOPED_TRACE(variant.name);
     const auto c = make_case<float>(variant.shape, seed++);
     Layer layer(c.config, c.weights);
-    layer.set_query_kernel_precision(sdmha::Precision::bfloat16);
-    EXPECT_EQ(layer.query_kernel_precision(), sdmha::Precision::bfloat16);
+    layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
+    EXPECT_EQ(layer.precision(), sdmha::Precision::bfloat16_query_kernel);
     expect_the_float_layer_on_the_rounded_kernel(c, layer, c.query());
   }
 }
@@ -74,7 +74,7 @@ TEST(BFloat16QueryKernelTest, WideQueryKernelIsBitwiseAndThreadInvariant) {
   const auto c = make_case<float>(s, 41);
   const auto twin = with_rounded_query_kernel(c);
   Layer layer(c.config, c.weights);
-  layer.set_query_kernel_precision(sdmha::Precision::bfloat16);
+  layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
   const Layer twin_layer(twin.config, twin.weights);
   const auto query = c.query();
   ASSERT_GE(query.nonzeros(), 2 * s.query_dim);  // the float layer's by-feature kernel
@@ -123,7 +123,7 @@ TEST(BFloat16QueryKernelTest, WideQueryKernelTakesRowsWithUnsortedColumns) {
   ASSERT_FALSE(query.csr().sorted_columns);
   ASSERT_GE(query.nonzeros(), 2 * s.query_dim);
   Layer layer(c.config, c.weights);
-  layer.set_query_kernel_precision(sdmha::Precision::bfloat16);
+  layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
   expect_the_float_layer_on_the_rounded_kernel(c, layer, query);
 }
 
@@ -133,9 +133,9 @@ TEST(BFloat16QueryKernelTest, Float32PrecisionRestoresTheFloatLayer) {
   Layer layer(c.config, c.weights);
   const auto query = c.query();
   const auto before = layer.forward(query, c.key, c.value, c.options);
-  layer.set_query_kernel_precision(sdmha::Precision::bfloat16);
-  layer.set_query_kernel_precision(sdmha::Precision::float32);
-  EXPECT_EQ(layer.query_kernel_precision(), sdmha::Precision::float32);
+  layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
+  layer.set_precision(sdmha::Precision::float32);
+  EXPECT_EQ(layer.precision(), sdmha::Precision::float32);
   expect_same_bits(before.output, layer.forward(query, c.key, c.value, c.options).output,
                    "float32 again");
 }
@@ -146,12 +146,13 @@ TEST(BFloat16QueryKernelTest, StaleSnapshotIsAConfigErrorUntilRoundedAgain) {
   const auto c = make_case<float>(Shape{}, 61);
   auto shared = std::make_shared<sdmha::MhaWeights<float>>(c.weights);
   Layer layer(c.config, shared);
-  layer.set_query_kernel_precision(sdmha::Precision::bfloat16);
+  layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
   const auto query = c.query();
   layer.weights().query_kernel *= 2.0f;
   SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, c.options), sdmha::ConfigError,
-                          "set_query_kernel_precision(Precision::bfloat16) again");
-  layer.set_query_kernel_precision(sdmha::Precision::bfloat16);
+                          "the bfloat16 query kernel was rounded before the weights' last write "
+                          "access; expected set_precision again");
+  layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
   auto twin = c;
   twin.weights.query_kernel *= 2.0f;
   twin = with_rounded_query_kernel(twin);
@@ -168,7 +169,7 @@ TEST(BFloat16QueryKernelTest, StaleSnapshotIsAConfigErrorUntilRoundedAgain) {
 TEST(BFloat16QueryKernelTest, RefusesBackwardRegroupedScoresAndDoubleLayers) {
   const auto c = make_case<float>(Shape{}, 71);
   Layer layer(c.config, c.weights);
-  layer.set_query_kernel_precision(sdmha::Precision::bfloat16);
+  layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
   const auto query = c.query();
   Tensor3<float> d_output(c.shape.batch, c.shape.steps, c.problem.output_dim);
   d_output.setConstant(1.0f);
@@ -187,9 +188,11 @@ TEST(BFloat16QueryKernelTest, RefusesBackwardRegroupedScoresAndDoubleLayers) {
   EXPECT_EQ(generator.draws(), 0u);
   const auto c64 = make_case<double>(Shape{}, 72);
   sdmha::SparseDenseMHA<double> layer64(c64.config, c64.weights);
-  SDMHA_EXPECT_THROW_WITH(layer64.set_query_kernel_precision(sdmha::Precision::bfloat16),
-                          sdmha::ConfigError, "bfloat16 kernels need Scalar = float");
-  EXPECT_EQ(layer64.query_kernel_precision(), sdmha::Precision::float32);
+  SDMHA_EXPECT_THROW_WITH(layer64.set_precision(sdmha::Precision::bfloat16_query_kernel),
+                          sdmha::ConfigError,
+                          "precision is bfloat16_query_kernel for a double layer; expected float32 "
+                          "(bfloat16 kernels need Scalar = float)");
+  EXPECT_EQ(layer64.precision(), sdmha::Precision::float32);
 }
 
 }  // namespace

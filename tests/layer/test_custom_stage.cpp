@@ -121,9 +121,9 @@ const std::vector<double> kTemperatures = {0.7, 1.9, 1.3};
 template <typename Layer>
 void configure(Layer& layer) {
   if constexpr (!std::is_same<typename Layer::ScoreKernel, sdmha::ScoreKernel<double>>::value)
-    layer.score_kernel().slope = kSlopes;
+    layer.stages().score_kernel.slope = kSlopes;
   if constexpr (std::is_same<typename Layer::Softmax, TemperatureSoftmax<double>>::value)
-    layer.softmax().temperature = kTemperatures;
+    layer.stages().softmax.temperature = kTemperatures;
 }
 
 // ---- the float64 reference -----------------------------------------------------------------
@@ -154,7 +154,7 @@ struct ReferenceResult {
 bool allowed(const sdmha_reference::Problem& p, const Hooks& hooks, long b, long t, long s) {
   const long offset = hooks.bottom_right ? p.key_steps - p.steps : 0;
   if (p.causal && s > t + offset) return false;
-  if (!p.key_padding_mask.empty() && p.key_padding_mask[b * p.key_steps + s]) return false;
+  if (!p.key_mask.empty() && !p.key_mask[b * p.key_steps + s]) return false;
   if (!p.attention_mask.empty() && !p.attention_mask[(b * p.steps + t) * p.key_steps + s])
     return false;
   return true;
@@ -235,7 +235,7 @@ Shape small_shape(long steps, long key_steps, bool causal, bool padding) {
   s.output_dim = 5;
   s.density = 0.3;
   s.causal = causal;
-  s.key_padding = padding;
+  s.key_mask = padding;
   return s;
 }
 
@@ -249,7 +249,7 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
 std::string describe(const Shape& s, sdmha::ScoreStrategy strategy, int threads) {
   return "B=" + std::to_string(s.batch) + " T=" + std::to_string(s.steps) +
          " S=" + std::to_string(s.key_steps) + " H=" + std::to_string(s.heads) +
-         (s.causal ? " causal" : "") + (s.key_padding ? " padding" : "") + " " +
+         (s.causal ? " causal" : "") + (s.key_mask ? " padding" : "") + " " +
          sdmha::to_string(strategy) + " threads=" + std::to_string(threads);
 }
 
@@ -342,7 +342,7 @@ TEST(CustomScoreStage, TileLocalStepsAreCaughtBeyondTheFirstTile) {
     const auto c = make_case<double>(small_shape(steps, key_steps, false, false), 7);
     sdmha::SparseDenseMHA<double, sdmha::SparseQueryProjection<double>, TileLocalBias<double>>
         layer(c.config, c.weights);
-    layer.score_kernel().slope = kSlopes;
+    layer.stages().score_kernel.slope = kSlopes;
     auto options = c.options;
     options.score_strategy = sdmha::ScoreStrategy::project_first;
     options.num_threads = 1;
@@ -363,14 +363,14 @@ TEST(CustomScoreStage, TileLocalStepsAreCaughtBeyondTheFirstTile) {
 TEST(CustomScoreStage, StageParametersAreReadOnEveryCall) {
   const auto c = make_case<double>(small_shape(70, 40, true, false), 11);
   BiasLayer layer(c.config, c.weights);
-  layer.score_kernel().slope = {0.0, 0.0};
+  layer.stages().score_kernel.slope = {0.0, 0.0};
   auto options = c.options;
   options.num_threads = 1;
   const auto query = c.query();
   const auto flat = layer.forward(query, c.key, c.value, options).output;
   EXPECT_TRUE(
       all_near(flat.data(), reference(c.problem, Hooks{{0.0, 0.0}, {}}).output, kForwardTolerance));
-  layer.score_kernel().slope = {0.3, 0.05};
+  layer.stages().score_kernel.slope = {0.3, 0.05};
   const auto sloped = layer.forward(query, c.key, c.value, options).output;
   EXPECT_TRUE(all_near(sloped.data(), reference(c.problem, Hooks{{0.3, 0.05}, {}}).output,
                        kForwardTolerance));

@@ -1,7 +1,9 @@
-// Tests of sdmha/dense_mha.hpp: the dense baseline against the float64 reference over the same
-// variants as the sparse layer, its agreement with SparseDenseMHA on the densified query, and its
-// checks of the dense query.
+// Tests of bench/dense_mha.hpp: the bench's dense baseline against the float64 reference over the
+// same variants as the sparse layer, its agreement with SparseDenseMHA on the densified query, and
+// its checks of the dense query.
 #include "test_support.hpp"
+
+#include "dense_mha.hpp"  // the bench's dense baseline (bench/), which the layers are compared with
 
 #include <cstring>
 
@@ -50,7 +52,7 @@ TYPED_TEST(DenseMhaTest, MatchesReferenceOnRandomShapes) {
     s.random_mask = round % 2 == 0;
     s.causal = round % 3 == 0;
     s.empty_rows = round % 4 == 0;
-    s.key_padding = round % 5 == 0;
+    s.key_mask = round % 5 == 0;
     s.use_bias = round % 6 != 5;
     check_layer(make_case<TypeParam>(s, 1120 + round), "random");
   }
@@ -167,7 +169,8 @@ TYPED_TEST(DenseMhaTest, ZeroSizeBatchStepsAndKeysGiveEmptyOrBiasOutputs) {
   }
 }
 
-TYPED_TEST(DenseMhaTest, KeyDefaultsToValueAndTensorMapsAreAccepted) {
+// Self-attention passes the value as the key too (there is no two-tensor overload).
+TYPED_TEST(DenseMhaTest, ValueAsKeyAndTensorMapsAreAccepted) {
   Shape s;
   s.key_in_dim = s.value_in_dim;
   auto c = make_case<TypeParam>(s, 1180);
@@ -176,7 +179,7 @@ TYPED_TEST(DenseMhaTest, KeyDefaultsToValueAndTensorMapsAreAccepted) {
   const auto expected = sdmha_reference::forward(c.problem);
   const sdmha::DenseMHA<TypeParam> layer(c.config, c.weights);
   const auto dense_query = c.dense_query();
-  const auto self = layer.forward(dense_query, c.value);
+  const auto self = layer.forward(dense_query, c.value, c.value);
   EXPECT_TRUE(all_near(self.output.data(), expected.output, relative_tolerance<TypeParam>()));
   std::vector<TypeParam> query_memory(dense_query.data(), dense_query.data() + dense_query.size());
   Eigen::TensorMap<const Tensor3<TypeParam>> query_map(query_memory.data(), s.batch, s.steps,
@@ -187,7 +190,7 @@ TYPED_TEST(DenseMhaTest, KeyDefaultsToValueAndTensorMapsAreAccepted) {
   const auto mapped = layer.forward(query_map, value_map, value_map);
   EXPECT_TRUE(all_near(mapped.output.data(), expected.output, relative_tolerance<TypeParam>()));
   const sdmha::TensorRef3<TypeParam> raw(query_memory.data(), s.batch, s.steps, s.query_dim);
-  EXPECT_TRUE(all_near(layer.forward(raw, c.value).output.data(), expected.output,
+  EXPECT_TRUE(all_near(layer.forward(raw, c.value, c.value).output.data(), expected.output,
                        relative_tolerance<TypeParam>()));
 }
 

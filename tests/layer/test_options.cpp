@@ -1,6 +1,7 @@
-// Tests of sdmha/options.hpp: TensorRef3 binds to a Tensor, a TensorMap (const or not) and a raw
-// pointer without copying, and sees them as (B·S × E) matrices; AttentionOptions' defaults;
-// to_string(ScoreStrategy).
+// Tests of sdmha/tensor_ref.hpp and sdmha/options.hpp: TensorRef3 binds to a Tensor, a TensorMap
+// (const or not) and a raw pointer without copying, and sees them as (B·S × E) matrices; so does
+// the key mask's TensorRef<bool, 2>; AttentionOptions' defaults; to_string(ScoreStrategy) and
+// to_string(Precision).
 #include "test_support.hpp"
 
 namespace sdmha_test {
@@ -78,14 +79,44 @@ TYPED_TEST(OptionsTest, TensorRef3OfEmptyTensorsHasEmptyMatrices) {
   EXPECT_EQ(sdmha::TensorRef3<TypeParam>(nullptr, 0, 0, 0).as_matrix().size(), 0);
 }
 
+// The key mask is a view too: of a (B, S) bool tensor, a map or a raw pointer, never a copy.
+TEST(KeyMaskTest, TensorRefOfBoolViewsTheCallersMaskInPlace) {
+  Eigen::Tensor<bool, 2, Eigen::RowMajor> mask(2, 3);
+  mask.setConstant(true);
+  sdmha::AttentionOptions<float> options;
+  options.key_mask = mask;
+  EXPECT_FALSE(options.key_mask.empty());
+  EXPECT_EQ(options.key_mask.data(), mask.data());
+  EXPECT_EQ(options.key_mask.dimension(0), 2);
+  EXPECT_EQ(options.key_mask.dimension(1), 3);
+  EXPECT_EQ(options.key_mask.size(), 6);
+  mask(1, 2) = false;  // a later write shows through
+  EXPECT_FALSE(options.key_mask.as_matrix()(1, 2));
+  bool raw[4] = {true, false, false, true};
+  const Eigen::TensorMap<const Eigen::Tensor<const bool, 2, Eigen::RowMajor>> map(raw, 1, 4);
+  options.key_mask = map;
+  EXPECT_EQ(options.key_mask.data(), raw);
+  EXPECT_EQ(options.key_mask.dimension(1), 4);
+  options.key_mask = sdmha::TensorRef<bool, 2>(raw, 2, 2);
+  EXPECT_EQ(options.key_mask.as_matrix()(1, 0), false);
+  EXPECT_EQ(options.key_mask.as_matrix()(1, 1), true);
+  // The default view is none; a view of (B, 0) keys is not (its shape is checked).
+  using KeyMaskRef = sdmha::TensorRef<bool, 2>;
+  EXPECT_TRUE(KeyMaskRef().empty());
+  const KeyMask no_keys(2, 0);
+  EXPECT_FALSE(KeyMaskRef(no_keys).empty());
+}
+
 TYPED_TEST(OptionsTest, AttentionOptionsDefaultToNoMaskAllThreadsAutomaticStrategyNoDropout) {
   const sdmha::AttentionOptions<TypeParam> options;
   EXPECT_TRUE(options.attention_mask.empty());
   EXPECT_EQ(options.attention_mask.size(), 0);
   for (int axis = 0; axis < 4; ++axis) EXPECT_EQ(options.attention_mask.dimension(axis), 0);
   EXPECT_FALSE(options.use_causal_mask);
-  EXPECT_EQ(options.key_padding_mask.size(), 0);
-  for (int axis = 0; axis < 2; ++axis) EXPECT_EQ(options.key_padding_mask.dimension(axis), 0);
+  EXPECT_TRUE(options.key_mask.empty());
+  EXPECT_EQ(options.key_mask.data(), nullptr);
+  EXPECT_EQ(options.key_mask.size(), 0);
+  for (int axis = 0; axis < 2; ++axis) EXPECT_EQ(options.key_mask.dimension(axis), 0);
   EXPECT_FALSE(options.return_attention_scores);
   EXPECT_EQ(options.num_threads, 0);
   EXPECT_EQ(options.score_strategy, sdmha::ScoreStrategy::automatic);
@@ -104,6 +135,12 @@ TEST(ScoreStrategyTest, ToStringNamesEachStrategy) {
   EXPECT_STREQ(sdmha::to_string(sdmha::ScoreStrategy::project_first), "project_first");
   EXPECT_STREQ(sdmha::to_string(sdmha::ScoreStrategy::automatic), "automatic");
   EXPECT_STREQ(sdmha::to_string(sdmha::ScoreStrategy::sparse_regrouped), "sparse_regrouped");
+}
+
+TEST(PrecisionTest, ToStringNamesEachMode) {
+  EXPECT_STREQ(sdmha::to_string(sdmha::Precision::float32), "float32");
+  EXPECT_STREQ(sdmha::to_string(sdmha::Precision::bfloat16), "bfloat16");
+  EXPECT_STREQ(sdmha::to_string(sdmha::Precision::bfloat16_query_kernel), "bfloat16_query_kernel");
 }
 
 }  // namespace

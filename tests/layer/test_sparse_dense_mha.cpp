@@ -137,6 +137,67 @@ TYPED_TEST(SparseDenseMhaTest, FullyBlockedRowGivesTheOutputBias) {
       EXPECT_EQ(result.attention_scores(1, h, 2, s_index), TypeParam(0));
 }
 
+// key_mask has attention_mask's polarity: a key step whose entry is false gets probability 0 from
+// every query and head of its batch entry, one whose entry is true is attended as without a mask,
+// and a batch entry whose keys are all false gives the output bias (fully masked, zeros policy).
+TYPED_TEST(SparseDenseMhaTest, KeyMaskFalseKeysGetNoAttention) {
+  Shape s;
+  s.batch = 3;
+  const auto c = make_case<TypeParam>(s, 17);
+  KeyMask key_mask(s.batch, s.key_steps);
+  key_mask.setConstant(true);
+  key_mask(0, 2) = false;
+  key_mask(0, 5) = false;
+  for (long k = 0; k < s.key_steps; ++k) key_mask(2, k) = false;
+  auto options = c.options;
+  options.key_mask = key_mask;
+  options.return_attention_scores = true;
+  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
+  for (auto strategy :
+       {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
+    SCOPED_TRACE(sdmha::to_string(strategy));
+    options.score_strategy = strategy;
+    const auto result = layer.forward(c.query(), c.key, c.value, options);
+    auto unmasked = c.options;
+    unmasked.score_strategy = strategy;
+    unmasked.return_attention_scores = true;
+    const auto plain = layer.forward(c.query(), c.key, c.value, unmasked);
+    for (long h = 0; h < s.heads; ++h)
+      for (long t = 0; t < s.steps; ++t) {
+        double row_sum = 0.0;
+        for (long k = 0; k < s.key_steps; ++k) {
+          SCOPED_TRACE(::testing::Message() << "h " << h << ", t " << t << ", s " << k);
+          const TypeParam p = result.attention_scores(0, h, t, k);
+          if (key_mask(0, k)) {
+            EXPECT_GT(p, TypeParam(0));
+          } else {
+            EXPECT_EQ(p, TypeParam(0));
+          }
+          row_sum += double(p);
+          // Batch entry 1 (every key allowed) is the unmasked layer's.
+          EXPECT_NEAR(double(result.attention_scores(1, h, t, k)),
+                      double(plain.attention_scores(1, h, t, k)), relative_tolerance<TypeParam>());
+          EXPECT_EQ(result.attention_scores(2, h, t, k), TypeParam(0));
+        }
+        EXPECT_NEAR(row_sum, 1.0, 1e-5);
+      }
+    for (long t = 0; t < s.steps; ++t)
+      for (long o = 0; o < result.output.dimension(2); ++o) {
+        EXPECT_NEAR(
+            double(result.output(1, t, o)), double(plain.output(1, t, o)),
+            relative_tolerance<TypeParam>() * (1.0 + std::abs(double(plain.output(1, t, o)))));
+        EXPECT_EQ(result.output(2, t, o), c.weights.output_bias[o]);
+      }
+  }
+  // The same through the reference: key_mask false is a blocked key.
+  auto p = c.problem;
+  p.key_mask.assign(std::size_t(s.batch * s.key_steps), 1);
+  for (Index i = 0; i < key_mask.size(); ++i) p.key_mask[std::size_t(i)] = key_mask.data()[i];
+  const auto expected = sdmha_reference::forward(p);
+  const auto result = layer.forward(c.query(), c.key, c.value, options);
+  EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<TypeParam>()));
+}
+
 TYPED_TEST(SparseDenseMhaTest, NonFiniteKeyAndValueInBlockedPositionsDoNotReachTheOutput) {
   Shape s;
   s.random_mask = true;
@@ -196,7 +257,8 @@ TYPED_TEST(SparseDenseMhaTest, ZeroSizeBatchStepsAndKeysGiveEmptyOrBiasOutputs) 
   }
 }
 
-TYPED_TEST(SparseDenseMhaTest, KeyDefaultsToValueAndTensorMapsAreAccepted) {
+// Self-attention passes the value as the key too (there is no two-tensor overload).
+TYPED_TEST(SparseDenseMhaTest, ValueAsKeyAndTensorMapsAreAccepted) {
   Shape s;
   s.key_in_dim = s.value_in_dim;
   auto c = make_case<TypeParam>(s, 15);
@@ -204,7 +266,7 @@ TYPED_TEST(SparseDenseMhaTest, KeyDefaultsToValueAndTensorMapsAreAccepted) {
   c.problem.key = c.problem.value;
   const auto expected = sdmha_reference::forward(c.problem);
   const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
-  const auto self = layer.forward(c.query(), c.value);
+  const auto self = layer.forward(c.query(), c.value, c.value);
   EXPECT_TRUE(all_near(self.output.data(), expected.output, relative_tolerance<TypeParam>()));
   std::vector<TypeParam> caller_memory(c.value.data(), c.value.data() + c.value.size());
   Eigen::TensorMap<Tensor3<TypeParam>> mutable_map(caller_memory.data(), s.batch, s.key_steps,
@@ -402,9 +464,13 @@ TYPED_TEST(SparseDenseMhaTest, RejectsMasksOfTheWrongShapeAndNegativeThreads) {
       "attention_mask is (2, 5, 6); expected (B, T, S) = (2, 5, 7), (T, S) = (5, 7) "
       "or (B, H, T, S) = (2, 2, 5, 7) with B or H possibly 1");
   options = c.options;
-  options.key_padding_mask.resize(1, 7);
+  const KeyMask short_key_mask(1, 7);
+  options.key_mask = short_key_mask;
   SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
-                          "key_padding_mask is (1, 7); expected (B, S) = (2, 7)");
+                          "key_mask is (1, 7); expected (B, S) = (2, 7)");
+  options.key_mask = sdmha::TensorRef<bool, 2>(nullptr, 2, 7);
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
+                          "key_mask has no data; expected 2 x 7 booleans");
   options = c.options;
   options.num_threads = -1;
   SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ConfigError,

@@ -11,6 +11,8 @@
 #include "internal_access.hpp"
 #include "test_support.hpp"
 
+#include "dense_mha.hpp"  // the bench's dense baseline (bench/), which the layers are compared with
+
 namespace {
 
 using namespace sdmha_test;
@@ -132,7 +134,7 @@ TYPED_TEST(ContextStreamingTest, SparseLayerStreamedEqualsUnstreamedBitwise) {
     for (long tiles : {1L, 2L}) {
       Shape shape = streamed_shape(steps);
       shape.random_mask = true;
-      shape.key_padding = true;
+      shape.key_mask = true;
       const auto c = make_case<Scalar>(shape, 21);
       const sdmha::SparseDenseMHA<Scalar> whole(c.config, c.weights);
       sdmha::SparseDenseMHA<Scalar> streamed(c.config, c.weights);
@@ -161,7 +163,7 @@ TYPED_TEST(ContextStreamingTest, SparseLayerStreamedEqualsUnstreamedBitwise) {
 // and 2 threads.
 template <typename Scalar>
 void dense_layer_streamed_equals_unstreamed(Shape shape) {
-  shape.key_padding = true;
+  shape.key_mask = true;
   const auto c = make_case<Scalar>(shape, 22);
   const sdmha::DenseMHA<Scalar> whole(c.config, c.weights);
   sdmha::DenseMHA<Scalar> streamed(c.config, c.weights);
@@ -196,11 +198,10 @@ TYPED_TEST(ContextStreamingTest, NonFiniteValuesInOneChunkOnly) {
   using Scalar = TypeParam;
   Shape shape = streamed_shape();
   auto c = make_case<Scalar>(shape, 23);
-  c.options.key_padding_mask.resize(shape.batch, shape.key_steps);
-  c.options.key_padding_mask.setConstant(false);
+  KeyMask& key_mask = c.set_key_mask(true);
   for (Index b = 0; b < shape.batch; ++b)
     for (Index s : {kKeyTile + 5, kKeyTile + 300}) {
-      c.options.key_padding_mask(b, s) = true;
+      key_mask(b, s) = false;
       for (Index e = 0; e < shape.value_in_dim; ++e)
         c.value(b, s, e) = std::numeric_limits<Scalar>::quiet_NaN();
     }
@@ -216,7 +217,7 @@ TYPED_TEST(ContextStreamingTest, NonFiniteValuesInOneChunkOnly) {
     ASSERT_TRUE(std::isfinite(double(got.output.data()[i]))) << "entry " << i;
 }
 
-// Streamed, both layers agree with the float64 reference over make_case's masks, key padding,
+// Streamed, both layers agree with the float64 reference over make_case's masks, key masks,
 // causal and fully blocked rows.
 TYPED_TEST(ContextStreamingTest, AgreesWithReference) {
   using Scalar = TypeParam;
@@ -224,7 +225,7 @@ TYPED_TEST(ContextStreamingTest, AgreesWithReference) {
     SCOPED_TRACE(::testing::Message() << "variant " << variant);
     Shape shape = streamed_shape();
     shape.random_mask = variant == 0;
-    shape.key_padding = variant != 2;
+    shape.key_mask = variant != 2;
     shape.causal = variant >= 1;
     shape.fully_blocked_rows = variant == 2;
     if (variant == 1) shape.steps = kKeyTile + 90;  // causal top-left: rows past one key tile

@@ -37,7 +37,7 @@ TYPED_TEST(OnlineSoftmaxTest, AgreesWithReferenceOverEveryMask) {
   for (int variant = 0; variant < 4; ++variant) {
     Shape shape = long_shape();
     shape.random_mask = variant == 1;
-    shape.key_padding = variant == 2;
+    shape.key_mask = variant == 2;
     shape.fully_blocked_rows = variant == 3;
     if (variant == 3)
       shape.steps = sdmha::detail::kKeyTile + 90;  // causal: rows beyond one key tile
@@ -57,7 +57,7 @@ TYPED_TEST(OnlineSoftmaxTest, AgreesWithReferenceOverEveryMask) {
 TYPED_TEST(OnlineSoftmaxTest, MatchesStoredProbabilitiesAndThreadCounts) {
   using Scalar = TypeParam;
   Shape shape = long_shape();
-  shape.key_padding = true;
+  shape.key_mask = true;
   shape.causal = true;
   shape.steps = sdmha::detail::kKeyTile + 3;
   const auto c = make_case<Scalar>(shape, 7);
@@ -86,13 +86,13 @@ TYPED_TEST(OnlineSoftmaxTest, MatchesStoredProbabilitiesAndThreadCounts) {
 TYPED_TEST(OnlineSoftmaxTest, BlockedNonFiniteValuesStayOut) {
   using Scalar = TypeParam;
   Shape shape = long_shape();
-  shape.key_padding = true;
+  shape.key_mask = true;
   auto c = make_case<Scalar>(shape, 3);
   // Padded key steps are blocked for every query: poison their values, in every key tile.
   Index poisoned = 0;
   for (Index b = 0; b < shape.batch; ++b)
     for (Index s = 0; s < shape.key_steps; ++s)
-      if (c.options.key_padding_mask(b, s)) {
+      if (!c.key_mask()(b, s)) {
         ++poisoned;
         for (Index e = 0; e < shape.value_in_dim; ++e) {
           c.value(b, s, e) = std::numeric_limits<Scalar>::quiet_NaN();

@@ -23,8 +23,8 @@ struct Problem {
   // Kernels in Keras' flattened layout (E × H·D, H·Dv × O); biases empty when absent.
   std::vector<double> query_kernel, query_bias, key_kernel, key_bias;
   std::vector<double> value_kernel, value_bias, output_kernel, output_bias;
-  std::vector<char> attention_mask;    // B·T·S, 1 = may attend; empty = none
-  std::vector<char> key_padding_mask;  // B·S, 1 = padding; empty = none
+  std::vector<char> attention_mask;  // B·T·S, 1 = may attend; empty = none
+  std::vector<char> key_mask;        // B·S, 1 = key step may be attended; empty = none
   // A mask broadcast over the batch and heads, ANDed with the others: (B', H', T, S) with
   // B' ∈ {1, B}, H' ∈ {1, H}, 1 = may attend; empty = none.
   std::vector<char> broadcast_mask;
@@ -93,7 +93,7 @@ inline std::vector<double> project(const std::vector<double>& input, long rows, 
 
 inline bool allowed(const Problem& p, long b, long t, long s) {
   if (p.causal && s > t + p.causal_offset) return false;
-  if (!p.key_padding_mask.empty() && p.key_padding_mask[b * p.key_steps + s]) return false;
+  if (!p.key_mask.empty() && !p.key_mask[b * p.key_steps + s]) return false;
   if (!p.attention_mask.empty() && !p.attention_mask[(b * p.steps + t) * p.key_steps + s])
     return false;
   return true;

@@ -4,6 +4,8 @@
 // single thread. .ci/hardening.sh runs this suite under ThreadSanitizer (filter Concurrency*).
 #include "test_support.hpp"
 
+#include "dense_mha.hpp"  // the bench's dense baseline (bench/), which the layers are compared with
+
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -36,7 +38,7 @@ Shape thread_shape(int thread) {
   s.density = 0.15;
   s.random_mask = thread % 2 == 1;
   s.causal = thread % 4 >= 2;
-  s.key_padding = thread % 3 == 2;
+  s.key_mask = thread % 3 == 2;
   s.empty_rows = thread == 5;
   s.duplicates = thread == 6;
   return s;

@@ -4,6 +4,8 @@
 // not allocate is tested in tests/allocation/, which counts the heap.)
 #include "test_support.hpp"
 
+#include "dense_mha.hpp"  // the bench's dense baseline (bench/), which the layers are compared with
+
 #include <cstring>
 
 namespace sdmha_test {
@@ -40,7 +42,7 @@ Shape sized(long batch, long steps, long key_steps, bool masks) {
   s.key_steps = key_steps;
   s.random_mask = masks;
   s.causal = masks;
-  s.key_padding = masks;
+  s.key_mask = masks;
   s.empty_rows = masks;
   return s;
 }

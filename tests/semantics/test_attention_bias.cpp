@@ -236,7 +236,7 @@ TYPED_TEST(AttentionBiasTest, EverySemanticsOptionWithMaskAndBias) {
           for (auto strategy :
                {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
             Shape shape = base;
-            shape.key_padding = true;
+            shape.key_mask = true;
             auto c = make_case<Scalar>(shape, 3000 + seed);
             std::mt19937_64 generator(4000 + seed++);
             const Semantics m{causal > 0, causal == 2, uniform, scale, strategy};
@@ -459,7 +459,7 @@ TEST(AttentionBiasGradient, MatchesCentralDifferences) {
     for (int causal = 0; causal < 3; ++causal) {
       Shape shape;
       shape.batch = 2, shape.heads = 2, shape.steps = 4, shape.key_steps = 6;
-      shape.key_padding = causal == 0;
+      shape.key_mask = causal == 0;
       auto c = make_case<double>(shape, 9000 + seed);
       std::mt19937_64 generator(9100 + seed);
       Semantics m{causal > 0, causal == 2, seed % 2 == 1, seed % 3 == 0 ? 0.45 : 0.0,

@@ -52,7 +52,7 @@ std::vector<Shape> shapes() {
   s.causal = true;
   s.steps = 9;
   s.key_steps = 5;  // T > S: bottom-right blocks the first rows entirely
-  s.key_padding = true;
+  s.key_mask = true;
   list.push_back(s);
   s = Shape{};
   s.causal = true;

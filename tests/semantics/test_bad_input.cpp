@@ -2,6 +2,8 @@
 // regression tests for what the hardening work found (marked REGRESSION below).
 #include "test_support.hpp"
 
+#include "dense_mha.hpp"  // the bench's dense baseline (bench/), which the layers are compared with
+
 #include <sdmha/io/layer_files.hpp>
 
 #include <string>

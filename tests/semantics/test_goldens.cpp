@@ -5,13 +5,15 @@
 // compared elementwise with the README's tolerances.
 #include "test_support.hpp"
 
+#include "dense_mha.hpp"  // the bench's dense baseline (bench/), which the layers are compared with
+
 #include <algorithm>
 #include <filesystem>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include <sdmha/backward.hpp>
+#include <sdmha/sparse_dense_mha.hpp>
 #include <sdmha/io/layer_files.hpp>
 
 #ifndef SDMHA_TEST_DATA_DIR

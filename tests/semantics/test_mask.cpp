@@ -1,6 +1,7 @@
 // Tests of sdmha/mask.hpp: BatchMask::allowed and apply_mask against the reference's rule
-// (sdmha_reference::allowed) for causal masks with T ≠ S, key padding, attention masks and all
-// of them combined; an empty mask changes nothing, and blocked entries become exactly −∞.
+// (sdmha_reference::allowed) for causal masks with T ≠ S, key masks (true = may attend), attention
+// masks and all of them combined; an empty mask changes nothing, and blocked entries become exactly
+// −∞.
 #include "test_support.hpp"
 
 #include <cstring>
@@ -15,13 +16,13 @@ TYPED_TEST_SUITE(MaskTest, ScalarTypes, );
 struct MaskVariant {
   const char* name;
   long steps, key_steps;
-  bool causal, attention, padding;
+  bool causal, attention, key_mask;
 };
 
 const MaskVariant kMaskVariants[] = {
     {"causal_t_gt_s", 7, 4, true, false, false}, {"causal_t_lt_s", 3, 8, true, false, false},
-    {"causal_square", 5, 5, true, false, false}, {"key_padding", 5, 7, false, false, true},
-    {"attention", 5, 7, false, true, false},     {"attention_padding", 6, 3, false, true, true},
+    {"causal_square", 5, 5, true, false, false}, {"key_mask", 5, 7, false, false, true},
+    {"attention", 5, 7, false, true, false},     {"attention_key_mask", 6, 3, false, true, true},
     {"all_combined", 6, 9, true, true, true},    {"all_combined_t_gt_s", 9, 4, true, true, true},
 };
 
@@ -33,7 +34,7 @@ Case<Scalar> mask_case(const MaskVariant& variant, std::uint64_t seed) {
   s.key_steps = variant.key_steps;
   s.causal = variant.causal;
   s.random_mask = variant.attention;
-  s.key_padding = variant.padding;
+  s.key_mask = variant.key_mask;
   return make_case<Scalar>(s, seed);
 }
 
@@ -46,8 +47,8 @@ sdmha::BatchMask batch_mask(const Case<Scalar>& c, long b) {
   mask.causal = c.shape.causal;
   if (c.options.attention_mask.size() != 0)
     mask.attention = c.options.attention_mask.data() + b * c.shape.steps * c.shape.key_steps;
-  if (c.options.key_padding_mask.size() != 0)
-    mask.key_padding = c.options.key_padding_mask.data() + b * c.shape.key_steps;
+  if (!c.options.key_mask.empty())
+    mask.key_mask = c.options.key_mask.data() + b * c.shape.key_steps;
   return mask;
 }
 
@@ -66,7 +67,7 @@ bool same_bits(const void* a, const void* b, std::size_t bytes) {
 
 TEST(BatchMaskTest, IsEmptyOnlyWithoutAnyMask) {
   const bool attention[1] = {true};
-  const bool padding[1] = {false};
+  const bool key_mask[1] = {true};
   sdmha::BatchMask mask;
   EXPECT_TRUE(mask.empty());
   mask.steps = 4;
@@ -78,10 +79,28 @@ TEST(BatchMaskTest, IsEmptyOnlyWithoutAnyMask) {
   mask.attention = attention;
   EXPECT_FALSE(mask.empty());
   mask = sdmha::BatchMask{};
-  mask.key_padding = padding;
+  mask.key_mask = key_mask;
   EXPECT_FALSE(mask.empty());
   // With no mask every position is allowed.
   EXPECT_TRUE(sdmha::BatchMask{}.allowed(0, 5));
+}
+
+// key_mask has attention_mask's polarity: true = the key step may be attended, false blocks it
+// for every query step (in allowed and in apply_mask alike).
+TEST(BatchMaskTest, KeyMaskTrueAllowsAndFalseBlocks) {
+  const bool key_mask[3] = {true, false, true};
+  sdmha::BatchMask mask;
+  mask.steps = 2;
+  mask.key_steps = 3;
+  mask.key_mask = key_mask;
+  sdmha::RowMatrix<double> scores = sdmha::RowMatrix<double>::Constant(2, 3, 1.5);
+  sdmha::apply_mask<double>(mask, scores);
+  for (Index t = 0; t < 2; ++t)
+    for (Index s = 0; s < 3; ++s) {
+      EXPECT_EQ(mask.allowed(t, s), key_mask[s]) << "t " << t << ", s " << s;
+      EXPECT_EQ(scores(t, s), key_mask[s] ? 1.5 : -std::numeric_limits<double>::infinity())
+          << "t " << t << ", s " << s;
+    }
 }
 
 TYPED_TEST(MaskTest, AllowedFollowsTheReferenceRule) {
@@ -167,8 +186,8 @@ TYPED_TEST(MaskTest, TilesOfAMaskFollowTheReferenceAtTheirOffsets) {
                 c.options.attention_mask.data() + (b * T + first_step) * S + first_key_step;
             mask.attention_stride = S;
           }
-          if (c.options.key_padding_mask.size() != 0)
-            mask.key_padding = c.options.key_padding_mask.data() + b * S + first_key_step;
+          if (!c.options.key_mask.empty())
+            mask.key_mask = c.options.key_mask.data() + b * S + first_key_step;
           const auto original = random_scores<TypeParam>(rows, cols, seed + b);
           sdmha::RowMatrix<TypeParam> scores = original;
           sdmha::apply_mask<TypeParam>(mask, scores);

@@ -3,6 +3,8 @@
 // key padding; both score strategies), and float against double on every golden case's shape.
 #include "test_support.hpp"
 
+#include "dense_mha.hpp"  // the bench's dense baseline (bench/), which the layers are compared with
+
 #include <sdmha/detail/finite.hpp>
 #include <sdmha/io/layer_files.hpp>
 
@@ -134,7 +136,7 @@ TYPED_TEST(Numerics, EqualHugeLogitsShareTheProbabilityAndNegativeOnesVanish) {
 
 // ---- NaN and Inf at blocked positions ----
 
-enum class Blocking { attention_mask, causal, key_padding };
+enum class Blocking { attention_mask, causal, key_mask };
 
 const char* name_of(Blocking blocking) {
   switch (blocking) {
@@ -143,7 +145,7 @@ const char* name_of(Blocking blocking) {
     case Blocking::causal:
       return "causal";
     default:
-      return "key_padding";
+      return "key_mask";
   }
 }
 
@@ -159,7 +161,7 @@ Case<Scalar> blocked_problem(Blocking blocking, long steps, long key_steps,
   s.heads = 2;
   s.random_mask = blocking == Blocking::attention_mask;
   s.causal = blocking == Blocking::causal;
-  s.key_padding = blocking == Blocking::key_padding;
+  s.key_mask = blocking == Blocking::key_mask;
   auto c = make_case<Scalar>(s, 40 + std::uint64_t(blocking) + std::uint64_t(steps));
   auto& p = c.problem;
   blocked.clear();
@@ -177,11 +179,11 @@ Case<Scalar> blocked_problem(Blocking blocking, long steps, long key_steps,
       for (long k = steps; k < key_steps; ++k) blocked.push_back({b, k});  // s > t for every t < T
     } else {
       for (long k : {0L, key_steps / 2}) {
-        c.options.key_padding_mask(b, k) = true;
-        p.key_padding_mask[std::size_t(b * key_steps + k)] = 1;
+        c.mutable_key_mask()(b, k) = false;
+        p.key_mask[std::size_t(b * key_steps + k)] = 0;
       }
       for (long k = 0; k < key_steps; ++k)
-        if (c.options.key_padding_mask(b, k)) blocked.push_back({b, k});
+        if (!c.key_mask()(b, k)) blocked.push_back({b, k});
     }
   }
   return c;
@@ -195,7 +197,7 @@ TYPED_TEST(Numerics, NonFiniteKeysAndValuesAtBlockedPositionsNeverReachTheOutput
   // (T, S): a small case, and one whose T crosses a causal mask's 64-step query tile (causal
   // skips tiles).
   const std::pair<long, long> sizes[] = {{5, 9}, {70, 75}};
-  for (Blocking blocking : {Blocking::attention_mask, Blocking::causal, Blocking::key_padding}) {
+  for (Blocking blocking : {Blocking::attention_mask, Blocking::causal, Blocking::key_mask}) {
     for (const auto& [steps, key_steps] : sizes) {
       SCOPED_TRACE(std::string(name_of(blocking)) + ", T = " + std::to_string(steps));
       std::vector<std::pair<long, long>> blocked;

@@ -54,8 +54,7 @@ struct ScoreProblem {
     mask.causal = c.options.use_causal_mask;
     if (c.options.attention_mask.size() != 0)
       mask.attention = c.options.attention_mask.data() + b * T() * S();
-    if (c.options.key_padding_mask.size() != 0)
-      mask.key_padding = c.options.key_padding_mask.data() + b * S();
+    if (!c.options.key_mask.empty()) mask.key_mask = c.options.key_mask.data() + b * S();
     return mask;
   }
 
@@ -164,9 +163,9 @@ std::vector<std::pair<const char*, Shape>> score_shapes() {
   s.random_mask = true;
   shapes.push_back({"causal_t_lt_s_mask", s});
   s = Shape{};
-  s.key_padding = true;
+  s.key_mask = true;
   s.random_mask = true;
-  shapes.push_back({"key_padding", s});
+  shapes.push_back({"key_mask", s});
   s = Shape{};
   s.fully_blocked_rows = true;
   s.steps = 8;
@@ -193,7 +192,7 @@ std::vector<std::pair<const char*, Shape>> score_shapes() {
   s.key_dim = 8;
   s.density = 0.05;
   s.random_mask = true;
-  s.key_padding = true;
+  s.key_mask = true;
   s.causal = true;
   s.empty_rows = true;
   shapes.push_back({"larger_all_masks", s});
@@ -253,7 +252,7 @@ TYPED_TEST(ScoreKernelTest, TheTwoFormsAgreeWithEachOther) {
 
 TYPED_TEST(ScoreKernelTest, BlockedEntriesAreMinusInfinityEvenOverNonFiniteKeys) {
   Shape s;
-  s.key_padding = true;
+  s.key_mask = true;
   s.random_mask = true;
   s.causal = true;
   s.steps = 6;
@@ -263,7 +262,7 @@ TYPED_TEST(ScoreKernelTest, BlockedEntriesAreMinusInfinityEvenOverNonFiniteKeys)
   Index poisoned = 0;
   for (Index b = 0; b < s.batch; ++b)
     for (Index key_step = 0; key_step < s.key_steps; ++key_step)
-      if (problem.c.options.key_padding_mask(b, key_step)) {
+      if (!problem.c.key_mask()(b, key_step)) {
         problem.projected_key.row(b * s.key_steps + key_step)
             .setConstant(key_step % 2 ? std::numeric_limits<TypeParam>::infinity()
                                       : std::numeric_limits<TypeParam>::quiet_NaN());

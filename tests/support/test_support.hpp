@@ -32,6 +32,7 @@ using sdmha::Index;
 using CooIndices = Eigen::Matrix<std::int64_t, Eigen::Dynamic, 3, Eigen::RowMajor>;
 template <typename Scalar>
 using Tensor3 = Eigen::Tensor<Scalar, 3, Eigen::RowMajor>;
+using KeyMask = Eigen::Tensor<bool, 2, Eigen::RowMajor>;  // (B, S), true = may attend
 
 // |got − expected| ≤ tolerance · (1 + |expected|), elementwise. Against the float64 reference a
 // float64 result keeps about 12 digits through sums of a few hundred terms, a float result about 4.
@@ -51,7 +52,7 @@ struct Shape {
   bool use_bias = true;
   bool random_mask = false;  // attention_mask with ~30% blocked
   bool causal = false;
-  bool key_padding = false;         // ~20% of key steps padded
+  bool key_mask = false;            // key_mask with ~20% of key steps blocked (padding)
   bool empty_rows = false;          // ~30% of query rows hold nothing
   bool fully_blocked_rows = false;  // some rows of the attention mask entirely false
   bool duplicates = false;          // repeat some COO coordinates (they sum)
@@ -83,6 +84,29 @@ struct Case {
     mask_storage = std::move(storage);
     options.attention_mask =
         mask_storage ? sdmha::BroadcastRef<bool>(*mask_storage) : sdmha::BroadcastRef<bool>();
+  }
+  // The (B, S) tensor options.key_mask views, shared by copies like mask_storage.
+  std::shared_ptr<KeyMask> key_mask_storage;
+
+  const KeyMask& key_mask() const { return *key_mask_storage; }
+  KeyMask& mutable_key_mask() {
+    if (key_mask_storage.use_count() > 1)
+      use_key_mask(std::make_shared<KeyMask>(*key_mask_storage));
+    return *key_mask_storage;
+  }
+  // Points options.key_mask at `storage` (none when null).
+  void use_key_mask(std::shared_ptr<KeyMask> storage) {
+    key_mask_storage = std::move(storage);
+    options.key_mask = key_mask_storage ? sdmha::TensorRef<bool, 2>(*key_mask_storage)
+                                        : sdmha::TensorRef<bool, 2>();
+  }
+  // A (B, S) key mask of `allowed` everywhere, in options.key_mask and the reference's problem.
+  KeyMask& set_key_mask(bool allowed) {
+    use_key_mask(std::make_shared<KeyMask>(problem.batch, problem.key_steps));
+    key_mask_storage->setConstant(allowed);
+    problem.key_mask.assign(static_cast<std::size_t>(problem.batch * problem.key_steps),
+                            char(allowed));
+    return *key_mask_storage;
   }
 
   sdmha::SparseQuery<Scalar> query() const {
@@ -242,15 +266,14 @@ Case<Scalar> make_case(const Shape& shape, std::uint64_t seed) {
         }
       }
   }
-  if (shape.key_padding) {
-    c.options.key_padding_mask.resize(p.batch, p.key_steps);
+  if (shape.key_mask) {
+    KeyMask& key_mask = c.set_key_mask(true);
     std::bernoulli_distribution padded(0.2);
-    p.key_padding_mask.resize(static_cast<std::size_t>(p.batch * p.key_steps));
     for (long b = 0; b < p.batch; ++b)
       for (long s = 0; s < p.key_steps; ++s) {
-        const bool pad = padded(generator);
-        c.options.key_padding_mask(b, s) = pad;
-        p.key_padding_mask[b * p.key_steps + s] = pad;
+        const bool allowed = !padded(generator);
+        key_mask(b, s) = allowed;
+        p.key_mask[b * p.key_steps + s] = allowed;
       }
   }
   c.options.use_causal_mask = shape.causal;
@@ -306,9 +329,9 @@ inline std::vector<Variant> variants() {
   s.steps = 8;
   list.push_back({"fully_blocked_rows", s});
   s = Shape{};
-  s.key_padding = true;
+  s.key_mask = true;
   s.random_mask = true;
-  list.push_back({"key_padding", s});
+  list.push_back({"key_mask", s});
   s = Shape{};
   s.duplicates = true;
   s.density = 0.4;
