@@ -54,25 +54,11 @@ TEST(SteadyState, CountingSeesTheHeap) {
 // Many work items of every kind (B·H·tiles, row blocks) so that, after the warm-up calls, every
 // worker thread has run every kind of GEMM at its largest size and holds its packing blocks.
 Shape steady_shape(bool masks) {
-  Shape s;
   // Widths large enough that Eigen's packing blocks for the projections pass its 128 KB stack
   // limit (a plain Eigen product would allocate them on the heap on every call).
-  s.batch = 3;
-  s.steps = 150;
-  s.key_steps = 140;
-  s.query_dim = 300;
-  s.key_in_dim = 320;
-  s.value_in_dim = 288;
-  s.heads = 4;
-  s.key_dim = 32;
-  s.value_dim = 24;
-  s.output_dim = 200;
+  Shape s = Shape{}.sized(3, 150, 140).widths(300, 320, 288).with_heads(4, 32, 24, 200);
   s.density = 0.03;
-  s.random_mask = masks;
-  s.causal = masks;
-  s.key_mask = masks;
-  s.empty_rows = masks;
-  return s;
+  return s.with_masks(masks);
 }
 
 template <typename Layer, typename Query, typename Scalar>
@@ -251,13 +237,8 @@ TEST(SteadyState, BackwardAllocatesNothingOnceWarm) {
 // at density 0.25): the query's gradients go by feature over
 // a CSC of the query kept per calling thread; once built, a repeated call allocates nothing.
 TEST(SteadyState, BackwardByFeatureAllocatesNothingOnceWarm) {
-  Shape shape;
-  shape.batch = 2;
-  shape.steps = 6;
-  shape.key_steps = 5;
+  Shape shape = Shape{}.sized(2, 6, 5).with_heads(2, 80);
   shape.query_dim = 4096;
-  shape.heads = 2;
-  shape.key_dim = 80;
   shape.density = 0.25;
   shape.duplicates = true;
   const auto c = make_case<float>(shape, 16);

@@ -53,7 +53,7 @@ TEST(BackwardGradientCheck, MatchesCentralDifferencesOnRandomConfigurations) {
   GradientCheckSummary summary;
   constexpr int kConfigurations = 80;
   for (int round = 0; round < kConfigurations; ++round) {
-    Shape s;
+    Shape s;  // one statement a draw: the order of the draws is fixed
     s.batch = pick(1, 3);
     s.steps = pick(1, 9);
     s.key_steps = pick(1, 9);
@@ -114,12 +114,8 @@ TEST(BackwardGradientCheck, MatchesCentralDifferencesOnRandomConfigurations) {
 }
 
 TEST(BackwardGradientCheck, HighDropoutRateWithFixedSeed) {
-  Shape s;
-  s.steps = 6;
-  s.key_steps = 8;
+  Shape s = Shape{}.sized(2, 6, 8).with_heads(2, 4, 3, 5);
   s.random_mask = true;
-  s.value_dim = 3;
-  s.output_dim = 5;
   auto c = make_case<double>(s, 31);
   GradientCheckSummary summary;
   for (auto strategy :
@@ -137,9 +133,7 @@ TEST(BackwardGradientCheck, HighDropoutRateWithFixedSeed) {
 
 // ---- properties over float and double ----
 
-template <typename Scalar>
-class BackwardTest : public ::testing::Test {};
-TYPED_TEST_SUITE(BackwardTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(BackwardTest);
 
 template <typename Scalar>
 ::testing::AssertionResult same_bits(Case<Scalar>& c, const sdmha::MhaGradients<Scalar>& a,
@@ -191,17 +185,7 @@ template <typename Scalar>
 // the random configurations (150 entries of each larger gradient: every forward streams the
 // kernel), and bitwise across thread counts on a wider kernel.
 TEST(BackwardGradientCheck, WideQueryKernelTakesTheFeatureOrder) {
-  Shape s;
-  s.batch = 2;
-  s.steps = 8;
-  s.key_steps = 6;
-  s.query_dim = 1024;
-  s.key_in_dim = 7;
-  s.value_in_dim = 5;
-  s.heads = 2;
-  s.key_dim = 136;
-  s.value_dim = 3;
-  s.output_dim = 4;
+  Shape s = Shape{}.sized(2, 8, 6).widths(1024, 7, 5).with_heads(2, 136, 3, 4);
   s.density = 0.25;
   s.duplicates = true;
   s.random_mask = true;
@@ -347,14 +331,8 @@ TYPED_TEST(BackwardTest, NonFiniteKeyAndValueInBlockedRowsNeverReachAGradient) {
 // gathered matrices are then empty, and no tile may be taken of them (UBSan: offsets on null
 // data). Nothing is attended, so every gradient but dbo is exactly 0.
 TYPED_TEST(BackwardTest, NonFiniteContextWithEveryKeyPaddedAndWideKernelsGivesZeroGradients) {
-  Shape s;
+  Shape s = Shape{}.widths(20, 270, 300).with_heads(2, 150, 140);
   s.key_mask = true;
-  s.query_dim = 20;
-  s.key_in_dim = 270;
-  s.value_in_dim = 300;
-  s.heads = 2;
-  s.key_dim = 150;
-  s.value_dim = 140;
   auto c = make_case<TypeParam>(s, 46);
   c.mutable_key_mask().setConstant(false);
   c.key(0, 1, 3) = std::numeric_limits<TypeParam>::quiet_NaN();
@@ -376,14 +354,7 @@ TYPED_TEST(BackwardTest, NonFiniteContextWithEveryKeyPaddedAndWideKernelsGivesZe
 }
 
 TYPED_TEST(BackwardTest, ThreadCountDoesNotChangeGradientsBitwise) {
-  Shape s;
-  s.batch = 2;
-  s.steps = 70;
-  s.key_steps = 20;
-  s.query_dim = 70;
-  s.key_in_dim = 66;
-  s.heads = 3;
-  s.key_dim = 23;
+  Shape s = Shape{}.sized(2, 70, 20).widths(70, 66, 12).with_heads(3, 23);
   s.random_mask = true;
   s.empty_rows = true;
   for (bool causal : {true, false}) {
@@ -414,11 +385,7 @@ TYPED_TEST(BackwardTest, ThreadCountDoesNotChangeGradientsBitwise) {
 // and B·H = 2·heads: the backward's items are (b, h, query tile), one tile per group (too few
 // (b, h) for 64 items alone), each group's terms of dK and dV added in group order.
 Shape many_tiles_shape(long heads) {
-  Shape s;
-  s.steps = 200;
-  s.key_steps = 600;
-  s.heads = heads;
-  s.key_dim = 8;
+  Shape s = Shape{}.sized(2, 200, 600).with_heads(heads, 8);
   return s;
 }
 
@@ -512,18 +479,10 @@ TYPED_TEST(BackwardTest, AKeptWorkspaceAndGradientsGiveTheBitsOfAFreshCall) {
   small.steps = 7;
   small.key_steps = 5;
   small.random_mask = true;
-  Shape large;
-  large.batch = 3;
-  large.steps = 80;
-  large.key_steps = 70;
+  Shape large = Shape{}.sized(3, 80, 70).with_heads(3, 9, 5).with_masks();
+  large.random_mask = false;
   large.query_dim = 40;
-  large.heads = 3;
-  large.key_dim = 9;
-  large.value_dim = 5;
-  large.causal = true;
-  large.key_mask = true;
   large.duplicates = true;
-  large.empty_rows = true;
   sdmha::Workspace<TypeParam> workspace;
   sdmha::MhaGradients<TypeParam> kept;
   int call = 0;
@@ -602,12 +561,8 @@ TYPED_TEST(BackwardTest, DropoutRateZeroEqualsNoDropout) {
 
 TYPED_TEST(BackwardTest, ScoreStrategiesGiveTheSameGradients) {
   for (int round = 0; round < 4; ++round) {
-    Shape s;
-    s.steps = 9;
-    s.key_steps = 6;
+    Shape s = Shape{}.sized(2, 9, 6).with_heads(2, 4, 3, 4);
     s.query_dim = 30;
-    s.value_dim = 3;
-    s.output_dim = 4;
     s.random_mask = round % 2 == 0;
     s.causal = round >= 2;
     s.empty_rows = true;
@@ -671,10 +626,7 @@ TYPED_TEST(BackwardTest, QueryFromAnUncompressedEigenMatrixGetsOneGradientPerSto
 
 TYPED_TEST(BackwardTest, ZeroSizedBatchStepsAndKeys) {
   for (auto dims : std::vector<std::array<long, 3>>{{0, 5, 7}, {2, 0, 7}, {2, 5, 0}}) {
-    Shape s;
-    s.batch = dims[0];
-    s.steps = dims[1];
-    s.key_steps = dims[2];
+    Shape s = Shape{}.sized(dims[0], dims[1], dims[2]);
     auto c = make_case<TypeParam>(s, 54);
     const auto g = backward(c, random_d_output(c, 55), c.options);
     EXPECT_TRUE(all_finite(c, g));
@@ -689,16 +641,8 @@ TYPED_TEST(BackwardTest, ZeroSizedBatchStepsAndKeys) {
 // Nothing is attended, so every gradient is exactly 0 but dbo, which is 1ᵀ·dY.
 TYPED_TEST(BackwardTest, ZeroSizedDimensionsWithGradientsWiderThanATile) {
   for (auto dims : std::vector<std::array<long, 3>>{{0, 3, 2}, {2, 0, 2}, {2, 3, 0}}) {
-    Shape s;
-    s.batch = dims[0];
-    s.steps = dims[1];
-    s.key_steps = dims[2];
-    s.query_dim = 300;
-    s.key_in_dim = 270;
-    s.value_in_dim = 260;
-    s.heads = 2;
-    s.key_dim = 150;
-    s.value_dim = 140;
+    Shape s =
+        Shape{}.sized(dims[0], dims[1], dims[2]).widths(300, 270, 260).with_heads(2, 150, 140);
     auto c = make_case<TypeParam>(s, 58);
     const auto d_output = random_d_output(c, 59);
     const auto g = backward(c, d_output, c.options);
@@ -790,15 +734,8 @@ Case<double> widened(const Case<float>& c) {
 
 TEST(BackwardPrecision, FloatGradientsAgreeWithDouble) {
   for (int round = 0; round < 6; ++round) {
-    Shape s;
-    s.batch = 2;
-    s.steps = 11;
-    s.key_steps = 13;
+    Shape s = Shape{}.sized(2, 11, 13).with_heads(2, 6, 5, 7);
     s.query_dim = 40;
-    s.heads = 2;
-    s.key_dim = 6;
-    s.value_dim = 5;
-    s.output_dim = 7;
     s.random_mask = round % 2 == 0;
     s.causal = round % 3 == 0;
     s.empty_rows = true;
@@ -825,13 +762,8 @@ TEST(BackwardPrecision, FloatGradientsAgreeWithDouble) {
 }
 
 TEST(BackwardDropout, KeepsTheExpectationOverSeeds) {
-  Shape s;
-  s.batch = 1;
-  s.steps = 3;
-  s.key_steps = 5;
+  Shape s = Shape{}.sized(1, 3, 5).with_heads(2, 3);
   s.query_dim = 8;
-  s.heads = 2;
-  s.key_dim = 3;
   s.density = 0.5;
   s.random_mask = true;
   const auto c = make_case<double>(s, 90);
@@ -882,9 +814,7 @@ struct CarvedFeatureGroups {
   }
 };
 
-template <typename Scalar>
-class QueryGradientStagesTest : public ::testing::Test {};
-TYPED_TEST_SUITE(QueryGradientStagesTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(QueryGradientStagesTest);
 
 TYPED_TEST(QueryGradientStagesTest, MatchDenseProducts) {
   using Scalar = TypeParam;

@@ -128,17 +128,7 @@ void expect_the_rounded_model(const Case<float>& c, long online_key_tile) {
 // instead. What remains is float32's sums, and the rare operand that float32 and float64 round
 // to neighbouring bfloat16 values. One key tile (S ≤ kKeyTile): P is normalised as the model's.
 TEST(BFloat16LayerTest, ComputesTheRoundedModel) {
-  Shape wide;
-  wide.batch = 2;
-  wide.steps = 24;
-  wide.key_steps = 40;
-  wide.query_dim = 64;
-  wide.key_in_dim = 32;
-  wide.value_in_dim = 24;
-  wide.heads = 2;
-  wide.key_dim = 16;
-  wide.value_dim = 8;
-  wide.output_dim = 12;
+  Shape wide = Shape{}.sized(2, 24, 40).widths(64, 32, 24).with_heads(2, 16, 8, 12);
   wide.random_mask = true;
   std::uint64_t seed = 460;
   for (const Shape& shape : {Shape{}, wide}) {
@@ -149,32 +139,16 @@ TEST(BFloat16LayerTest, ComputesTheRoundedModel) {
 // The same beyond one key tile (S > kKeyTile), where the forward runs the online softmax and P·V
 // rounds each key tile's unnormalised probabilities: the model rounds them as it does.
 TEST(BFloat16LayerTest, ComputesTheRoundedModelUnderTheOnlineSoftmax) {
-  Shape s;
-  s.batch = 1;
-  s.steps = 6;
-  s.key_steps = 2 * sdmha::detail::kKeyTile + 37;
-  s.query_dim = 24;
-  s.key_in_dim = 10;
-  s.value_in_dim = 9;
-  s.heads = 2;
-  s.key_dim = 8;
-  s.value_dim = 4;
+  Shape s =
+      Shape{}.sized(1, 6, 2 * sdmha::detail::kKeyTile + 37).widths(24, 10, 9).with_heads(2, 8, 4);
   s.random_mask = true;
   expect_the_rounded_model(make_case<float>(s, 470), sdmha::detail::kKeyTile);
 }
 
 // K and V streamed in chunks of one key tile give the bits of the unstreamed bfloat16 forward.
 TEST(BFloat16LayerTest, StreamedContextIsBitwiseTheWholeOne) {
-  Shape s;
-  s.batch = 2;
-  s.steps = 9;
-  s.key_steps = 2 * sdmha::detail::kKeyTile + 37;
-  s.query_dim = 24;
-  s.key_in_dim = 10;
-  s.value_in_dim = 9;
-  s.heads = 2;
-  s.key_dim = 4;
-  s.value_dim = 3;
+  Shape s =
+      Shape{}.sized(2, 9, 2 * sdmha::detail::kKeyTile + 37).widths(24, 10, 9).with_heads(2, 4, 3);
   s.density = 0.2;
   const auto c = make_case<float>(s, 420);
   Layer whole(c.config, c.weights), streamed(c.config, c.weights);

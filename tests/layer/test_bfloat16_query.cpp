@@ -63,13 +63,8 @@ TEST(BFloat16QueryKernelTest, IsTheFloatLayerOnTheRoundedQueryKernel) {
 // feature, the bfloat16 one reading the rounded Wq): still the same bits as the float layer on
 // the rounded Wq, for 1 and 2 threads; the automatic strategy projects first.
 TEST(BFloat16QueryKernelTest, WideQueryKernelIsBitwiseAndThreadInvariant) {
-  Shape s;
-  s.batch = 2;
-  s.steps = 40;
-  s.key_steps = 9;
+  Shape s = Shape{}.sized(2, 40, 9).with_heads(4, 64);
   s.query_dim = 3000;
-  s.heads = 4;
-  s.key_dim = 64;
   s.density = 0.06;
   const auto c = make_case<float>(s, 41);
   const auto twin = with_rounded_query_kernel(c);
@@ -97,10 +92,7 @@ TEST(BFloat16QueryKernelTest, WideQueryKernelIsBitwiseAndThreadInvariant) {
 // caller's CSR arrays, not known sorted): the bfloat16 layer goes by feature over the CSC, and
 // is the float32 layer on the rounded Wq over the same arrays, bit for bit, and the reference.
 TEST(BFloat16QueryKernelTest, WideQueryKernelTakesRowsWithUnsortedColumns) {
-  Shape s;
-  s.batch = 2;
-  s.steps = 40;
-  s.key_steps = 9;
+  Shape s = Shape{}.sized(2, 40, 9);
   s.query_dim = 3000;
   s.heads = 3;
   s.key_dim = 64;  // N = 192: a panel and a partial one; Wq 2.3 MB, beyond the cache

@@ -222,17 +222,7 @@ constexpr double kForwardTolerance = 1e-10;
 
 // A problem with small widths and two heads, or three (kSlopes and kTemperatures cover three).
 Shape small_shape(long steps, long key_steps, bool causal, bool padding) {
-  Shape s;
-  s.batch = 2;
-  s.steps = steps;
-  s.key_steps = key_steps;
-  s.query_dim = 12;
-  s.key_in_dim = 6;
-  s.value_in_dim = 5;
-  s.heads = 2;
-  s.key_dim = 3;
-  s.value_dim = 4;
-  s.output_dim = 5;
+  Shape s = Shape{}.sized(2, steps, key_steps).widths(12, 6, 5).with_heads(2, 3, 4, 5);
   s.density = 0.3;
   s.causal = causal;
   s.key_mask = padding;

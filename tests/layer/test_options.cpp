@@ -7,9 +7,7 @@
 namespace sdmha_test {
 namespace {
 
-template <typename Scalar>
-class OptionsTest : public ::testing::Test {};
-TYPED_TEST_SUITE(OptionsTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(OptionsTest);
 
 template <typename Scalar>
 Tensor3<Scalar> counting_tensor(Index batch, Index steps, Index width) {

@@ -1,97 +1,23 @@
-// Tests of sdmha/sparse_dense_mha.hpp: the whole layer against the float64 reference, over
-// random shapes and every mask, both score strategies, and its bad-input checks.
+// Tests of sdmha/sparse_dense_mha.hpp that concern the sparse query: a query kernel beyond L2 on
+// any thread count, the key mask, the projected context, the score strategy's cost model, and the
+// checks of configuration, weights and query. What the layer shares with the dense baseline (the
+// float64 reference over every variant and random shapes, masks, threads, bad keys and values) is
+// tested on both in test_layer_behaviour.cpp.
 #include "test_support.hpp"
 
 namespace sdmha_test {
 namespace {
 
-template <typename Scalar>
-class SparseDenseMhaTest : public ::testing::Test {};
-TYPED_TEST_SUITE(SparseDenseMhaTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(SparseDenseMhaTest);
 
-template <typename Scalar>
-void check_layer(const Case<Scalar>& c, sdmha::AttentionOptions<Scalar> options, const char* name) {
-  SCOPED_TRACE(name);
-  const auto expected = sdmha_reference::forward(c.problem);
-  const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
-  const auto query = c.query();
-  options.return_attention_scores = true;
-  for (auto strategy : {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped,
-                        sdmha::ScoreStrategy::automatic}) {
-    SCOPED_TRACE(sdmha::to_string(strategy));
-    options.score_strategy = strategy;
-    const auto result = layer.forward(query, c.key, c.value, options);
-    ASSERT_EQ(result.output.dimension(0), c.problem.batch);
-    ASSERT_EQ(result.output.dimension(1), c.problem.steps);
-    ASSERT_EQ(result.output.dimension(2), c.problem.output_dim);
-    ASSERT_EQ(result.attention_scores.dimension(1), c.problem.heads);
-    EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<Scalar>()));
-    EXPECT_TRUE(all_near(result.attention_scores.data(), expected.probabilities,
-                         relative_tolerance<Scalar>()));
-  }
-}
-
-TYPED_TEST(SparseDenseMhaTest, MatchesReferenceOverVariants) {
-  std::uint64_t seed = 100;
-  for (const auto& variant : variants()) {
-    const auto c = make_case<TypeParam>(variant.shape, seed++);
-    check_layer(c, c.options, variant.name);
-  }
-}
-
-TYPED_TEST(SparseDenseMhaTest, ScoreStrategiesAgreeOnRandomShapes) {
-  std::mt19937_64 generator(7);
-  for (int round = 0; round < 12; ++round) {
-    Shape s = random_small_shape(generator);
-    s.density = 0.15;
-    s.random_mask = round % 2 == 0;
-    s.causal = round % 3 == 0;
-    s.empty_rows = round % 4 == 0;
-    s.duplicates = round % 5 == 0;
-    const auto c = make_case<TypeParam>(s, 1000 + round);
-    check_layer(c, c.options, "random");
-  }
-}
-
-TYPED_TEST(SparseDenseMhaTest, OutputIsBitwiseTheSameForAnyThreadCount) {
-  Shape s;
-  s.batch = 3;
-  s.steps = 70;
-  s.key_steps = 20;
-  s.query_dim = 50;
-  s.heads = 3;
-  s.random_mask = true;
-  const auto c = make_case<TypeParam>(s, 5);
-  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
-  const auto query = c.query();
-  for (auto strategy :
-       {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
-    auto options = c.options;
-    options.score_strategy = strategy;
-    options.num_threads = 1;
-    const auto single = layer.forward(query, c.key, c.value, options);
-    for (int threads : {2, 3, 8}) {
-      options.num_threads = threads;
-      const auto multi = layer.forward(query, c.key, c.value, options);
-      ASSERT_EQ(0, std::memcmp(single.output.data(), multi.output.data(),
-                               sizeof(TypeParam) * std::size_t(single.output.size())))
-          << threads << " threads";
-    }
-  }
-}
-
-// The same with a query kernel beyond L2 and rows that reuse its features (the query projection
+// Bitwise the same output for any thread count (test_layer_behaviour.cpp has the small case) with
+// a query kernel beyond L2 and rows that reuse its features (the query projection
 // in its own region: one CSC per 512-row block, 64-column windows), over two row blocks, the
 // second partial: one thread runs each block's windows as one call, two claim whole blocks
 // (RowQueue), more share a block's windows; and with more threads than items.
 TYPED_TEST(SparseDenseMhaTest, WideQueryKernelOutputIsBitwiseTheSameForAnyThreadCount) {
-  Shape s;
-  s.batch = 2;
-  s.steps = 300;
-  s.key_steps = 9;
+  Shape s = Shape{}.sized(2, 300, 9).with_heads(4, 64);
   s.query_dim = 3000;
-  s.heads = 4;
-  s.key_dim = 64;
   s.density = 0.01;
   const auto c = make_case<TypeParam>(s, 23);
   const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
@@ -116,25 +42,6 @@ TYPED_TEST(SparseDenseMhaTest, WideQueryKernelOutputIsBitwiseTheSameForAnyThread
                              sizeof(TypeParam) * std::size_t(single.output.size())))
         << threads << " threads";
   }
-}
-
-TYPED_TEST(SparseDenseMhaTest, FullyBlockedRowGivesTheOutputBias) {
-  Shape s;
-  s.fully_blocked_rows = true;
-  const auto c = make_case<TypeParam>(s, 11);
-  auto options = c.options;
-  Tensor3<bool> mask(s.batch, s.steps, s.key_steps);
-  mask.setConstant(true);
-  for (long s_index = 0; s_index < s.key_steps; ++s_index) mask(1, 2, s_index) = false;
-  options.attention_mask = mask;
-  options.return_attention_scores = true;
-  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
-  const auto result = layer.forward(c.query(), c.key, c.value, options);
-  for (long o = 0; o < result.output.dimension(2); ++o)
-    EXPECT_EQ(result.output(1, 2, o), c.weights.output_bias[o]);
-  for (long h = 0; h < s.heads; ++h)
-    for (long s_index = 0; s_index < s.key_steps; ++s_index)
-      EXPECT_EQ(result.attention_scores(1, h, 2, s_index), TypeParam(0));
 }
 
 // key_mask has attention_mask's polarity: a key step whose entry is false gets probability 0 from
@@ -196,91 +103,6 @@ TYPED_TEST(SparseDenseMhaTest, KeyMaskFalseKeysGetNoAttention) {
   const auto expected = sdmha_reference::forward(p);
   const auto result = layer.forward(c.query(), c.key, c.value, options);
   EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<TypeParam>()));
-}
-
-TYPED_TEST(SparseDenseMhaTest, NonFiniteKeyAndValueInBlockedPositionsDoNotReachTheOutput) {
-  Shape s;
-  s.random_mask = true;
-  auto c = make_case<TypeParam>(s, 12);
-  // Block key step 3 for every query of batch 0, then poison key and value at that step.
-  for (long t = 0; t < s.steps; ++t) {
-    c.mutable_mask()(0, t, 3) = false;
-    c.problem.attention_mask[(0 * s.steps + t) * s.key_steps + 3] = 0;
-  }
-  const auto expected = sdmha_reference::forward(c.problem);
-  for (long e = 0; e < s.key_in_dim; ++e)
-    c.key(0, 3, e) = std::numeric_limits<TypeParam>::quiet_NaN();
-  for (long e = 0; e < s.value_in_dim; ++e)
-    c.value(0, 3, e) = e % 2 ? std::numeric_limits<TypeParam>::infinity()
-                             : std::numeric_limits<TypeParam>::quiet_NaN();
-  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
-  for (auto strategy :
-       {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
-    auto options = c.options;
-    options.score_strategy = strategy;
-    const auto result = layer.forward(c.query(), c.key, c.value, options);
-    EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<TypeParam>()));
-  }
-}
-
-TYPED_TEST(SparseDenseMhaTest, ExtremeLogitsStayFinite) {
-  Shape s;
-  auto c = make_case<TypeParam>(s, 13);
-  c.weights.query_kernel *= TypeParam(300);
-  c.weights.key_kernel *= TypeParam(300);
-  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
-  auto options = c.options;
-  options.return_attention_scores = true;
-  const auto result = layer.forward(c.query(), c.key, c.value, options);
-  for (Index i = 0; i < result.output.size(); ++i)
-    ASSERT_TRUE(std::isfinite(result.output.data()[i]));
-  for (Index i = 0; i < result.attention_scores.size(); ++i)
-    ASSERT_TRUE(std::isfinite(result.attention_scores.data()[i]));
-}
-
-TYPED_TEST(SparseDenseMhaTest, ZeroSizeBatchStepsAndKeysGiveEmptyOrBiasOutputs) {
-  for (auto dims : std::vector<std::array<long, 3>>{{0, 5, 7}, {2, 0, 7}, {2, 5, 0}}) {
-    Shape s;
-    s.batch = dims[0];
-    s.steps = dims[1];
-    s.key_steps = dims[2];
-    const auto c = make_case<TypeParam>(s, 14);
-    const auto expected = sdmha_reference::forward(c.problem);
-    const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
-    auto options = c.options;
-    options.return_attention_scores = true;
-    const auto result = layer.forward(c.query(), c.key, c.value, options);
-    EXPECT_EQ(result.output.dimension(0), dims[0]);
-    EXPECT_EQ(result.output.dimension(1), dims[1]);
-    EXPECT_EQ(result.output.size(), Index(expected.output.size()));
-    EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<TypeParam>()));
-  }
-}
-
-// Self-attention passes the value as the key too (there is no two-tensor overload).
-TYPED_TEST(SparseDenseMhaTest, ValueAsKeyAndTensorMapsAreAccepted) {
-  Shape s;
-  s.key_in_dim = s.value_in_dim;
-  auto c = make_case<TypeParam>(s, 15);
-  c.key = c.value;
-  c.problem.key = c.problem.value;
-  const auto expected = sdmha_reference::forward(c.problem);
-  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
-  const auto self = layer.forward(c.query(), c.value, c.value);
-  EXPECT_TRUE(all_near(self.output.data(), expected.output, relative_tolerance<TypeParam>()));
-  std::vector<TypeParam> caller_memory(c.value.data(), c.value.data() + c.value.size());
-  Eigen::TensorMap<Tensor3<TypeParam>> mutable_map(caller_memory.data(), s.batch, s.key_steps,
-                                                   s.value_in_dim);
-  Eigen::TensorMap<const Tensor3<TypeParam>> const_map(caller_memory.data(), s.batch, s.key_steps,
-                                                       s.value_in_dim);
-  const auto mapped = layer.forward(c.query(), mutable_map, const_map);
-  EXPECT_TRUE(all_near(mapped.output.data(), expected.output, relative_tolerance<TypeParam>()));
-}
-
-TYPED_TEST(SparseDenseMhaTest, AttentionScoresStayEmptyUnlessAsked) {
-  const auto c = make_case<TypeParam>(Shape{}, 16);
-  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
-  EXPECT_EQ(layer.forward(c.query(), c.key, c.value, c.options).attention_scores.size(), 0);
 }
 
 TYPED_TEST(SparseDenseMhaTest, ProjectedContextGivesTheSameOutputBitwise) {
@@ -352,7 +174,10 @@ TYPED_TEST(SparseDenseMhaTest, AutomaticStrategyFollowsTheCostModel) {
   // A forced strategy is kept whatever the cost.
   EXPECT_EQ(layer_b.resolve_strategy(sdmha::ScoreStrategy::sparse_regrouped, b.query(), 50, false),
             sdmha::ScoreStrategy::sparse_regrouped);
-  check_layer(a, a.options, "few_features");
+  // The regrouped form it chose gives the reference's output.
+  const auto expected = sdmha_reference::forward(a.problem);
+  const auto result = layer_a.forward(a.query(), a.key, a.value, a.options);
+  EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<TypeParam>()));
 }
 
 // The distinct features are counted (a pass over every stored value) only where the count can
@@ -432,49 +257,12 @@ TYPED_TEST(SparseDenseMhaTest, RejectsWeightsThatDisagreeWithTheConfiguration) {
                           "query_bias has 8 entries; expected 0 (use_bias is false)");
 }
 
-TYPED_TEST(SparseDenseMhaTest, RejectsInputsOfTheWrongShape) {
+TYPED_TEST(SparseDenseMhaTest, RejectsAQueryOfTheWrongWidth) {
   const auto c = make_case<TypeParam>(Shape{}, 19);
   const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
-  const auto query = c.query();
-  Tensor3<TypeParam> narrow_key(2, 7, 11), short_value(2, 6, 12), other_batch(3, 7, 12);
-  narrow_key.setZero();
-  short_value.setZero();
-  other_batch.setZero();
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, narrow_key, c.value), sdmha::ShapeError,
-                          "key has width 11; expected the kernel's input width 12");
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, short_value), sdmha::ShapeError,
-                          "key has 7 steps but value has 6");
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, other_batch, other_batch), sdmha::ShapeError,
-                          "key has batch 3; expected the query's batch 2");
   const auto wide_query = sdmha::SparseQuery<TypeParam>::from_coo(2, 5, 17, c.indices, c.values);
   SDMHA_EXPECT_THROW_WITH(layer.forward(wide_query, c.key, c.value), sdmha::ShapeError,
                           "query has 17 features; expected the query kernel's input width 16");
-}
-
-TYPED_TEST(SparseDenseMhaTest, RejectsMasksOfTheWrongShapeAndNegativeThreads) {
-  const auto c = make_case<TypeParam>(Shape{}, 20);
-  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
-  const auto query = c.query();
-  auto options = c.options;
-  Tensor3<bool> short_mask(2, 5, 6);
-  short_mask.setConstant(true);
-  options.attention_mask = short_mask;
-  SDMHA_EXPECT_THROW_WITH(
-      layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
-      "attention_mask is (2, 5, 6); expected (B, T, S) = (2, 5, 7), (T, S) = (5, 7) "
-      "or (B, H, T, S) = (2, 2, 5, 7) with B or H possibly 1");
-  options = c.options;
-  const KeyMask short_key_mask(1, 7);
-  options.key_mask = short_key_mask;
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
-                          "key_mask is (1, 7); expected (B, S) = (2, 7)");
-  options.key_mask = sdmha::TensorRef<bool, 2>(nullptr, 2, 7);
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
-                          "key_mask has no data; expected 2 x 7 booleans");
-  options = c.options;
-  options.num_threads = -1;
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ConfigError,
-                          "num_threads = -1");
 }
 
 }  // namespace

@@ -6,9 +6,7 @@
 namespace sdmha_test {
 namespace {
 
-template <typename Scalar>
-class WeightsTest : public ::testing::Test {};
-TYPED_TEST_SUITE(WeightsTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(WeightsTest);
 
 using Dims = std::pair<Index, Index>;
 

@@ -26,23 +26,12 @@ using Tensor2 = Eigen::Tensor<T, 2, Eigen::RowMajor>;
 template <typename T>
 using Tensor4 = Eigen::Tensor<T, 4, Eigen::RowMajor>;
 
-template <typename Scalar>
-class ContextStreamingTest : public ::testing::Test {};
-TYPED_TEST_SUITE(ContextStreamingTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(ContextStreamingTest);
 
 // Three whole key tiles and a ragged tail; two query tiles per (b, h) under a causal mask (one
 // otherwise) at the default `steps`; past kForwardQueryTile, several either way.
 Shape streamed_shape(Index steps = 70) {
-  Shape s;
-  s.batch = 2;
-  s.steps = steps;
-  s.key_steps = 3 * kKeyTile + 37;
-  s.query_dim = 24;
-  s.key_in_dim = 10;
-  s.value_in_dim = 9;
-  s.heads = 2;
-  s.key_dim = 4;
-  s.value_dim = 3;
+  Shape s = Shape{}.sized(2, steps, 3 * kKeyTile + 37).widths(24, 10, 9).with_heads(2, 4, 3);
   s.density = 0.2;
   return s;
 }

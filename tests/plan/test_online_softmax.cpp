@@ -13,21 +13,12 @@ namespace {
 
 using namespace sdmha_test;
 
-template <typename Scalar>
-class OnlineSoftmaxTest : public ::testing::Test {};
-TYPED_TEST_SUITE(OnlineSoftmaxTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(OnlineSoftmaxTest);
 
 // Long enough that the items have several key tiles (and, causal, a partial last one).
 Shape long_shape() {
-  Shape s;
-  s.batch = 2;
-  s.steps = 70;
-  s.key_steps = sdmha::detail::kKeyTile * 2 + 37;
-  s.query_dim = 24;
-  s.key_in_dim = 10;
-  s.value_in_dim = 10;
-  s.heads = 2;
-  s.key_dim = 4;
+  Shape s =
+      Shape{}.sized(2, 70, sdmha::detail::kKeyTile * 2 + 37).widths(24, 10, 10).with_heads(2, 4);
   s.density = 0.2;
   return s;
 }

@@ -15,26 +15,17 @@
 namespace sdmha_test {
 namespace {
 
-template <typename Scalar>
-class Concurrency : public ::testing::Test {};
-TYPED_TEST_SUITE(Concurrency, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(Concurrency);
 
 constexpr int kThreads = 8;
 constexpr int kCallsPerThread = 100;
 
 // The layer's widths, shared by every thread's inputs; the rest of each thread's problem differs.
 Shape thread_shape(int thread) {
-  Shape s;
-  s.query_dim = 20;
-  s.key_in_dim = 12;
-  s.value_in_dim = 10;
-  s.heads = 2;
-  s.key_dim = 4;
-  s.value_dim = 3;
-  s.output_dim = 7;
-  s.batch = 1 + thread % 3;
-  s.steps = 3 + thread;
-  s.key_steps = 4 + (thread * 5) % 7;
+  Shape s = Shape{}
+                .sized(1 + thread % 3, 3 + thread, 4 + (thread * 5) % 7)
+                .widths(20, 12, 10)
+                .with_heads(2, 4, 3, 7);
   s.density = 0.15;
   s.random_mask = thread % 2 == 1;
   s.causal = thread % 4 >= 2;

@@ -11,9 +11,7 @@
 namespace sdmha_test {
 namespace {
 
-template <typename Scalar>
-class WorkspaceTest : public ::testing::Test {};
-TYPED_TEST_SUITE(WorkspaceTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(WorkspaceTest);
 
 template <typename Scalar>
 bool bitwise_equal(const Scalar* a, const Scalar* b, Index count) {
@@ -28,23 +26,9 @@ void expect_same_tensor(const Tensor& actual, const Tensor& expected) {
 
 // The same layer widths with different (B, T, S): larger, smaller, larger again.
 Shape sized(long batch, long steps, long key_steps, bool masks) {
-  Shape s;
-  s.query_dim = 40;
-  s.key_in_dim = 12;
-  s.value_in_dim = 9;
-  s.heads = 3;
-  s.key_dim = 5;
-  s.value_dim = 4;
-  s.output_dim = 7;
+  Shape s = Shape{}.sized(batch, steps, key_steps).widths(40, 12, 9).with_heads(3, 5, 4, 7);
   s.density = 0.1;
-  s.batch = batch;
-  s.steps = steps;
-  s.key_steps = key_steps;
-  s.random_mask = masks;
-  s.causal = masks;
-  s.key_mask = masks;
-  s.empty_rows = masks;
-  return s;
+  return s.with_masks(masks);
 }
 
 TYPED_TEST(WorkspaceTest, ReusedWorkspaceGivesThePlainForwardsBitsThroughShapeChanges) {

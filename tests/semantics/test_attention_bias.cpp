@@ -184,9 +184,7 @@ std::vector<Shape> small_shapes() {
   return list;
 }
 
-template <typename Scalar>
-class AttentionBiasTest : public ::testing::Test {};
-TYPED_TEST_SUITE(AttentionBiasTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(AttentionBiasTest);
 
 // Every mask shape (or none) with every bias shape (or none), on each small shape; the semantics
 // options cycle through their combinations so that every pair meets each of them somewhere.

@@ -13,9 +13,7 @@ namespace {
 
 using namespace sdmha_test;
 
-template <typename Scalar>
-class AttentionSemanticsTest : public ::testing::Test {};
-TYPED_TEST_SUITE(AttentionSemanticsTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(AttentionSemanticsTest);
 
 // One semantics setting, applied to both the options and the reference's problem.
 struct Semantics {

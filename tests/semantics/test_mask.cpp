@@ -9,9 +9,7 @@
 namespace sdmha_test {
 namespace {
 
-template <typename Scalar>
-class MaskTest : public ::testing::Test {};
-TYPED_TEST_SUITE(MaskTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(MaskTest);
 
 struct MaskVariant {
   const char* name;
@@ -28,10 +26,7 @@ const MaskVariant kMaskVariants[] = {
 
 template <typename Scalar>
 Case<Scalar> mask_case(const MaskVariant& variant, std::uint64_t seed) {
-  Shape s;
-  s.batch = 3;
-  s.steps = variant.steps;
-  s.key_steps = variant.key_steps;
+  Shape s = Shape{}.sized(3, variant.steps, variant.key_steps);
   s.causal = variant.causal;
   s.random_mask = variant.attention;
   s.key_mask = variant.key_mask;

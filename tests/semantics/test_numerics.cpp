@@ -19,9 +19,7 @@
 namespace sdmha_test {
 namespace {
 
-template <typename Scalar>
-class Numerics : public ::testing::Test {};
-TYPED_TEST_SUITE(Numerics, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(Numerics);
 
 constexpr sdmha::ScoreStrategy kStrategies[] = {sdmha::ScoreStrategy::project_first,
                                                 sdmha::ScoreStrategy::sparse_regrouped};
@@ -57,10 +55,7 @@ void scale_logits(Case<Scalar>& c, double factor) {
 
 TYPED_TEST(Numerics, LogitsOfTenThousandGiveFiniteProbabilitiesThatSumToOne) {
   using Scalar = TypeParam;
-  Shape s;
-  s.batch = 2;
-  s.steps = 9;
-  s.key_steps = 11;
+  Shape s = Shape{}.sized(2, 9, 11);
   s.random_mask = true;
   s.fully_blocked_rows = true;
   auto c = make_case<Scalar>(s, 31);
@@ -154,10 +149,7 @@ const char* name_of(Blocking blocking) {
 template <typename Scalar>
 Case<Scalar> blocked_problem(Blocking blocking, long steps, long key_steps,
                              std::vector<std::pair<long, long>>& blocked) {
-  Shape s;
-  s.batch = 2;
-  s.steps = steps;
-  s.key_steps = key_steps;
+  Shape s = Shape{}.sized(2, steps, key_steps);
   s.heads = 2;
   s.random_mask = blocking == Blocking::attention_mask;
   s.causal = blocking == Blocking::causal;
@@ -251,17 +243,10 @@ Shape golden_shape(const std::string& name) {
   const auto layer = sdmha::io::load_layer<double>(source);
   const auto inputs = sdmha::io::load_inputs<double>(source);
   const sdmha::LayerDims dims = layer.weights.validate(layer.config);
-  Shape s;
-  s.batch = inputs.query.batch();
-  s.steps = inputs.query.steps();
-  s.key_steps = inputs.value.dimension(1);
-  s.query_dim = dims.query_dim;
-  s.key_in_dim = dims.key_in_dim;
-  s.value_in_dim = dims.value_in_dim;
-  s.heads = dims.num_heads;
-  s.key_dim = dims.key_dim;
-  s.value_dim = dims.value_dim;
-  s.output_dim = dims.output_dim;
+  Shape s = Shape{}
+                .sized(inputs.query.batch(), inputs.query.steps(), inputs.value.dimension(1))
+                .widths(dims.query_dim, dims.key_in_dim, dims.value_in_dim)
+                .with_heads(dims.num_heads, dims.key_dim, dims.value_dim, dims.output_dim);
   s.use_bias = layer.config.use_bias;
   s.causal = layer.use_causal_mask;
   s.random_mask = inputs.attention_mask.size() != 0;

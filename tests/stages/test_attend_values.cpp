@@ -88,11 +88,7 @@ TYPED_TEST(AttendValuesTest, MatchesANaiveLoop) {
 }
 
 TYPED_TEST(AttendValuesTest, MatchesTheReferenceHeads) {
-  Shape s;
-  s.steps = 6;
-  s.key_steps = 9;
-  s.heads = 3;
-  s.value_dim = 5;
+  Shape s = Shape{}.sized(2, 6, 9).with_heads(3, 4, 5);
   s.random_mask = true;
   s.fully_blocked_rows = true;
   const auto c = make_case<TypeParam>(s, 910);

@@ -35,16 +35,8 @@ std::vector<double> twin_of(const Eigen::MatrixBase<Derived>& matrix) {
 }
 
 TYPED_TEST(DenseProjectionTest, KeyAndValueProjectionsMatchTheReference) {
-  std::vector<Shape> shapes(4);
-  shapes[1].batch = 1;
-  shapes[1].key_steps = 1;
-  shapes[1].heads = 1;
-  shapes[2].key_steps = 13;
-  shapes[2].key_in_dim = 9;
-  shapes[2].value_in_dim = 5;
-  shapes[2].heads = 3;
-  shapes[2].key_dim = 5;
-  shapes[2].value_dim = 7;
+  std::vector<Shape> shapes{Shape{}, Shape{}.sized(1, 5, 1).with_heads(1, 4),
+                            Shape{}.sized(2, 5, 13).widths(16, 9, 5).with_heads(3, 5, 7), Shape{}};
   shapes[3].use_bias = false;
   std::uint64_t seed = 500;
   for (const auto& shape : shapes) {

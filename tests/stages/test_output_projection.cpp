@@ -19,14 +19,8 @@ static_assert(std::is_same<sdmha::OutputProjection<double>::ScalarType, double>:
               "OutputProjection exports its ScalarType");
 
 TYPED_TEST(OutputProjectionTest, HeadsToOutputMatchesTheReference) {
-  std::vector<Shape> shapes(4);
-  shapes[1].batch = 1;
-  shapes[1].heads = 1;
-  shapes[2].steps = 7;
-  shapes[2].heads = 3;
-  shapes[2].key_dim = 5;
-  shapes[2].value_dim = 6;
-  shapes[2].output_dim = 9;
+  std::vector<Shape> shapes{Shape{}, Shape{}.sized(1, 5, 7).with_heads(1, 4),
+                            Shape{}.sized(2, 7, 7).with_heads(3, 5, 6, 9), Shape{}};
   shapes[3].use_bias = false;
   shapes[3].output_dim = 3;
   std::uint64_t seed = 600;
@@ -51,11 +45,8 @@ TYPED_TEST(OutputProjectionTest, HeadsToOutputMatchesTheReference) {
 }
 
 TYPED_TEST(OutputProjectionTest, WorksOnBlocksOfLargerMatrices) {
-  Shape s;
+  Shape s = Shape{}.with_heads(3, 4, 5, 7);
   s.steps = 6;
-  s.heads = 3;
-  s.value_dim = 5;
-  s.output_dim = 7;
   const auto c = make_case<TypeParam>(s, 610);
   const auto& p = c.problem;
   const auto r = sdmha_reference::forward(p);

@@ -8,9 +8,7 @@
 namespace sdmha_test {
 namespace {
 
-template <typename Scalar>
-class ScoreKernelTest : public ::testing::Test {};
-TYPED_TEST_SUITE(ScoreKernelTest, ScalarTypes, );
+SDMHA_SCALAR_TYPED_TEST_SUITE(ScoreKernelTest);
 
 template <typename Scalar>
 using Kernel = sdmha::ScoreKernel<Scalar>;
@@ -183,18 +181,9 @@ std::vector<std::pair<const char*, Shape>> score_shapes() {
   s.empty_rows = true;
   s.causal = true;
   shapes.push_back({"no_bias", s});
-  s = Shape{};
-  s.batch = 2;
-  s.steps = 20;
-  s.key_steps = 30;
+  s = Shape{}.sized(2, 20, 30).with_heads(3, 8).with_masks();
   s.query_dim = 60;
-  s.heads = 3;
-  s.key_dim = 8;
   s.density = 0.05;
-  s.random_mask = true;
-  s.key_mask = true;
-  s.causal = true;
-  s.empty_rows = true;
   shapes.push_back({"larger_all_masks", s});
   return shapes;
 }
@@ -223,13 +212,8 @@ TYPED_TEST(ScoreKernelTest, TheTwoFormsAgreeWithEachOther) {
     return std::uniform_int_distribution<long>(low, high)(generator);
   };
   for (int round = 0; round < 10; ++round) {
-    Shape s;
-    s.batch = pick(1, 3);
-    s.steps = pick(1, 9);
-    s.key_steps = pick(1, 9);
+    Shape s = Shape{}.sized(pick(1, 3), pick(1, 9), pick(1, 9)).with_heads(pick(1, 3), pick(1, 6));
     s.query_dim = pick(1, 30);
-    s.heads = pick(1, 3);
-    s.key_dim = pick(1, 6);
     s.density = 0.2;
     s.use_bias = round % 3 != 0;
     s.random_mask = round % 2 == 0;

@@ -1,20 +1,12 @@
 // tests/support/stage_test.hpp — what the stage tests (tests/stages/) and the sparse query's share:
-// the suite typed over float and double each of them declares, a stage run as a layer runs it,
-// its can_implement checks, the check that a stage wrote only its block of a larger matrix, and
-// query shapes and the query as an uncompressed Eigen matrix.
+// a stage run as a layer runs it, its can_implement checks, the check that a stage wrote only its
+// block of a larger matrix, and query shapes and the query as an uncompressed Eigen matrix.
 #pragma once
 
 #include "test_support.hpp"  // first: it sets SDMHA_ASSERT before the library is included
 
 #include <string>
 #include <vector>
-
-// Declares `Suite`, a test suite typed over ScalarTypes (float and double) whose fixture holds
-// nothing: each test takes its scalar type as TypeParam.
-#define SDMHA_SCALAR_TYPED_TEST_SUITE(Suite) \
-  template <typename Scalar>                 \
-  class Suite : public ::testing::Test {};   \
-  TYPED_TEST_SUITE(Suite, ::sdmha_test::ScalarTypes, )
 
 namespace sdmha_test {
 

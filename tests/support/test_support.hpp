@@ -43,6 +43,13 @@ constexpr double relative_tolerance() {
 
 using ScalarTypes = ::testing::Types<float, double>;
 
+// Declares `Suite`, a test suite typed over ScalarTypes (float and double) whose fixture holds
+// nothing: each test takes its scalar type as TypeParam.
+#define SDMHA_SCALAR_TYPED_TEST_SUITE(Suite) \
+  template <typename Scalar>                 \
+  class Suite : public ::testing::Test {};   \
+  TYPED_TEST_SUITE(Suite, ::sdmha_test::ScalarTypes, )
+
 // The sizes of one random problem. Density is the fraction of stored values per query row.
 struct Shape {
   long batch = 2, steps = 5, key_steps = 7;
@@ -57,6 +64,34 @@ struct Shape {
   bool fully_blocked_rows = false;  // some rows of the attention mask entirely false
   bool duplicates = false;          // repeat some COO coordinates (they sum)
   bool shuffle = true;              // COO entries in random order
+
+  // Setters that chain, so that a test states a shape in a line or two:
+  // Shape{}.sized(3, 80, 70).widths(40, 12, 9).with_heads(3, 9, 5).with_masks().
+  Shape& sized(long batch_size, long query_steps, long key_step_count) {
+    batch = batch_size;
+    steps = query_steps;
+    key_steps = key_step_count;
+    return *this;
+  }
+  Shape& widths(long query_width, long key_width, long value_width) {
+    query_dim = query_width;
+    key_in_dim = key_width;
+    value_in_dim = value_width;
+    return *this;
+  }
+  // value_dim and output_dim 0: Keras' defaults (key_dim, and the query's width).
+  Shape& with_heads(long head_count, long key_size, long value_size = 0, long output_size = 0) {
+    heads = head_count;
+    key_dim = key_size;
+    value_dim = value_size;
+    output_dim = output_size;
+    return *this;
+  }
+  // Every mask at once: a random attention mask, causal, key padding and empty query rows.
+  Shape& with_masks(bool on = true) {
+    random_mask = causal = key_mask = empty_rows = on;
+    return *this;
+  }
 };
 
 template <typename Scalar>
