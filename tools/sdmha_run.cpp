@@ -435,23 +435,22 @@ void run(const Arguments& arguments, const sdmha::io::TensorSource* weights_sour
           "the inputs in " + in_quotes(inputs) + " do not fit the layer in " + in_quotes(weights) +
               ": "};
   const sdmha::SparseDenseMHA<Scalar> layer(layer_file.config, layer_file.weights);
-  sdmha::AttentionOptions<Scalar> options;
-  options.attention_mask = layer_inputs.attention_mask;
-  options.attention_bias = layer_inputs.attention_bias;
-  // The attention's semantics: the weights file's metadata, else the inputs file's.
+  // The attention's semantics: the weights file's (and --causal), each setting the weights file
+  // does not carry from the inputs file's metadata.
+  sdmha::AttentionOptions<Scalar> options = layer_file.attention_options();
   const auto in_weights = [&](const char* key) {
     return weights_source != nullptr && weights_source->metadata_value(key);
   };
-  const auto from = [&](const char* key) -> const sdmha::io::TensorSource& {
-    return in_weights(key) ? *weights_source : inputs_source;
-  };
-  options.use_causal_mask =
-      arguments.layer_options.use_causal_mask || in_weights("use_causal_mask")
-          ? layer_file.use_causal_mask
-          : sdmha::detail::metadata_bool(inputs_source, "use_causal_mask").value_or(false);
-  options.causal_alignment = sdmha::detail::metadata_causal_alignment(from("causal_alignment"));
-  options.scale = sdmha::detail::metadata_number(from("scale"), "scale");
-  options.fully_masked_rows = sdmha::detail::metadata_fully_masked_rows(from("fully_masked_rows"));
+  if (!arguments.layer_options.use_causal_mask && !in_weights("use_causal_mask"))
+    options.use_causal_mask =
+        sdmha::detail::metadata_bool(inputs_source, "use_causal_mask").value_or(false);
+  if (!in_weights("causal_alignment"))
+    options.causal_alignment = sdmha::detail::metadata_causal_alignment(inputs_source);
+  if (!in_weights("scale")) options.scale = sdmha::detail::metadata_number(inputs_source, "scale");
+  if (!in_weights("fully_masked_rows"))
+    options.fully_masked_rows = sdmha::detail::metadata_fully_masked_rows(inputs_source);
+  options.attention_mask = layer_inputs.attention_mask;
+  options.attention_bias = layer_inputs.attention_bias;
   options.return_attention_scores = arguments.return_scores;
   options.num_threads = arguments.threads;
   options.score_strategy = arguments.strategy;

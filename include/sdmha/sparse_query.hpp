@@ -88,6 +88,29 @@ class SparseQuery {
 
   SparseQuery() = default;
 
+  // A copy is a query of its own: the arrays of a query made by from_coo or from_eigen are copied
+  // (O(nnz + B·T)), and a copy of a view_csr query views the same caller-owned arrays, under
+  // the same condition (they outlive it, unchanged). Moves take the arrays over, O(1).
+  SparseQuery(const SparseQuery& other)
+      : batch_(other.batch_),
+        steps_(other.steps_),
+        view_(other.view_),
+        coo_to_stored_(other.coo_to_stored_) {
+    if (other.owned_) {
+      owned_ = std::make_unique<SparseMatrixType>(*other.owned_);
+      const bool sorted = view_.sorted_columns;  // the copy keeps each row's order
+      view_ = view_of(*owned_);
+      view_.sorted_columns = sorted;
+    }
+  }
+  SparseQuery& operator=(const SparseQuery& other) {
+    if (this != &other) *this = SparseQuery(other);
+    return *this;
+  }
+  SparseQuery(SparseQuery&&) noexcept = default;
+  SparseQuery& operator=(SparseQuery&&) noexcept = default;
+  ~SparseQuery() = default;
+
   // From COO coordinates in TensorFlow's SparseTensor convention: `indices` is nnz × 3 int64
   // (batch, step, feature), `values` has nnz entries, the dense shape is (batch, steps, features).
   // Entries may come in any order. Duplicate coordinates are summed into one stored value (as
@@ -180,9 +203,23 @@ class SparseQuery {
     return query;
   }
 
-  // Takes over an Eigen row-major sparse matrix with batch·steps rows, compressed or not. Its
-  // arrays are taken by swap, not copied; `matrix` is left empty. The structure is validated
+  // From an Eigen row-major sparse matrix of this Scalar and StorageIndex (SparseMatrixType) with
+  // batch·steps rows, compressed or not. An rvalue is taken over: its arrays are swapped in, not
+  // copied, and `matrix` is left empty. An lvalue is copied (O(nnz + B·T)) and left as it was.
+  // Any other sparse expression (column-major, another Scalar or StorageIndex, a Map) is refused
+  // at compile time rather than converted behind the caller's back. The structure is validated
   // (offsets non-decreasing and within the arrays, columns in range).
+  static SparseQuery from_eigen(Index batch, Index steps, const SparseMatrixType& matrix) {
+    return from_eigen(batch, steps, SparseMatrixType(matrix));
+  }
+  template <typename Derived>
+  static SparseQuery from_eigen(Index, Index, const Eigen::SparseMatrixBase<Derived>&) {
+    static_assert(sizeof(Derived) == 0,
+                  "SparseQuery::from_eigen takes SparseQuery::SparseMatrixType (Eigen::SparseMatrix"
+                  "<Scalar, Eigen::RowMajor, StorageIndex>); convert other storage explicitly, "
+                  "e.g. from_eigen(B, T, SparseQuery<Scalar>::SparseMatrixType(matrix)), a copy");
+    return {};
+  }
   static SparseQuery from_eigen(Index batch, Index steps, SparseMatrixType&& matrix) {
     constexpr const char* where = "SparseQuery::from_eigen";
     check_dense_shape(where, batch, steps, matrix.cols());

@@ -146,8 +146,11 @@ def coo_query(batch, steps, features, indices, values, dtype=None):
 def load_layer(path, dtype="float32", num_heads=None, layout=None, prefix=None, use_causal_mask=None):
     """sdmha::io::load_layer: a layer's weights from safetensors or .npz, Keras' or PyTorch's names.
 
-    Returns {'layer': Layer, 'layout': 'keras' | 'torch', 'use_causal_mask': bool}. num_heads is
-    needed for PyTorch weights whose metadata lacks it.
+    Returns {'layer': Layer, 'layout': 'keras' | 'torch', 'use_causal_mask': bool, 'options':
+    dict}. 'options' holds the file's attention settings (use_causal_mask, causal_alignment, scale,
+    fully_masked_rows) as forward's and backward's keyword arguments, so that
+    ``layer.forward(query, key, value, **loaded["options"])`` runs the layer as the file says.
+    num_heads is needed for PyTorch weights whose metadata lacks it.
     """
     _require_io("load_layer")
     return _sdmha.load_layer(_os.fspath(path), dtype_name(dtype), num_heads, layout, prefix,

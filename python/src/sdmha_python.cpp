@@ -888,6 +888,14 @@ py::dict load_layer(const std::string& path, const std::optional<Index>& num_hea
   result["layer"] = std::make_shared<PyLayer<Scalar>>(file->config, std::move(weights));
   result["layout"] = file->layout == sdmha::io::WeightLayout::keras ? "keras" : "torch";
   result["use_causal_mask"] = file->use_causal_mask;
+  // The file's attention settings as forward's and backward's keyword arguments:
+  // layer.forward(query, key, value, **loaded["options"]) runs the file's layer as the file says.
+  py::dict settings;
+  settings["use_causal_mask"] = file->use_causal_mask;
+  settings["causal_alignment"] = sdmha::to_string(file->causal_alignment);
+  settings["scale"] = file->scale ? py::cast(*file->scale) : py::none();
+  settings["fully_masked_rows"] = sdmha::to_string(file->fully_masked_rows);
+  result["options"] = settings;
   return result;
 }
 
@@ -1045,7 +1053,9 @@ PYBIND11_MODULE(_sdmha, m) {
       py::arg("layout") = py::none(), py::arg("prefix") = py::none(),
       py::arg("use_causal_mask") = py::none(),
       "sdmha::io::load_layer on a safetensors or .npz file (Keras' or PyTorch's names) -> "
-      "{'layer': Layer_<dtype>, 'layout': 'keras'|'torch', 'use_causal_mask': bool}");
+      "{'layer': Layer_<dtype>, 'layout': 'keras'|'torch', 'use_causal_mask': bool, 'options': "
+      "the file's use_causal_mask, causal_alignment, scale and fully_masked_rows as forward's "
+      "keyword arguments}");
 #if SDMHA_PYTHON_WITH_KERAS_FILES
   m.def(
       "load_keras_layer",

@@ -55,6 +55,30 @@ def test_load_layer_and_load_inputs_at_the_numpy_level(export_tools):
     np.testing.assert_allclose(output, tensors["expected/output"], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("name", ["goldens/keras_causal_f64", "semantics/scale_keras_f64",
+                                  "semantics/causal_bottom_right_t6_s4_uniform_torch_f64",
+                                  "semantics/fully_masked_mask_uniform_keras_f64"])
+def test_load_layer_hands_over_the_files_attention_settings(name, export_tools):
+    path = SOURCE_DIR / "tests" / "data" / (name + ".safetensors")
+    tensors, metadata = export_tools.read_safetensors(str(path))
+    loaded = sdmha.load_layer(path, dtype="float64")
+    settings = loaded["options"]
+    assert settings["use_causal_mask"] == (metadata["use_causal_mask"] == "true")
+    assert settings["causal_alignment"] == metadata.get("causal_alignment", "top_left")
+    assert settings["fully_masked_rows"] == metadata.get("fully_masked_rows", "zeros")
+    assert settings["scale"] == (float(metadata["scale"]) if "scale" in metadata else None)
+    inputs = sdmha.load_inputs(path, dtype="float64")
+    arrays = (inputs["query"], inputs["key"], inputs["value"])
+    masks = {"attention_mask": inputs["attention_mask"], "attention_bias": inputs["attention_bias"]}
+    output, _ = loaded["layer"].forward(*arrays, **masks, **settings)
+    np.testing.assert_allclose(output, tensors["expected/output"], rtol=1e-10, atol=1e-10)
+    # The settings matter: without them the output differs.
+    plain, _ = loaded["layer"].forward(*arrays, **masks)
+    assert not np.allclose(plain, tensors["expected/output"], rtol=1e-10, atol=1e-10)
+    if name == "goldens/keras_causal_f64":  # docs/python.md's example prints it
+        assert abs(output[0, 0, 0] - 0.0641) < 5e-5
+
+
 @pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
 @pytest.mark.parametrize("use_bias", [True, False])
 def test_from_keras_names_with_a_layer_prefix(tmp_path, export_tools, suffix, use_bias):

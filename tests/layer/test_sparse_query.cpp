@@ -186,6 +186,49 @@ TYPED_TEST(SparseQueryTest, MovingTheQueryKeepsItsArrays) {
       all_near(naive_dense(moved.csr()).data(), c.problem.query, relative_tolerance<TypeParam>()));
 }
 
+// A copy owns arrays of its own (for from_coo and from_eigen queries): same rows, other memory,
+// independent of the original's later life; a copy of a view_csr query views the same arrays.
+TYPED_TEST(SparseQueryTest, CopyingAnOwningQueryCopiesItsArrays) {
+  using Scalar = TypeParam;
+  Shape s = query_shape(2, 5, 9, 0.5);
+  s.duplicates = true;
+  const auto c = make_case<Scalar>(s, 212);
+  std::vector<std::pair<const char*, Query<Scalar>>> originals;
+  originals.emplace_back("from_coo", c.query());
+  originals.emplace_back("from_eigen uncompressed",
+                         Query<Scalar>::from_eigen(s.batch, s.steps, uncompressed_matrix(c, 2)));
+  for (auto& [name, original] : originals) {
+    SCOPED_TRACE(name);
+    const std::vector<double> expected = naive_dense(original.csr());
+    Query<Scalar> copy(original);
+    Query<Scalar> assigned;
+    assigned = original;
+    for (const Query<Scalar>* duplicate : {&copy, &assigned}) {
+      EXPECT_NE(duplicate->csr().values, original.csr().values);
+      EXPECT_NE(duplicate->csr().column_indices, original.csr().column_indices);
+      EXPECT_EQ(duplicate->batch(), s.batch);
+      EXPECT_EQ(duplicate->steps(), s.steps);
+      EXPECT_EQ(duplicate->csr().sorted_columns, original.csr().sorted_columns);
+      EXPECT_EQ(duplicate->coo_to_stored(), original.coo_to_stored());
+    }
+    original = Query<Scalar>();  // the original's arrays are freed
+    EXPECT_TRUE(all_near(naive_dense(copy.csr()).data(), expected, kExact));
+    EXPECT_TRUE(all_near(naive_dense(assigned.csr()).data(), expected, kExact));
+  }
+  EXPECT_EQ(originals[0].second.nonzeros(), 0);
+  EXPECT_FALSE(originals[0].second.csr().sorted_columns);
+
+  const std::vector<int> offsets{0, 1, 1, 2};
+  const std::vector<int> columns{2, 0};
+  const std::vector<Scalar> values{Scalar(1), Scalar(-3)};
+  const auto view =
+      Query<Scalar>::view_csr(1, 3, 4, offsets.data(), 4, columns.data(), values.data(), 2);
+  const Query<Scalar> view_copy = view;
+  EXPECT_EQ(view_copy.csr().values, values.data());
+  EXPECT_EQ(view_copy.csr().row_offsets, offsets.data());
+  EXPECT_TRUE(all_near(view_copy.to_dense().data(), naive_dense(view.csr()), kExact));
+}
+
 // ---- from_eigen ----
 
 TYPED_TEST(SparseQueryTest, FromEigenTakesOverACompressedMatrixWithoutCopying) {
@@ -231,6 +274,30 @@ TYPED_TEST(SparseQueryTest, FromEigenTakesOverAnUncompressedMatrixWithSlack) {
   EXPECT_TRUE(
       all_near(naive_dense(query.csr()).data(), c.problem.query, relative_tolerance<TypeParam>()));
   EXPECT_TRUE(all_near(query.to_dense().data(), c.problem.query, relative_tolerance<TypeParam>()));
+}
+
+// An lvalue is copied and left as it was (compressed or not); the rvalue form above takes over.
+TYPED_TEST(SparseQueryTest, FromEigenCopiesAnLvalueAndLeavesItUnchanged) {
+  const Shape s = uncompressed_query_shape();
+  const auto c = make_case<TypeParam>(s, 222);
+  const EigenSparse<TypeParam> compressed = compressed_matrix(c);
+  EigenSparse<TypeParam> uncompressed = uncompressed_matrix(c, 3);
+  ASSERT_FALSE(uncompressed.isCompressed());
+  const std::vector<const EigenSparse<TypeParam>*> matrices{&compressed, &uncompressed};
+  for (const EigenSparse<TypeParam>* matrix : matrices) {
+    SCOPED_TRACE(matrix->isCompressed() ? "compressed" : "uncompressed");
+    const Index stored = matrix->nonZeros();
+    const auto query = Query<TypeParam>::from_eigen(s.batch, s.steps, *matrix);
+    EXPECT_NE(query.csr().values, matrix->valuePtr());
+    EXPECT_EQ(matrix->nonZeros(), stored) << "the caller's matrix should be untouched";
+    EXPECT_EQ(query.nonzeros(), distinct_coordinates(c));
+    EXPECT_TRUE(all_near(naive_dense(query.csr()).data(), c.problem.query,
+                         relative_tolerance<TypeParam>()));
+  }
+  // A non-const lvalue takes the copying form too.
+  const auto query = Query<TypeParam>::from_eigen(s.batch, s.steps, uncompressed);
+  EXPECT_EQ(uncompressed.nonZeros(), distinct_coordinates(c));
+  EXPECT_NE(query.csr().values, uncompressed.valuePtr());
 }
 
 // A matrix filled by insert() alone (no reserve, no makeCompressed) is uncompressed, and Eigen

@@ -59,6 +59,8 @@ struct LayerFileOptions {
   bool allow_non_finite_weights = false;
 };
 
+// A layer read from a file: what makes the layer (config, weights) and the attention settings
+// the file carries, which belong to every call of it: attention_options() hands them over.
 template <typename Scalar>
 struct LayerFile {
   MhaConfig config;
@@ -68,6 +70,18 @@ struct LayerFile {
   CausalAlignment causal_alignment = CausalAlignment::top_left;
   std::optional<double> scale;  // absent: 1/sqrt(key_dim)
   FullyMaskedRows fully_masked_rows = FullyMaskedRows::zeros;
+
+  // Options for forward and backward with the file's settings (use_causal_mask,
+  // causal_alignment, scale, fully_masked_rows) and every other member at its default: start
+  // from these, then add the masks, threads and the rest of the call.
+  AttentionOptions<Scalar> attention_options() const {
+    AttentionOptions<Scalar> options;
+    options.use_causal_mask = use_causal_mask;
+    options.causal_alignment = causal_alignment;
+    options.scale = scale;
+    options.fully_masked_rows = fully_masked_rows;
+    return options;
+  }
 };
 
 }  // namespace sdmha::io
