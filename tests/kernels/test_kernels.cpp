@@ -51,8 +51,8 @@ sdmha::RowMatrix<float> eigen_product(const sdmha::RowMatrix<float>& a,
                                       const sdmha::RowMatrix<float>& b) {
   const Index m = a.rows(), n = b.cols(), k = a.cols();
   const auto sizes = sdmha::detail::gemm_block_sizes<float>(m, n, k);
-  std::vector<float> block_a(std::size_t(sizes.mc * sizes.kc)),
-      block_b(std::size_t(sizes.kc * sizes.nc));
+  // Eigen's packing stores whole aligned vectors: its own allocator gives the alignment.
+  Eigen::VectorXf block_a(sizes.mc * sizes.kc), block_b(sizes.kc * sizes.nc);
   sdmha::detail::ScratchGemmBlocking<float> blocking(sizes, block_a.data(), block_b.data());
   sdmha::RowMatrix<float> c = sdmha::RowMatrix<float>::Zero(m, n);
   sdmha::detail::gemm_with_blocking<float>(sdmha::detail::as_operand<float>(a),
