@@ -40,7 +40,7 @@ def _pybind11_arguments():
         import pybind11
     except ImportError:  # CMake may still find pybind11-dev's own configuration
         return []
-    return [f"-Dpybind11_DIR={pybind11.get_cmake_dir()}"]
+    return [f"-DSDMHA_PYBIND11_HINT={pybind11.get_cmake_dir()}"]
 
 
 def _check_version():
