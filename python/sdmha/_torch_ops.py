@@ -103,7 +103,7 @@ def fake_backward(indptr, columns, query_values, key, value, attention_bias, wei
 
 
 def register():
-    """Registers the two operators (PyTorch >= 2.4); returns torch.ops.sdmha.attention."""
+    """Registers the two operators (PyTorch >= 2.4); returns them (custom_op's objects)."""
 
     @torch.library.custom_op("sdmha::attention", mutates_args=())
     def attention(indptr: torch.Tensor, columns: torch.Tensor, query_values: torch.Tensor, key: torch.Tensor,
@@ -164,7 +164,7 @@ def register():
         return (*result, None, None, None, None)
 
     attention.register_autograd(attention_grad, setup_context=setup_context)
-    return torch.ops.sdmha.attention
+    return attention, attention_backward
 
 
 def apply(call, indptr, columns, query_values, key, value, bias, weights, num_heads, attention_mask, key_mask):

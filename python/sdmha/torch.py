@@ -26,6 +26,7 @@ form, gradcheck) is copied in before the call and again before its backward.
 import math
 import os
 import re
+import warnings
 import weakref
 
 import numpy as np
@@ -35,7 +36,7 @@ from torch.autograd.function import once_differentiable
 
 from . import WEIGHT_NAMES, ShapeError, _sdmha, dtype_name, load_keras_layer
 
-__all__ = ["SparseQueryMultiheadAttention", "sparse_query_attention", "HAS_CUSTOM_OP"]
+__all__ = ["SparseQueryMultiheadAttention", "sparse_query_attention", "HAS_CUSTOM_OP", "CUSTOM_OP_ERROR"]
 
 _INT32_MAX = 2**31 - 1
 _SCORE_STRATEGIES = ("automatic", "project_first", "sparse_regrouped")
@@ -49,9 +50,13 @@ def _torch_version():
     return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
-#: Whether the op is also registered through torch.library.custom_op (PyTorch >= 2.4), for
-#: torch.compile and torch.export (sdmha/_torch_ops.py); eager calls take the autograd.Function.
-HAS_CUSTOM_OP = _torch_version() >= (2, 4) and hasattr(torch.library, "custom_op")
+#: Whether this PyTorch has torch.library.custom_op (>= 2.4), through which sdmha/_torch_ops.py
+#: registers the op for torch.compile and torch.export; eager calls take the autograd.Function.
+CUSTOM_OP_SUPPORTED = _torch_version() >= (2, 4) and hasattr(torch.library, "custom_op")
+#: Whether that registration happened (see CUSTOM_OP_ERROR when it failed).
+HAS_CUSTOM_OP = False
+#: Why the op is not registered: None when it is.
+CUSTOM_OP_ERROR = None if CUSTOM_OP_SUPPORTED else f"torch.library.custom_op needs PyTorch >= 2.4; this is {torch.__version__}"
 
 
 def _check_dtype(dtype):
@@ -465,8 +470,9 @@ def _one_bias(attention_bias, attn_bias):
 def _tracing(*tensors):
     """Whether torch.compile or torch.export is tracing this call (its tensors are fake)."""
     compiler = getattr(torch, "compiler", None)
-    if compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling():
-        return True
+    for check in ("is_compiling", "is_exporting"):
+        if compiler is not None and hasattr(compiler, check) and getattr(compiler, check)():
+            return True
     try:
         from torch._subclasses.fake_tensor import FakeTensor
         from torch._subclasses.functional_tensor import FunctionalTensor
@@ -870,9 +876,14 @@ def sparse_query_attention(query, key, value, query_kernel, query_bias, key_kern
     return _apply(binding, query, key, value, weights, options, num_threads, bias)
 
 
-if HAS_CUSTOM_OP:
-    from . import _torch_ops  # noqa: E402  (needs the names above)
+_torch_ops = None
+if CUSTOM_OP_SUPPORTED:
+    try:
+        from . import _torch_ops  # noqa: E402  (needs the names above)
 
-    _torch_ops.register()
-else:
-    _torch_ops = None
+        _torch_ops.register()
+        HAS_CUSTOM_OP = True
+    except Exception as error:  # noqa: BLE001  the eager module must stay usable whatever the cause
+        CUSTOM_OP_ERROR = f"registering torch.ops.sdmha.attention failed: {error!r}"
+        warnings.warn(f"sdmha: {CUSTOM_OP_ERROR}; torch.compile and torch.export will not see sdmha's op "
+                      "(eager calls are unaffected)", RuntimeWarning)
