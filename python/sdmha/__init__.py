@@ -25,16 +25,22 @@ C++ message: :class:`ShapeError`, :class:`IndexError` (also a built-in ``IndexEr
 """
 
 import os as _os
+import sys as _sys
 
 import numpy as _np
 
+from . import _kernels
+
 try:
-    from . import _sdmha
+    # One extension module of those built per instruction set, chosen by the CPU and
+    # SDMHA_KERNELS (sdmha/_kernels.py), known as sdmha._sdmha from here on.
+    _sdmha, _extension = _kernels.load()
 except ImportError as error:  # the source tree, or a build for another interpreter
     raise ImportError(
-        f"sdmha: the compiled extension sdmha._sdmha cannot be imported ({error}); build it with CMake "
+        f"sdmha: the compiled extension cannot be imported ({error}); build it with CMake "
         "(docs/python.md) and put <build>/python on PYTHONPATH, or install the package") from error
-from ._sdmha import ConfigError, Error, FormatError, IoError, ShapeError
+_sys.modules[__name__ + "._sdmha"] = _sdmha
+from ._sdmha import ConfigError, Error, FormatError, IoError, ShapeError  # noqa: E402
 
 # Also a built-in IndexError; left out of __all__ so that `from sdmha import *` does not shadow it.
 IndexError = _sdmha.IndexError  # noqa: A001
@@ -50,6 +56,7 @@ __all__ = [
     "load_keras_layer",
     "load_inputs",
     "dtype_name",
+    "kernels",
     "WEIGHT_NAMES",
     "Error",
     "ShapeError",
@@ -84,6 +91,20 @@ def dtype_name(dtype):
     if text in ("float32", "float64"):
         return text
     raise TypeError(f"sdmha: dtype {dtype!r} is not supported; expected float32 or float64")
+
+
+def kernels():
+    """Which compiled kernels this process runs, chosen once at import:
+
+    ``{'extension': 'avx512_bf16' | 'portable' | 'native'`` (the module imported),
+    ``'requested': 'auto' | 'portable'`` (SDMHA_KERNELS), ``'float32_gemm': 'avx512' | 'eigen'``,
+    ``'bfloat16_gemm': 'avx512_bf16' | 'portable'`` (the C++ library's GEMM engines,
+    sdmha::active_kernels()) and ``'compiled_for'``: the instruction sets of the module among
+    avx2, fma, avx512f and avx512bf16."""
+    result = {"extension": _extension[len("_sdmha_"):], "requested": _kernels.requested()}
+    result.update(_sdmha.active_kernels())
+    result["compiled_for"] = list(_sdmha.compiled_for)
+    return result
 
 
 def _class(prefix, dtype):

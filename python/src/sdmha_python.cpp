@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include <sdmha/kernels.hpp>
 #include <sdmha/sdmha.hpp>
 #if SDMHA_PYTHON_WITH_IO
 #include <sdmha/io/layer_files.hpp>
@@ -1021,9 +1022,43 @@ void bind_errors(py::module_& m) {
   });
 }
 
+// What this module was compiled for and which GEMM engines run (sdmha/kernels.hpp).
+void bind_kernels(py::module_& m) {
+  py::list compiled_for;
+#if defined(__AVX2__)
+  compiled_for.append("avx2");
+#endif
+#if defined(__FMA__)
+  compiled_for.append("fma");
+#endif
+#if defined(__AVX512F__)
+  compiled_for.append("avx512f");
+#endif
+#if defined(__AVX512BF16__)
+  compiled_for.append("avx512bf16");
+#endif
+  m.attr("compiled_for") = compiled_for;
+  m.def(
+      "active_kernels",
+      [] {
+        const sdmha::ActiveKernels kernels = sdmha::active_kernels();
+        py::dict result;
+        result["float32_gemm"] = kernels.avx512_float_gemm ? "avx512" : "eigen";
+        result["bfloat16_gemm"] = kernels.avx512_bfloat16_gemm ? "avx512_bf16" : "portable";
+        return result;
+      },
+      "sdmha::active_kernels(): {'float32_gemm': 'avx512' | 'eigen', 'bfloat16_gemm': "
+      "'avx512_bf16' | 'portable'}");
+}
+
 }  // namespace
 
-PYBIND11_MODULE(_sdmha, m) {
+// Compiled once per instruction set (python/CMakeLists.txt), each module under its own name.
+#ifndef SDMHA_PYTHON_MODULE_NAME
+#define SDMHA_PYTHON_MODULE_NAME _sdmha
+#endif
+
+PYBIND11_MODULE(SDMHA_PYTHON_MODULE_NAME, m) {
   m.doc() = "sdmha's SparseDenseMHA (multi-head attention with a sparse CSR query) on NumPy arrays";
   m.attr("__version__") = std::to_string(SDMHA_VERSION_MAJOR) + "." +
                           std::to_string(SDMHA_VERSION_MINOR) + "." +
@@ -1032,6 +1067,7 @@ PYBIND11_MODULE(_sdmha, m) {
   m.attr("with_keras_files") = bool(SDMHA_PYTHON_WITH_KERAS_FILES);
 
   bind_errors(m);
+  bind_kernels(m);
 
   bind_dtype<float>(m);
   bind_dtype<double>(m);

@@ -1,16 +1,15 @@
 """DistributedDataParallel over sdmha: two gloo processes on localhost end with the weights that
 one process reaches on the concatenated batch (examples/python/train_ddp.py is the training)."""
 
-import pathlib
 import sys
 import time
 
 import torch
 import torch.multiprocessing as mp
 
-from conftest import free_port
+from conftest import SOURCE_DIR, free_port
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "python"))
+sys.path.insert(0, str(SOURCE_DIR / "examples" / "python"))
 import train_ddp  # noqa: E402  (spawned processes import it by name: sys.path reaches them)
 
 STEPS = 5

@@ -802,13 +802,14 @@ Tensor3<Scalar> key_steps(const Tensor3<Scalar>& x, long begin, long end) {
 
 // Projecting in parts and appending equals projecting at once: each projected row is its own
 // input row times the kernel. In float the GEMM engine sums each entry's Ek terms in one order
-// whatever the row count, so exactly; in double (and in float without AVX-512, where Eigen's
-// product serves) Eigen picks its product kernel by shape (a
-// coefficient-wise one for small products), which may reorder those terms, so within a few ulps.
+// whatever the row count, so exactly; in double (and in float without AVX-512 or under
+// SDMHA_KERNELS=portable, where Eigen's product serves) Eigen picks its product kernel by shape
+// (a coefficient-wise one for small products), which may reorder those terms, so within a few ulps.
 template <typename Scalar>
 ::testing::AssertionResult same_projection(const Scalar* got, const Scalar* expected, Index size) {
   std::vector<double> twin(expected, expected + size);
-  const bool one_order = std::is_same<Scalar, float>::value && sdmha::detail::kHaveAvx512Gemm;
+  const bool one_order =
+      std::is_same<Scalar, float>::value && sdmha::active_kernels().avx512_float_gemm;
   const double reordered =
       std::is_same<Scalar, float>::value ? relative_tolerance<float>() : kReorderedSumTolerance;
   return all_near(got, twin, one_order ? 0.0 : reordered);

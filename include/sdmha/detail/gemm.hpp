@@ -26,6 +26,7 @@
 #include "sdmha/config.hpp"
 #include "sdmha/detail/gemm_avx512.hpp"
 #include "sdmha/detail/scratch.hpp"
+#include "sdmha/kernels.hpp"
 
 static_assert(
     EIGEN_WORLD_VERSION == 3 && EIGEN_MAJOR_VERSION == 4,
@@ -70,7 +71,7 @@ std::size_t gemm_workspace_size(Index rows, Index cols, Index depth) {
   if (rows <= 0 || cols <= 0 || depth <= 0) return 0;
 #if defined(__AVX512F__)
   if constexpr (std::is_same<Scalar, float>::value)
-    return gemm_avx512_workspace_size(rows, cols, depth);
+    if (avx512_kernels_allowed()) return gemm_avx512_workspace_size(rows, cols, depth);
 #endif
   // Eigen's block sizes are not monotone in the shape (a deeper product may get a shorter kc and
   // a wider nc), but each is at most the shape's own extent and the largest (cache-bound) blocks
@@ -132,7 +133,8 @@ void gemm_with_blocking(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>&
 // workspace), it packs into memory of its own: the same result, with an allocation.
 // On a CPU built for with AVX-512F, float products go to our own engine (gemm_avx512.hpp: 88–93 %
 // of one core's FMA peak on the layer's shapes where Eigen's reaches about 60 %); double products,
-// and every product elsewhere, to Eigen's.
+// and every product elsewhere, to Eigen's; so do float products under SDMHA_KERNELS=portable
+// (sdmha/kernels.hpp).
 // `column_bias` (n scalars, only when not accumulating) is added to every row of C: C = α·A·B +
 // 1·biasᵀ, bitwise as if C held the bias and the product were accumulated onto it (which is what
 // Eigen's path does; the AVX-512 engine adds it in its first stores instead of a pass over C).
@@ -144,8 +146,10 @@ void gemm(const GemmOperand<Scalar>& a, const GemmOperand<Scalar>& b, MatrixRef<
   SDMHA_ASSERT(column_bias == nullptr || !accumulate);
 #if defined(__AVX512F__)
   if constexpr (std::is_same<Scalar, float>::value) {
-    gemm_avx512(a, b, c, alpha, accumulate, scratch, column_bias);
-    return;
+    if (avx512_kernels_allowed()) {
+      gemm_avx512(a, b, c, alpha, accumulate, scratch, column_bias);
+      return;
+    }
   }
 #endif
   const Index m = c.rows(), n = c.cols(), k = a.cols;

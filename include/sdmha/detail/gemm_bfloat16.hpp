@@ -42,6 +42,7 @@
 #include "sdmha/config.hpp"
 #include "sdmha/detail/gemm_avx512.hpp"
 #include "sdmha/detail/scratch.hpp"
+#include "sdmha/kernels.hpp"
 #include "sdmha/stage.hpp"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -380,30 +381,32 @@ inline std::size_t gemm_bfloat16_workspace_size(Index, Index, Index) { return 0;
 #endif  // __AVX512BF16__
 
 // M (rows × cols, leading dimension ld) rounded and packed in pairs of rows, and Mᵀ packed the
-// same way (see the portable forms): the vdpbf16ps form where the build has AVX512_BF16.
+// same way (see the portable forms): the vdpbf16ps form where the build has AVX512_BF16 and
+// SDMHA_KERNELS allows it (sdmha/kernels.hpp; it flushes subnormals, the portable form does not,
+// so packing and product always take the same side).
 inline void pack_row_pairs(const float* m, Index ld, Index rows, Index cols, std::uint32_t* out,
                            Index out_stride) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  bf16_gemm::pack_row_pairs_avx512(m, ld, rows, cols, out, out_stride);
-#else
-  pack_row_pairs_portable(m, ld, rows, cols, out, out_stride);
+  if (avx512_kernels_allowed())
+    return bf16_gemm::pack_row_pairs_avx512(m, ld, rows, cols, out, out_stride);
 #endif
+  pack_row_pairs_portable(m, ld, rows, cols, out, out_stride);
 }
 inline void pack_column_pairs(const float* m, Index ld, Index rows, Index cols, std::uint32_t* out,
                               Index out_stride) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  bf16_gemm::pack_column_pairs_avx512(m, ld, rows, cols, out, out_stride);
-#else
-  pack_column_pairs_portable(m, ld, rows, cols, out, out_stride);
+  if (avx512_kernels_allowed())
+    return bf16_gemm::pack_column_pairs_avx512(m, ld, rows, cols, out, out_stride);
 #endif
+  pack_column_pairs_portable(m, ld, rows, cols, out, out_stride);
 }
 
 // C (m × n) = bf16(a_scale·A)·W, or += when `accumulate`: vdpbf16ps where the build has
-// AVX512_BF16, the portable loop elsewhere. Packs A in `scratch` (at least
-// gemm_bfloat16_workspace_size(m, n, k) bytes; with less, in memory of its own: the same result,
-// with an allocation). `column_bias` (n floats, only when not accumulating) is added to every row
-// of C, bitwise as if C held it and the product were accumulated onto it, in the first depth
-// block's stores.
+// AVX512_BF16 (and SDMHA_KERNELS allows it), the portable loop elsewhere. Packs A in `scratch` (at
+// least gemm_bfloat16_workspace_size(m, n, k) bytes; with less, in memory of its own: the same
+// result, with an allocation). `column_bias` (n floats, only when not accumulating) is added to
+// every row of C, bitwise as if C held it and the product were accumulated onto it, in the first
+// depth block's stores.
 inline void gemm_bfloat16(const ConstMatrixRef<float>& a, const BFloat16Pairs& w,
                           MatrixRef<float> c, bool accumulate, StageScratch scratch,
                           const float* column_bias = nullptr, float a_scale = 1.f) {
@@ -411,7 +414,8 @@ inline void gemm_bfloat16(const ConstMatrixRef<float>& a, const BFloat16Pairs& w
   SDMHA_ASSERT(column_bias == nullptr || !accumulate);
   const Index m = c.rows(), n = c.cols(), k = a.cols();
   if (m == 0 || n == 0) return;
-  if (column_bias != nullptr && (k == 0 || !kHaveBFloat16Gemm)) {  // accumulate onto it
+  const bool engine = kHaveBFloat16Gemm && avx512_kernels_allowed();
+  if (column_bias != nullptr && (k == 0 || !engine)) {  // accumulate onto it
     fill_rows_with<float>(c, column_bias);
     accumulate = true;
     column_bias = nullptr;
@@ -421,15 +425,18 @@ inline void gemm_bfloat16(const ConstMatrixRef<float>& a, const BFloat16Pairs& w
     return;
   }
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  const Index pairs = bf16_gemm::block_a_pairs(bf16_gemm::row_block(m), bf16_gemm::depth_block(k));
-  const ScratchOrOwn memory(scratch, array_bytes<std::uint32_t>(pairs));
-  std::uint32_t* block_a = ScratchCarver(memory.view()).take<std::uint32_t>(pairs);
-  bf16_gemm::run(a.data(), a.outerStride(), w.data, w.stride, c.data(), c.outerStride(), m, n, k,
-                 accumulate, column_bias, a_scale, block_a);
-#else
+  if (engine) {
+    const Index pairs =
+        bf16_gemm::block_a_pairs(bf16_gemm::row_block(m), bf16_gemm::depth_block(k));
+    const ScratchOrOwn memory(scratch, array_bytes<std::uint32_t>(pairs));
+    std::uint32_t* block_a = ScratchCarver(memory.view()).take<std::uint32_t>(pairs);
+    bf16_gemm::run(a.data(), a.outerStride(), w.data, w.stride, c.data(), c.outerStride(), m, n, k,
+                   accumulate, column_bias, a_scale, block_a);
+    return;
+  }
+#endif
   (void)scratch;
   gemm_bfloat16_portable(a, w, c, accumulate, a_scale);
-#endif
 }
 // C (m × n) = bf16(a_scale·A)·bf16(op(B)), or += when `accumulate`, for a float B: op(B) = B
 // (k × n) or, `transpose_b`, Bᵀ (B n × k). B is rounded and packed in pairs into `scratch` first

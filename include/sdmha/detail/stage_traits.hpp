@@ -33,7 +33,7 @@ template <typename Stage>
 struct declares_block_invariance<Stage, std::void_t<decltype(Stage::same_bits_in_any_block(false))>>
     : std::true_type {};
 template <typename Stage>
-constexpr bool same_bits_in_any_block(bool bfloat16_kernel) {
+bool same_bits_in_any_block(bool bfloat16_kernel) {
   if constexpr (declares_block_invariance<Stage>::value)
     return Stage::same_bits_in_any_block(bfloat16_kernel);
   return false;

@@ -61,10 +61,12 @@ struct DenseProjection {
   // Whether every entry of Y gets the same bits from one call over any block of rows and columns
   // that holds it: the float32 AVX-512 engine's entries are each one sequence of FMAs fixed by
   // the depth alone (detail/gemm_avx512.hpp); Eigen's blocking, and so its order of additions,
-  // depends on the block's shape. A caller may then fuse fixed blocks into one call.
-  static constexpr bool same_bits_in_any_block(bool bfloat16_kernel) {
+  // depends on the block's shape (and serves under SDMHA_KERNELS=portable, sdmha/kernels.hpp).
+  // A caller may then fuse fixed blocks into one call.
+  static bool same_bits_in_any_block(bool bfloat16_kernel) {
 #if defined(__AVX512F__)
-    return std::is_same<Scalar, float>::value && !bfloat16_kernel;
+    return std::is_same<Scalar, float>::value && !bfloat16_kernel &&
+           detail::avx512_kernels_allowed();
 #else
     (void)bfloat16_kernel;
     return false;
