@@ -806,6 +806,8 @@ void run_bfloat16(const Setup& setup) {
   const BFloat16Model model = bfloat16_model(setup);
   const Inputs<float> inputs(setup);
   sdmha::SparseDenseMHA<float> rounding(config_of(setup), weights_of<float>(p));
+  // The model is that of the bfloat16 GEMMs, which this CPU might not choose on its own.
+  ::setenv("SDMHA_BFLOAT16_GEMMS", "on", 1);
   rounding.set_precision(sdmha::Precision::bfloat16);
   const auto& layer = rounding;  // const from here on: weights() would be a write access
   SDMHA_FUZZ_CHECK(layer.precision() == sdmha::Precision::bfloat16);

@@ -4,10 +4,14 @@
 // projections, the scores and P·V rounded) and agrees with the unrounded float64 reference
 // within bfloat16's tolerance, is bitwise invariant to the thread count and to streaming K and
 // V, and equals its own forward over a ProjectedContext; the snapshot's staleness, the backward and
-// double layers are refused with clear errors, and float32 restores the float layer.
+// double layers are refused with clear errors, and float32 restores the float layer. These tests
+// force the bfloat16 GEMMs on (SDMHA_BFLOAT16_GEMMS=on), whatever this CPU would choose; the
+// choice itself is tested at the end.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "internal_access.hpp"
@@ -18,6 +22,34 @@ namespace {
 
 using Layer = sdmha::SparseDenseMHA<float>;
 using sdmha::detail::BFloat16Kernel;
+
+// Sets SDMHA_BFLOAT16_GEMMS for the lifetime of the object, then restores what was there.
+class ScopedBFloat16Gemms {
+ public:
+  explicit ScopedBFloat16Gemms(const char* value) {
+    if (const char* old = std::getenv(kName)) previous_ = old;
+    had_value_ = std::getenv(kName) != nullptr;
+    ::setenv(kName, value, 1);
+  }
+  ~ScopedBFloat16Gemms() {
+    if (had_value_)
+      ::setenv(kName, previous_.c_str(), 1);
+    else
+      ::unsetenv(kName);
+  }
+  ScopedBFloat16Gemms(const ScopedBFloat16Gemms&) = delete;
+  ScopedBFloat16Gemms& operator=(const ScopedBFloat16Gemms&) = delete;
+
+ private:
+  static constexpr const char* kName = "SDMHA_BFLOAT16_GEMMS";
+  std::string previous_;
+  bool had_value_ = false;
+};
+
+// The bfloat16 GEMMs on, on any CPU (the portable loop where it lacks AVX512_BF16).
+class BFloat16LayerTest : public ::testing::Test {
+  ScopedBFloat16Gemms gemms_on_{"on"};
+};
 
 // Each term x·w of a projection is within 2⁻⁷ of itself (gemm_bfloat16.hpp); through the four
 // projections and the softmax the test shapes' outputs (|y| ≲ 1) move by well under 2⁻⁵, while
@@ -50,7 +82,7 @@ sdmha::RowMatrix<float> bfloat16_projection(const Tensor3<float>& input,
   return output;
 }
 
-TEST(BFloat16LayerTest, ProjectedContextIsTheBFloat16GemmOfTheInputs) {
+TEST_F(BFloat16LayerTest, ProjectedContextIsTheBFloat16GemmOfTheInputs) {
   const auto c = make_case<float>(Shape{}, 400);
   Layer layer(c.config, c.weights);
   layer.set_precision(sdmha::Precision::bfloat16);
@@ -70,7 +102,7 @@ TEST(BFloat16LayerTest, ProjectedContextIsTheBFloat16GemmOfTheInputs) {
 // Over the named shapes (every mask, empty and fully blocked rows, no bias, T ≠ S, …): within
 // bfloat16's tolerance of the float64 reference, bitwise for 1 and 2 threads, and bitwise the
 // forward over its own ProjectedContext.
-TEST(BFloat16LayerTest, AgreesWithTheReferenceAndIsThreadInvariant) {
+TEST_F(BFloat16LayerTest, AgreesWithTheReferenceAndIsThreadInvariant) {
   std::uint64_t seed = 410;
   for (const auto& variant : variants()) {
     SCOPED_TRACE(variant.name);
@@ -127,7 +159,7 @@ void expect_the_rounded_model(const Case<float>& c, long online_key_tile) {
 // a forward that did not round them (or rounded other things) would be close to that one
 // instead. What remains is float32's sums, and the rare operand that float32 and float64 round
 // to neighbouring bfloat16 values. One key tile (S ≤ kKeyTile): P is normalised as the model's.
-TEST(BFloat16LayerTest, ComputesTheRoundedModel) {
+TEST_F(BFloat16LayerTest, ComputesTheRoundedModel) {
   Shape wide = Shape{}.sized(2, 24, 40).widths(64, 32, 24).with_heads(2, 16, 8, 12);
   wide.random_mask = true;
   std::uint64_t seed = 460;
@@ -138,7 +170,7 @@ TEST(BFloat16LayerTest, ComputesTheRoundedModel) {
 
 // The same beyond one key tile (S > kKeyTile), where the forward runs the online softmax and P·V
 // rounds each key tile's unnormalised probabilities: the model rounds them as it does.
-TEST(BFloat16LayerTest, ComputesTheRoundedModelUnderTheOnlineSoftmax) {
+TEST_F(BFloat16LayerTest, ComputesTheRoundedModelUnderTheOnlineSoftmax) {
   Shape s =
       Shape{}.sized(1, 6, 2 * sdmha::detail::kKeyTile + 37).widths(24, 10, 9).with_heads(2, 8, 4);
   s.random_mask = true;
@@ -146,7 +178,7 @@ TEST(BFloat16LayerTest, ComputesTheRoundedModelUnderTheOnlineSoftmax) {
 }
 
 // K and V streamed in chunks of one key tile give the bits of the unstreamed bfloat16 forward.
-TEST(BFloat16LayerTest, StreamedContextIsBitwiseTheWholeOne) {
+TEST_F(BFloat16LayerTest, StreamedContextIsBitwiseTheWholeOne) {
   Shape s =
       Shape{}.sized(2, 9, 2 * sdmha::detail::kKeyTile + 37).widths(24, 10, 9).with_heads(2, 4, 3);
   s.density = 0.2;
@@ -167,7 +199,7 @@ TEST(BFloat16LayerTest, StreamedContextIsBitwiseTheWholeOne) {
 // Back to float32, the layer is the float32 layer again; precision() is the mode last set, and
 // bfloat16_query_kernel after bfloat16 drops the dense kernels' copies (the layer is then the one
 // set to bfloat16_query_kernel from float32, bit for bit).
-TEST(BFloat16LayerTest, Float32RestoresTheFloatLayer) {
+TEST_F(BFloat16LayerTest, Float32RestoresTheFloatLayer) {
   const auto c = make_case<float>(Shape{}, 430);
   Layer layer(c.config, c.weights);
   const auto query = c.query();
@@ -192,7 +224,7 @@ TEST(BFloat16LayerTest, Float32RestoresTheFloatLayer) {
 // The snapshot: a write access through weights() or an output kernel replaced through the shared
 // handle makes the next forward (and project_context) a ConfigError; rounding again serves the
 // new kernels.
-TEST(BFloat16LayerTest, StaleKernelsAreAConfigErrorUntilRoundedAgain) {
+TEST_F(BFloat16LayerTest, StaleKernelsAreAConfigErrorUntilRoundedAgain) {
   const auto c = make_case<float>(Shape{}, 440);
   auto shared = std::make_shared<sdmha::MhaWeights<float>>(c.weights);
   Layer layer(c.config, shared);
@@ -214,7 +246,7 @@ TEST(BFloat16LayerTest, StaleKernelsAreAConfigErrorUntilRoundedAgain) {
                           "rounded before the weights' last write access");
 }
 
-TEST(BFloat16LayerTest, RefusesBackwardAndDoubleLayers) {
+TEST_F(BFloat16LayerTest, RefusesBackwardAndDoubleLayers) {
   const auto c = make_case<float>(Shape{}, 450);
   Layer layer(c.config, c.weights);
   layer.set_precision(sdmha::Precision::bfloat16);
@@ -229,6 +261,69 @@ TEST(BFloat16LayerTest, RefusesBackwardAndDoubleLayers) {
                           "precision is bfloat16 for a double layer; expected float32 (bfloat16 "
                           "kernels need Scalar = float)");
   EXPECT_EQ(layer64.precision(), sdmha::Precision::float32);
+}
+
+// ---- the choice of the bfloat16 GEMMs ----
+
+// Where the GEMMs stay float32 the bfloat16 mode is the bfloat16_query_kernel layer, bit for bit:
+// only Wq is rounded.
+TEST(BFloat16GemmChoice, OffIsTheQueryKernelLayerBitForBit) {
+  const ScopedBFloat16Gemms off("off");
+  Shape s = Shape{}.sized(2, 40, 30).with_heads(3, 8).with_masks();
+  s.query_dim = 60;
+  const auto c = make_case<float>(s, 460);
+  Layer layer(c.config, c.weights);
+  layer.set_precision(sdmha::Precision::bfloat16);
+  EXPECT_EQ(layer.precision(), sdmha::Precision::bfloat16);
+  EXPECT_FALSE(layer.bfloat16_gemms());
+  Layer query_only(c.config, c.weights);
+  query_only.set_precision(sdmha::Precision::bfloat16_query_kernel);
+  const auto query = c.query();
+  auto options = c.options;
+  options.return_attention_scores = true;
+  for (int threads : {1, 2}) {
+    options.num_threads = threads;
+    const auto result = layer.forward(query, c.key, c.value, options);
+    const auto expected = query_only.forward(query, c.key, c.value, options);
+    EXPECT_TRUE(same_bits(result.output, expected.output)) << threads << " threads";
+    EXPECT_TRUE(same_bits(result.attention_scores.data(), expected.attention_scores.data(),
+                          expected.attention_scores.size()));
+  }
+  // The backward still refuses: Wq is rounded.
+  Tensor3<float> d_output(s.batch, s.steps, c.problem.output_dim);
+  d_output.setConstant(1.0f);
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, c.options),
+                          sdmha::ConfigError, "expected float32 for the backward");
+}
+
+// Unset, empty or auto: this CPU's choice, which the rule of cpu_features.hpp gives.
+TEST(BFloat16GemmChoice, AutomaticFollowsThisCpu) {
+  const auto c = make_case<float>(Shape{}, 461);
+  const bool expected = sdmha::detail::bfloat16_gemms_pay(sdmha::detail::cpu_features(),
+                                                          sdmha::detail::avx512_bf16_compiled());
+  for (const char* value : {"auto", ""}) {
+    const ScopedBFloat16Gemms automatic(value);
+    Layer layer(c.config, c.weights);
+    layer.set_precision(sdmha::Precision::bfloat16);
+    EXPECT_EQ(layer.bfloat16_gemms(), expected) << "'" << value << "'";
+    layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
+    EXPECT_FALSE(layer.bfloat16_gemms());
+  }
+}
+
+// A value other than auto, on or off is refused before the layer changes.
+TEST(BFloat16GemmChoice, AnUnknownValueIsAConfigErrorAndChangesNothing) {
+  const auto c = make_case<float>(Shape{}, 462);
+  Layer layer(c.config, c.weights);
+  layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
+  const auto query = c.query();
+  const auto before = layer.forward(query, c.key, c.value, c.options).output;
+  const ScopedBFloat16Gemms typo("yes");
+  SDMHA_EXPECT_THROW_WITH(layer.set_precision(sdmha::Precision::bfloat16), sdmha::ConfigError,
+                          "SparseDenseMHA::set_precision: SDMHA_BFLOAT16_GEMMS = 'yes'; "
+                          "expected auto, on or off");
+  EXPECT_EQ(layer.precision(), sdmha::Precision::bfloat16_query_kernel);
+  EXPECT_TRUE(same_bits(before, layer.forward(query, c.key, c.value, c.options).output));
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 
 #include "sdmha/config.hpp"
 #include "sdmha/detail/attention_plan.hpp"
+#include "sdmha/detail/cpu_features.hpp"
 #include "sdmha/detail/forward_pass.hpp"
 #include "sdmha/detail/stage_traits.hpp"
 #include "sdmha/detail/validation.hpp"
@@ -155,10 +156,15 @@ class AttentionCore {
     std::uint64_t weight_accesses = 0;
   };
 
-  // Rounds Wk, Wv and Wo now (Precision::bfloat16), or drops the copies (float32). `where` names
-  // the public call in errors: a double layer, or a context or output projection stage that
-  // takes no kernel_bfloat16, is a ConfigError.
+  // Rounds Wk, Wv and Wo now (Precision::bfloat16, where bfloat16 GEMMs pay on this CPU or
+  // SDMHA_BFLOAT16_GEMMS says on: cpu_features.hpp), or drops the copies (float32, or bfloat16
+  // where they do not pay). `where` names the public call in errors: a double layer, or a
+  // context or output projection stage that takes no kernel_bfloat16, is a ConfigError whatever
+  // the CPU, as is an SDMHA_BFLOAT16_GEMMS other than auto, on or off.
   void set_dense_kernel_precision(const char* where, Precision precision) {
+    const bool bfloat16_gemms = precision == Precision::bfloat16 &&
+                                use_bfloat16_gemms(bfloat16_gemms_from_environment(where),
+                                                   cpu_features(), avx512_bf16_compiled());
     if (precision == Precision::float32) {
       dense_bfloat16_.reset();
       return;
@@ -172,6 +178,8 @@ class AttentionCore {
       fail<ConfigError>(where,
                         "precision is bfloat16 but the context or output projection "
                         "stage takes no kernel_bfloat16; expected float32");
+    } else if (!bfloat16_gemms) {
+      dense_bfloat16_.reset();
     } else {
       const MhaWeights<Scalar>& weights = *weights_;
       auto kernels = std::make_shared<DenseKernelsBFloat16>();
