@@ -42,14 +42,9 @@ struct WorkloadShape {
   Index output_dim;   // O
   std::vector<double> densities;
 
+  // {num_heads, key_dim, value_dim, output_dim, use_bias}
   sdmha::MhaConfig config() const {
-    sdmha::MhaConfig config;
-    config.num_heads = heads;
-    config.key_dim = head_dim;
-    config.value_dim = head_dim;
-    config.output_dim = output_dim;
-    config.use_bias = true;
-    return config;
+    return sdmha::MhaConfig{heads, head_dim, head_dim, output_dim, true};
   }
   Index nonzeros_per_row(double density) const {
     return std::max<Index>(1, Index(std::llround(density * double(query_dim))));

@@ -19,15 +19,12 @@ int main(int argc, char** argv) {
     const auto inputs = sdmha::io::load_inputs<double>(source);
     const sdmha::SparseDenseMHA<double> layer(layer_file.config, layer_file.weights);
 
-    sdmha::AttentionOptions<double> options;
-    // Views of the file's mask and bias (any of their broadcast shapes); `inputs` outlives the
-    // call.
+    // The file's attention settings (causal mask, its alignment, scale, the policy for fully
+    // masked rows), then views of its mask and bias (any of their broadcast shapes; `inputs`
+    // outlives the call).
+    auto options = layer_file.attention_options();
     options.attention_mask = inputs.attention_mask;
     options.attention_bias = inputs.attention_bias;
-    options.use_causal_mask = layer_file.use_causal_mask;
-    options.causal_alignment = layer_file.causal_alignment;
-    options.scale = layer_file.scale;
-    options.fully_masked_rows = layer_file.fully_masked_rows;
     const auto result = layer.forward(inputs.query, inputs.key, inputs.value, options);
 
     std::printf("layer: %ld heads, key_dim %ld, query (%ld, %ld, %ld) with %ld stored values\n",

@@ -505,15 +505,29 @@ class PyLayer {
   }
   std::string precision() const { return sdmha::to_string(layer_.precision()); }
 
+  // What forward and backward read from their arguments, checked in this order: the query, the
+  // call's keywords, then key and value (value None: the key again) as views; the value array is
+  // kept here, since its view points into it.
+  struct CallInputs {
+    CallInputs(const char* where, const py::object& query_object, const InArray<Scalar>& key,
+               const py::object& value_object, const py::kwargs& kwargs)
+        : query(query_of<Scalar>(where, query_object)),
+          call(call_arguments<Scalar>(where, kwargs)),
+          value(value_object.is_none() ? key : value_object.cast<InArray<Scalar>>()),
+          key_ref(tensor3<Scalar>(where, "key", key)),
+          value_ref(tensor3<Scalar>(where, "value", value)) {}
+    const PyQuery<Scalar>& query;
+    CallArguments<Scalar> call;
+    const InArray<Scalar> value;
+    const sdmha::TensorRef3<Scalar> key_ref, value_ref;
+  };
+
   py::tuple forward(const py::object& query_object, const InArray<Scalar>& key,
                     const py::object& value_object, const py::kwargs& kwargs) const {
-    constexpr const char* where = "Layer.forward";
-    const PyQuery<Scalar>& query = query_of<Scalar>(where, query_object);
-    auto call = call_arguments<Scalar>(where, kwargs);
-    const InArray<Scalar> value =
-        value_object.is_none() ? key : value_object.cast<InArray<Scalar>>();
-    const auto key_ref = tensor3<Scalar>(where, "key", key);
-    const auto value_ref = tensor3<Scalar>(where, "value", value);
+    CallInputs in("Layer.forward", query_object, key, value_object, kwargs);
+    const PyQuery<Scalar>& query = in.query;
+    auto& call = in.call;
+    const auto &key_ref = in.key_ref, &value_ref = in.value_ref;
     sdmha::AttentionResult<Scalar> result;
     recycled_.output->lend(result.output);
     const bool scores_wanted = call.options.return_attention_scores;
@@ -547,12 +561,10 @@ class PyLayer {
                     const py::object& value_object, const InArray<Scalar>& d_output,
                     const py::kwargs& kwargs) const {
     constexpr const char* where = "Layer.backward";
-    const PyQuery<Scalar>& query = query_of<Scalar>(where, query_object);
-    auto call = call_arguments<Scalar>(where, kwargs);
-    const InArray<Scalar> value =
-        value_object.is_none() ? key : value_object.cast<InArray<Scalar>>();
-    const auto key_ref = tensor3<Scalar>(where, "key", key);
-    const auto value_ref = tensor3<Scalar>(where, "value", value);
+    CallInputs in(where, query_object, key, value_object, kwargs);
+    const PyQuery<Scalar>& query = in.query;
+    auto& call = in.call;
+    const auto &key_ref = in.key_ref, &value_ref = in.value_ref;
     const auto d_output_ref = tensor3<Scalar>(where, "d_output", d_output);
     sdmha::MhaGradients<Scalar> g;
     const bool bias = config().use_bias;
@@ -686,12 +698,7 @@ std::shared_ptr<PyLayer<Scalar>> make_layer(Index num_heads, Index key_dim, Inde
                                             Index key_in_dim, Index value_in_dim, Index value_dim,
                                             Index output_dim, bool use_bias,
                                             const std::optional<std::uint64_t>& seed) {
-  sdmha::MhaConfig config;
-  config.num_heads = num_heads;
-  config.key_dim = key_dim;
-  config.value_dim = value_dim;
-  config.output_dim = output_dim;
-  config.use_bias = use_bias;
+  const sdmha::MhaConfig config{num_heads, key_dim, value_dim, output_dim, use_bias};
   auto weights = std::make_shared<sdmha::MhaWeights<Scalar>>(
       seed ? sdmha::MhaWeights<Scalar>::glorot_uniform(config, query_dim, key_in_dim, value_in_dim,
                                                        *seed)

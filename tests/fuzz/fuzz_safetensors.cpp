@@ -98,13 +98,9 @@ void load_and_run(const TensorSource& source) {
   if (scores < 0 || weights < 0) return;
 
   sdmha::SparseDenseMHA<Scalar> layer(layer_file.config, layer_file.weights);
-  sdmha::AttentionOptions<Scalar> options;
+  auto options = layer_file.attention_options();  // the file's causal mask, scale, alignment, …
   options.attention_mask = inputs.attention_mask;
   options.attention_bias = inputs.attention_bias;
-  options.use_causal_mask = layer_file.use_causal_mask;
-  options.causal_alignment = layer_file.causal_alignment;
-  options.scale = layer_file.scale;
-  options.fully_masked_rows = layer_file.fully_masked_rows;
   options.return_attention_scores = true;
   options.num_threads = 1;
   for (auto strategy :

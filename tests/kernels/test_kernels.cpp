@@ -71,10 +71,11 @@ TEST(ActiveKernels, FloatGemmRunsTheEngineItNames) {
   const Index m = 45, n = 70, k = 300;  // past Eigen's coefficient-wise small products
   const sdmha::RowMatrix<float> a = random_matrix(m, k, rng), b = random_matrix(k, n, rng);
   sdmha::RowMatrix<float> c(m, n);
-  std::vector<std::byte> scratch(sdmha::detail::gemm_workspace_size<float>(m, n, k));
+  sdmha::detail::ScratchBuffer scratch;  // StageScratch's alignment, as a Workspace gives it
+  scratch.reserve(sdmha::detail::gemm_workspace_size<float>(m, n, k));
   sdmha::detail::gemm<float>(sdmha::detail::as_operand<float>(a),
                              sdmha::detail::as_operand<float>(b), sdmha::MatrixRef<float>(c), 1.0f,
-                             false, {scratch.data(), scratch.size()});
+                             false, scratch.view());
   const sdmha::RowMatrix<float> eigen = eigen_product(a, b);
 #if defined(__AVX512F__)
   sdmha::RowMatrix<float> engine(m, n);

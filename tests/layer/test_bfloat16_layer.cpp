@@ -299,8 +299,8 @@ TEST(BFloat16GemmChoice, OffIsTheQueryKernelLayerBitForBit) {
 // Unset, empty or auto: this CPU's choice, which the rule of cpu_features.hpp gives.
 TEST(BFloat16GemmChoice, AutomaticFollowsThisCpu) {
   const auto c = make_case<float>(Shape{}, 461);
-  const bool expected = sdmha::detail::bfloat16_gemms_pay(sdmha::detail::cpu_features(),
-                                                          sdmha::detail::avx512_bf16_compiled());
+  const bool expected = sdmha::detail::bfloat16_gemms_pay(
+      sdmha::detail::cpu_features(), sdmha::detail::avx512_bf16_kernels_active());
   for (const char* value : {"auto", ""}) {
     const ScopedBFloat16Gemms automatic(value);
     Layer layer(c.config, c.weights);

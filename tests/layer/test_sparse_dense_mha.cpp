@@ -152,20 +152,13 @@ TYPED_TEST(SparseDenseMhaTest, RejectsAProjectedContextThatDoesNotFit) {
 // The cost model: regrouped when T is long against the distinct features a batch entry uses,
 // project-first when every row touches many features of a wide query.
 TYPED_TEST(SparseDenseMhaTest, AutomaticStrategyFollowsTheCostModel) {
-  Shape few_features;
-  few_features.steps = 400;
-  few_features.key_steps = 50;
-  few_features.query_dim = 6;
-  few_features.key_dim = 32;
+  Shape few_features = Shape{}.sized(2, 400, 50).widths(6, 12, 12).with_heads(2, 32);
   few_features.density = 0.2;
   const auto a = make_case<TypeParam>(few_features, 23);
   const sdmha::SparseDenseMHA<TypeParam> layer_a(a.config, a.weights);
   EXPECT_EQ(layer_a.resolve_strategy(sdmha::ScoreStrategy::automatic, a.query(), 50, false),
             sdmha::ScoreStrategy::sparse_regrouped);
-  Shape many_features;
-  many_features.steps = 4;
-  many_features.key_steps = 50;
-  many_features.query_dim = 400;
+  Shape many_features = Shape{}.sized(2, 4, 50).widths(400, 12, 12);
   many_features.density = 0.3;
   const auto b = make_case<TypeParam>(many_features, 24);
   const sdmha::SparseDenseMHA<TypeParam> layer_b(b.config, b.weights);

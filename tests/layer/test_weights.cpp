@@ -16,15 +16,10 @@ Dims dims_of(const sdmha::RowMatrix<Scalar>& kernel) {
   return {kernel.rows(), kernel.cols()};
 }
 
+// MhaConfig is an aggregate: {num_heads, key_dim, value_dim, output_dim, use_bias}.
 sdmha::MhaConfig make_config(Index heads, Index key_dim, Index value_dim, Index output_dim,
                              bool use_bias = true) {
-  sdmha::MhaConfig config;
-  config.num_heads = heads;
-  config.key_dim = key_dim;
-  config.value_dim = value_dim;
-  config.output_dim = output_dim;
-  config.use_bias = use_bias;
-  return config;
+  return sdmha::MhaConfig{heads, key_dim, value_dim, output_dim, use_bias};
 }
 
 // GlorotUniform's limit for a Keras kernel of shape (receptive, input_depth, output_depth):

@@ -325,9 +325,11 @@ struct RangeRecorder {
   }
 };
 
-TEST(ThreadPoolParallelFor, ABodyThatRunsRangesGetsOneRangeOnOneWorkerAndSingleItemsOnMore) {
-  static_assert(sdmha::detail::runs_ranges<RangeRecorder>::value);
-  static_assert(!sdmha::detail::runs_ranges<std::function<void(Index, int)>>::value);
+// Runs a Recorder body (RangeRecorder or one derived from it) over 1, 7, 64 and 1000 items on
+// 1, 2, 3 and 8 workers, in a pool and without one; checks that every item ran once, then hands
+// the ranges the body saw to `check(workers, count, ranges)`.
+template <typename Recorder, typename Check>
+void for_every_region(Check check) {
   ThreadPool pool;
   for (int workers : {1, 2, 3, 8}) {
     for (Index count : {1, 7, 64, 1000}) {
@@ -335,19 +337,28 @@ TEST(ThreadPoolParallelFor, ABodyThatRunsRangesGetsOneRangeOnOneWorkerAndSingleI
         std::vector<std::atomic<int>> runs(static_cast<std::size_t>(count));
         std::mutex mutex;
         std::vector<std::pair<Index, Index>> ranges;
-        parallel_for(count, workers, RangeRecorder{runs, mutex, ranges}, where);
+        parallel_for(count, workers, Recorder{RangeRecorder{runs, mutex, ranges}}, where);
         for (Index item = 0; item < count; ++item)
           ASSERT_EQ(runs[std::size_t(item)].load(), 1)
               << "item " << item << " of " << count << " on " << workers;
+        check(workers, count, ranges);
+      }
+    }
+  }
+}
+
+TEST(ThreadPoolParallelFor, ABodyThatRunsRangesGetsOneRangeOnOneWorkerAndSingleItemsOnMore) {
+  static_assert(sdmha::detail::runs_ranges<RangeRecorder>::value);
+  static_assert(!sdmha::detail::runs_ranges<std::function<void(Index, int)>>::value);
+  for_every_region<RangeRecorder>(
+      [](int workers, Index count, const std::vector<std::pair<Index, Index>>& ranges) {
         if (workers == 1 || count == 1) {
           ASSERT_EQ(ranges.size(), 1u) << "one worker runs the region as one range";
           EXPECT_EQ(ranges[0], std::make_pair(Index(0), count));
         } else {
           ASSERT_EQ(ranges.size(), std::size_t(count)) << "several workers claim single items";
         }
-      }
-    }
-  }
+      });
 }
 
 // A range body that asks for guided ranges on several workers.
@@ -359,33 +370,22 @@ TEST(ThreadPoolParallelFor, AGuidedRangeBodyGetsEveryItemOnceInShrinkingRanges) 
   using sdmha::detail::ItemQueue;
   static_assert(sdmha::detail::claims_guided_ranges<GuidedRecorder>::value);
   static_assert(!sdmha::detail::claims_guided_ranges<RangeRecorder>::value);
-  ThreadPool pool;
-  for (int workers : {1, 2, 3, 8}) {
-    for (Index count : {1, 7, 64, 1000}) {
-      for (ThreadPool* where : {&pool, static_cast<ThreadPool*>(nullptr)}) {
-        std::vector<std::atomic<int>> runs(static_cast<std::size_t>(count));
-        std::mutex mutex;
-        std::vector<std::pair<Index, Index>> ranges;
-        parallel_for(count, workers, GuidedRecorder{{runs, mutex, ranges}}, where);
-        for (Index item = 0; item < count; ++item)
-          ASSERT_EQ(runs[std::size_t(item)].load(), 1)
-              << "item " << item << " of " << count << " on " << workers;
-        const int used = sdmha::detail::worker_count(count, workers);
-        std::sort(ranges.begin(), ranges.end());
-        for (const auto& range : ranges) {
-          ASSERT_LT(range.first, range.second);
-          // On several workers, a claim takes at most its share of what was left when it was made.
-          if (used > 1) {
-            EXPECT_LE(range.second - range.first,
-                      ItemQueue::range_claim(count - range.first, used));
-          }
-        }
-        if (used == 1) {
-          EXPECT_EQ(ranges.size(), 1u) << "one worker runs the region as one range";
-        }
+  for_every_region<GuidedRecorder>([](int workers, Index count,
+                                      std::vector<std::pair<Index, Index>> ranges) {
+    const int used = sdmha::detail::worker_count(count, workers);
+    std::sort(ranges.begin(), ranges.end());
+    for (const auto& range : ranges) {
+      ASSERT_LT(range.first, range.second);
+      // On several workers, a claim takes at most its share of what was left when it was
+      // made.
+      if (used > 1) {
+        EXPECT_LE(range.second - range.first, ItemQueue::range_claim(count - range.first, used));
       }
     }
-  }
+    if (used == 1) {
+      EXPECT_EQ(ranges.size(), 1u) << "one worker runs the region as one range";
+    }
+  });
 }
 
 TEST(ThreadPoolParallelFor, RangeClaimsShrinkToSingleItemsAsTheItemsRunOut) {

@@ -60,13 +60,9 @@ void run_golden(const std::string& name, double tolerance) {
   const auto expected_scores = source.read<double>("expected/attention_scores");
 
   const sdmha::SparseDenseMHA<Scalar> layer(layer_file.config, layer_file.weights);
-  sdmha::AttentionOptions<Scalar> options;
+  auto options = layer_file.attention_options();  // the file's causal mask, scale, alignment, …
   options.attention_mask = inputs.attention_mask;
   options.attention_bias = inputs.attention_bias;
-  options.use_causal_mask = layer_file.use_causal_mask;
-  options.causal_alignment = layer_file.causal_alignment;
-  options.scale = layer_file.scale;
-  options.fully_masked_rows = layer_file.fully_masked_rows;
   options.return_attention_scores = true;
   for (auto strategy :
        {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {

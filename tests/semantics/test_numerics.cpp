@@ -53,6 +53,26 @@ void scale_logits(Case<Scalar>& c, double factor) {
 
 // ---- logits up to ±1e4 ----
 
+// The options of `c` under `strategy`, with the scores returned.
+template <typename Scalar>
+sdmha::AttentionOptions<Scalar> with_scores(const Case<Scalar>& c, sdmha::ScoreStrategy strategy) {
+  auto options = c.options;
+  options.score_strategy = strategy;
+  options.return_attention_scores = true;
+  return options;
+}
+
+// The layer's forward of `c` with `options`, each output entry checked finite.
+template <typename Scalar>
+sdmha::AttentionResult<Scalar> finite_forward(const sdmha::SparseDenseMHA<Scalar>& layer,
+                                              const Case<Scalar>& c,
+                                              const sdmha::AttentionOptions<Scalar>& options) {
+  auto result = layer.forward(c.query(), c.key, c.value, options);
+  for (Index i = 0; i < result.output.size(); ++i)
+    EXPECT_TRUE(std::isfinite(result.output.data()[i])) << "output entry " << i;
+  return result;
+}
+
 TYPED_TEST(Numerics, LogitsOfTenThousandGiveFiniteProbabilitiesThatSumToOne) {
   using Scalar = TypeParam;
   Shape s = Shape{}.sized(2, 9, 11);
@@ -73,12 +93,7 @@ TYPED_TEST(Numerics, LogitsOfTenThousandGiveFiniteProbabilitiesThatSumToOne) {
   const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
   for (auto strategy : kStrategies) {
     SCOPED_TRACE(sdmha::to_string(strategy));
-    auto options = c.options;
-    options.score_strategy = strategy;
-    options.return_attention_scores = true;
-    const auto result = layer.forward(c.query(), c.key, c.value, options);
-    for (Index i = 0; i < result.output.size(); ++i)
-      ASSERT_TRUE(std::isfinite(result.output.data()[i]));
+    const auto result = finite_forward(layer, c, with_scores(c, strategy));
     const auto& p = result.attention_scores;
     const Index S = p.dimension(3);
     for (Index row = 0; row < p.size() / S; ++row) {
@@ -206,12 +221,8 @@ TYPED_TEST(Numerics, NonFiniteKeysAndValuesAtBlockedPositionsNeverReachTheOutput
       const sdmha::DenseMHA<Scalar> dense(c.config, c.weights);
       for (auto strategy : kStrategies) {
         SCOPED_TRACE(sdmha::to_string(strategy));
-        auto options = c.options;
-        options.score_strategy = strategy;
-        options.return_attention_scores = true;
-        const auto result = layer.forward(c.query(), c.key, c.value, options);
-        for (Index i = 0; i < result.output.size(); ++i)
-          ASSERT_TRUE(std::isfinite(result.output.data()[i])) << i;
+        const auto options = with_scores(c, strategy);
+        const auto result = finite_forward(layer, c, options);
         EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<Scalar>()));
         EXPECT_TRUE(all_near(result.attention_scores.data(), expected.probabilities,
                              relative_tolerance<Scalar>()));

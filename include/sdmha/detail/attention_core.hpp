@@ -164,7 +164,7 @@ class AttentionCore {
   void set_dense_kernel_precision(const char* where, Precision precision) {
     const bool bfloat16_gemms = precision == Precision::bfloat16 &&
                                 use_bfloat16_gemms(bfloat16_gemms_from_environment(where),
-                                                   cpu_features(), avx512_bf16_compiled());
+                                                   cpu_features(), avx512_bf16_kernels_active());
     if (precision == Precision::float32) {
       dense_bfloat16_.reset();
       return;

@@ -20,6 +20,7 @@
 #endif
 
 #include "sdmha/errors.hpp"
+#include "sdmha/kernels.hpp"
 
 namespace sdmha::detail {
 
@@ -80,8 +81,8 @@ inline BFloat16Gemms bfloat16_gemms_from_environment(const char* where) {
 //    retires at half the FMA's rate, the same multiply-adds a cycle as float32 plus the rounding
 //    of the operands, and the mode ran 1.6-1.7x slower than float32 where every GEMM took it;
 //    AMX, Intel's bfloat16 engine, has no kernel here yet, so these GEMMs stay float32;
-//  - no AVX512_BF16 at run time or in the build (`compiled` false): the portable loop, far
-//    slower than the float32 engine.
+//  - no AVX512_BF16 at run time, in the build or allowed by SDMHA_KERNELS (`compiled` false):
+//    the portable loop, far slower than the float32 engine.
 // Wq's bfloat16 copy (the sparse query projection, bound by its memory traffic) is used in every
 // case: it is the query projection's choice, not this one.
 inline bool bfloat16_gemms_pay(const CpuFeatures& cpu, bool compiled) {
@@ -93,13 +94,8 @@ inline bool use_bfloat16_gemms(BFloat16Gemms choice, const CpuFeatures& cpu, boo
   return choice == BFloat16Gemms::on;
 }
 
-// Whether this build has the AVX512_BF16 kernels (gemm_bfloat16.hpp).
-constexpr bool avx512_bf16_compiled() {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
+// Whether this process runs the AVX512_BF16 kernels of gemm_bfloat16.hpp: compiled in and not
+// switched off by SDMHA_KERNELS=portable (sdmha/kernels.hpp).
+inline bool avx512_bf16_kernels_active() { return active_kernels().avx512_bfloat16_gemm; }
 
 }  // namespace sdmha::detail
