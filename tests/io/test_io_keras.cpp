@@ -14,9 +14,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -390,15 +392,109 @@ TEST(KerasFile, UnzippedKerasDirectoryLoads) {
   expect_forward(keras, "nested_attention.expected.npz", 1e-12);
 }
 
-// metadata.json is only reported; nested a million levels deep (which a recursive parse would
-// not survive) it reads as no version, and the layer still loads.
-TEST(KerasFile, DeeplyNestedMetadataReadsAsNoVersion) {
+// ---- metadata.json ------------------------------------------------------------------------------
+
+// nested.keras with its metadata.json member written as `member` holding `metadata`, or left out
+// when `member` is empty (the other members copied as they are).
+std::string keras_with_metadata(const std::string& dir, const std::string& member,
+                                const std::string& metadata) {
+  zip_t* source = zip_open(fixture("nested.keras").c_str(), ZIP_RDONLY, nullptr);
+  const std::string path =
+      dir + "/metadata_" + std::to_string(std::hash<std::string>()(member + metadata)) + ".keras";
+  zip_t* target = zip_open(path.c_str(), ZIP_CREATE | ZIP_TRUNCATE, nullptr);
+  for (const char* name : {"config.json", "model.weights.h5"})
+    zip_file_add(target, name,
+                 zip_source_zip(target, source, zip_name_locate(source, name, 0), 0, 0, -1),
+                 ZIP_FL_OVERWRITE);
+  if (!member.empty()) {
+    // zip_source_buffer with freep = 1 releases the copy with free().
+    char* copy = static_cast<char*>(std::malloc(std::max<std::size_t>(metadata.size(), 1)));
+    std::memcpy(copy, metadata.data(), metadata.size());
+    zip_file_add(target, member.c_str(), zip_source_buffer(target, copy, metadata.size(), 1),
+                 ZIP_FL_OVERWRITE);
+  }
+  EXPECT_EQ(zip_close(target), 0);
+  zip_discard(source);
+  return path;
+}
+
+// A .keras file without a usable metadata.json loads (the layer needs nothing from it) with
+// keras_version empty and the reason given, and is a FormatError naming the file and the reason
+// under require_keras_version; one with a version loads either way.
+void expect_unknown_version(const std::string& path, const std::string& reason) {
+  SCOPED_TRACE(path);
+  const auto keras = load_keras_layer<double>(path, "attention");
+  EXPECT_EQ(keras.keras_version, "");
+  EXPECT_NE(keras.no_keras_version_reason.find(reason), std::string::npos)
+      << keras.no_keras_version_reason;
+  EXPECT_EQ(keras.group, "layers/functional/layers/multi_head_attention_1");
+  sdmha::io::KerasReadOptions strict;
+  strict.require_keras_version = true;
+  expect_error<FormatError>([&] { load_keras_layer<double>(path, "attention", strict); },
+                            {"'" + path + "'", reason, "require_keras_version"});
+}
+
+TEST(KerasMetadata, AVersionStringIsReportedWithNoReason) {
+  sdmha::io::KerasReadOptions strict;
+  strict.require_keras_version = true;
+  const auto keras = load_keras_layer<double>(fixture("nested.keras"), "attention", strict);
+  EXPECT_EQ(keras.keras_version, "3.5.0");
+  EXPECT_EQ(keras.no_keras_version_reason, "");
+  const std::string dir = scratch("metadata_valid");
+  const auto other = load_keras_layer<double>(
+      keras_with_metadata(dir, "metadata.json", R"({"date_saved": "x", "keras_version": "3.9.1"})"),
+      "attention", strict);
+  EXPECT_EQ(other.keras_version, "3.9.1");
+}
+
+TEST(KerasMetadata, MissingOrRenamedMetadataLeavesTheVersionUnknownWithTheReason) {
+  const std::string dir = scratch("metadata_missing");
+  const std::string reason = "the archive has no member 'metadata.json'";
+  expect_unknown_version(keras_with_metadata(dir, "", ""), reason);
+  expect_unknown_version(keras_with_metadata(dir, "Metadata.json", R"({"keras_version": "3.5.0"})"),
+                         reason);
+  const std::string unzipped = scratch("metadata_missing_unzipped");
+  unzip_nested_keras(unzipped);
+  fs::remove(unzipped + "/metadata.json");
+  expect_unknown_version(unzipped, "the directory has no file 'metadata.json'");
+}
+
+TEST(KerasMetadata, MalformedMetadataLeavesTheVersionUnknownWithTheReason) {
+  const std::string dir = scratch("metadata_malformed");
+  const std::pair<std::string, std::string> cases[] = {
+      {R"({"keras_version": "3.5.0")", "metadata.json is not valid JSON"},
+      {"", "metadata.json is not valid JSON"},
+      {R"(["3.5.0"])", "metadata.json is a JSON array; expected an object"},
+      {R"({"date_saved": "2024"})", "metadata.json has no 'keras_version'"},
+      {R"({"keras_version": 3.5})", "keras_version is a JSON number; expected a version string"},
+      {R"({"keras_version": null})", "keras_version is a JSON null"},
+      {R"({"keras_version": ["3.5.0"]})", "keras_version is a JSON array"},
+      {R"({"keras_version": ""})", "keras_version is empty; expected a version string"},
+      {"{\"keras_version\": " + std::string(9, '[') + std::string(9, ']') + "}",
+       "metadata.json nests JSON more than 8 levels deep at byte 25"}};
+  for (const auto& [metadata, reason] : cases)
+    expect_unknown_version(keras_with_metadata(dir, "metadata.json", metadata), reason);
+}
+
+// Nested a million levels deep (which a recursive parse would not survive), in a directory.
+TEST(KerasMetadata, DeeplyNestedMetadataLeavesTheVersionUnknownWithTheReason) {
   const std::string dir = scratch("deep_metadata");
   unzip_nested_keras(dir);
   write_bytes(dir + "/metadata.json", std::vector<std::uint8_t>(1000000, std::uint8_t('[')));
-  const auto keras = load_keras_layer<double>(dir, "attention");
+  expect_unknown_version(dir, "nests JSON more than 8 levels deep at byte 8");
+  expect_forward(load_keras_layer<double>(dir, "attention"), "nested_attention.expected.npz",
+                 1e-12);
+}
+
+TEST(KerasMetadata, AWeightsFileHasNoVersionAndSaysWhy) {
+  const std::string path = fixture("functional_bias.weights.h5");
+  const auto keras = load_keras_layer<double>(path, "attention");
   EXPECT_EQ(keras.keras_version, "");
-  expect_forward(keras, "nested_attention.expected.npz", 1e-12);
+  EXPECT_EQ(keras.no_keras_version_reason, "a .weights.h5 file holds no metadata.json");
+  sdmha::io::KerasReadOptions strict;
+  strict.require_keras_version = true;
+  expect_error<FormatError>([&] { load_keras_layer<double>(path, "attention", strict); },
+                            {"holds no metadata.json", "require_keras_version"});
 }
 
 // Loads `path`; anything but success or a FormatError / IoError fails the test (a crash ends it),

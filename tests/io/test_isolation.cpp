@@ -123,6 +123,7 @@ TEST(KerasIsolated, LoadsTheSameLayerAsTheInProcessReader) {
     EXPECT_EQ(isolated_layer.name, direct.name) << name;
     EXPECT_EQ(isolated_layer.group, direct.group) << name;
     EXPECT_EQ(isolated_layer.keras_version, direct.keras_version) << name;
+    EXPECT_EQ(isolated_layer.no_keras_version_reason, direct.no_keras_version_reason) << name;
     EXPECT_EQ(isolated_layer.config.num_heads, direct.config.num_heads) << name;
     EXPECT_EQ(isolated_layer.config.output_dim, direct.config.output_dim) << name;
     EXPECT_EQ(isolated_layer.config.use_bias, direct.config.use_bias) << name;
@@ -138,6 +139,11 @@ TEST(KerasIsolated, TheReadersErrorsArriveWithTheirType) {
                sdmha::FormatError);
   EXPECT_THROW(sdmha::io::load_keras_layer_isolated<float>(keras_file("no_such_file.keras"), ""),
                sdmha::IoError);
+  sdmha::io::KerasReadOptions strict;  // a .weights.h5 has no metadata.json
+  strict.require_keras_version = true;
+  EXPECT_THROW(sdmha::io::load_keras_layer_isolated<float>(keras_file("functional_bias.weights.h5"),
+                                                           "", strict),
+               sdmha::FormatError);
   sdmha::MhaConfig wrong;  // refused before any child is started
   EXPECT_THROW(
       sdmha::io::load_keras_layer_isolated<float>(keras_file("functional_bias.keras"), "", wrong),

@@ -107,6 +107,7 @@ std::string encode(const io::KerasLayer<Scalar>& layer) {
   out.text(layer.name);
   out.text(layer.group);
   out.text(layer.keras_version);
+  out.text(layer.no_keras_version_reason);
   const MhaWeights<Scalar>& w = layer.weights;
   for (const RowMatrix<Scalar>* kernel :
        {&w.query_kernel, &w.key_kernel, &w.value_kernel, &w.output_kernel})
@@ -127,6 +128,7 @@ io::KerasLayer<Scalar> decode(const std::string& bytes, const std::string& path)
   layer.name = in.text();
   layer.group = in.text();
   layer.keras_version = in.text();
+  layer.no_keras_version_reason = in.text();
   MhaWeights<Scalar>& w = layer.weights;
   for (RowMatrix<Scalar>* kernel :
        {&w.query_kernel, &w.key_kernel, &w.value_kernel, &w.output_kernel})
