@@ -4,7 +4,7 @@
 #      UndefinedBehaviorSanitizer, in build-asan/;
 #   2. the threaded tests under ThreadSanitizer (clang), in build-tsan/, built from the test
 #      files that declare them only;
-#   3. every libFuzzer target for SDMHA_FUZZ_SECONDS (default 60) over a copy of its seed corpus,
+#   3. every libFuzzer target for SDMHA_FUZZ_SECONDS (default 40) over a copy of its seed corpus,
 #      two targets at a time, in build-fuzz/;
 #   4. the unit tests that run the kernels (sdmha_tests' files but those of io/ and four others,
 #      see stage 4, and the steady-state allocation test) built without -march=native (x86-64's
@@ -25,7 +25,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 readonly JOBS=2
-readonly FUZZ_SECONDS=${SDMHA_FUZZ_SECONDS:-60}
+# Five targets, two at a time, take three rounds: 40 s each keeps the stage's fuzzing at 120 s,
+# what two rounds of four targets at 60 s took.
+readonly FUZZ_SECONDS=${SDMHA_FUZZ_SECONDS:-40}
 readonly FUZZ_SEED=${SDMHA_FUZZ_SEED:-1}
 readonly STAGES=" ${SDMHA_HARDENING_STAGES:-asan tsan fuzz portable} "
 wanted() { [[ $STAGES == *" $1 "* ]]; }
@@ -121,7 +123,7 @@ banner "3/4 libFuzzer, ${FUZZ_SECONDS} s per target, -seed=${FUZZ_SEED} (build-f
 cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
   -DSDMHA_BUILD_FUZZERS=ON -DSDMHA_BUILD_TESTS=OFF -DSDMHA_BUILD_EXAMPLES=OFF \
   -DSDMHA_BUILD_TOOLS=OFF "${common[@]}"
-targets=(fuzz_sparse_query fuzz_safetensors fuzz_npy fuzz_forward)
+targets=(fuzz_sparse_query fuzz_safetensors fuzz_npy fuzz_forward fuzz_keras)
 cmake --build build-fuzz -j"$JOBS" --target "${targets[@]}"
 # Two targets at a time, each for the whole FUZZ_SECONDS: a libFuzzer process runs one input at a
 # time on one core (fuzz_forward's layer takes at most 3 threads, for problems of a few rows), so
@@ -135,6 +137,10 @@ fuzz_start() {  # target: starts it over a scratch copy of its corpus; its pid i
   # libFuzzer adds what it finds to the first corpus directory: a scratch copy, never the repo's.
   rm -rf "$work" && mkdir -p "$work/corpus" "$work/artifacts"
   if [ -d "tests/fuzz/corpus/$target" ]; then cp -R "tests/fuzz/corpus/$target/." "$work/corpus/"; fi
+  if [ "$target" = fuzz_keras ]; then  # the Keras test files and the damaged ones, made from them
+    cp tests/data/keras/*.keras tests/data/keras/*.weights.h5 tests/data/keras/damaged/*.h5 "$work/corpus/"
+    python3 tests/fuzz/make_keras_seeds.py "$work/corpus"
+  fi
   local dictionary=()
   if [ -f "tests/fuzz/$target.dict" ]; then dictionary=(-dict="tests/fuzz/$target.dict"); fi
   ASAN_OPTIONS=halt_on_error=1:abort_on_error=1:detect_leaks=1 \
