@@ -90,7 +90,8 @@ fi
 # The tests that run threads: one layer shared by 8 threads (Concurrency) and the thread-count
 # invariance tests (the layer and the backward pass on 1 to 8 workers), the backward's ordered
 # sums of dK and dV across tile groups (BackwardTiles: up to 64 workers, and a failing tile), and
-# the Workspace and ThreadPool tests (persistent worker threads kept between calls).
+# the Workspace and ThreadPool tests (persistent worker threads kept between calls), and the soak
+# test (4 threads with workspaces of their own on one layer, forward and backward for 2 s).
 # Built: sdmha_test_subset (tests/CMakeLists.txt), the test files that declare a test the filter
 # may select (found by their TEST macros at configure time, listed in the configure output), with
 # sdmha_tests' settings: the same tests as the filter selects from the whole sdmha_tests (the
@@ -98,7 +99,7 @@ fi
 if wanted tsan; then
 banner "2/4 ThreadSanitizer (build-tsan/, clang)"
 tsan_flags="-fsanitize=thread -fno-omit-frame-pointer"
-tsan_filter='Concurrency*:*ThreadCount*:*Workspace*:ThreadPool*:BackwardTiles*'
+tsan_filter='Concurrency*:*ThreadCount*:*Workspace*:ThreadPool*:BackwardTiles*:Soak*'
 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
   -DCMAKE_CXX_FLAGS="$tsan_flags" -DCMAKE_CXX_FLAGS_DEBUG="$sanitizer_debug" \
   -DCMAKE_EXE_LINKER_FLAGS="$tsan_flags" -DSDMHA_BUILD_EXAMPLES=OFF -DSDMHA_BUILD_TOOLS=OFF \
@@ -192,14 +193,15 @@ fi
 # behind blocked keys, biases with -inf, the options, the goldens at the README's tolerances) and
 # runtime/test_workspace (reuse through shape changes, bitwise). Left out, 22 % of sdmha_tests'
 # compile time when measured: io/ (file formats and loaders), runtime/test_parallel (the pool
-# alone), runtime/test_concurrency (8 threads on one layer: what the calls share is the layer's,
-# the same code in both builds, and the kernels work in the scratch each call is given),
+# alone), runtime/test_concurrency and runtime/test_soak (threads on one layer: what the calls
+# share is the layer's, the same code in both builds, and the kernels work in the scratch each
+# call is given),
 # semantics/test_mask (mask building) and semantics/test_bad_input (input refused before any
 # arithmetic). A test file renamed or added is built: the list names what may be left out, not
 # what is kept.
 if wanted portable; then
 banner "4/4 portable build without -march=native (build-portable/, Release)"
-portable_exclude='^(io/|runtime/test_(parallel|concurrency)[.]cpp$|semantics/test_(mask|bad_input)[.]cpp$)'
+portable_exclude='^(io/|runtime/test_(parallel|concurrency|soak)[.]cpp$|semantics/test_(mask|bad_input)[.]cpp$)'
 cmake -S . -B build-portable -DCMAKE_BUILD_TYPE=Release -DSDMHA_TESTS_NATIVE=OFF \
   -DSDMHA_BUILD_EXAMPLES=OFF -DSDMHA_BUILD_TOOLS=OFF \
   -DSDMHA_TEST_SUBSET_FILTER= -DSDMHA_TEST_SUBSET_EXCLUDE="$portable_exclude" "${common[@]}"
