@@ -167,8 +167,9 @@ def load_keras_layer(path, dtype="float32", layer_name="", num_heads=None, key_d
     'no_keras_version_reason'} (the reason is '' when keras_version is known).
 
     isolated=True (the default) reads the file in a child process
-    (sdmha::io::load_keras_layer_isolated, 4 GiB and 60 s): libhdf5 crashes or hangs on some
-    damaged files, and there that is an IoError naming the file while this process goes on.
+    (sdmha::io::load_keras_layer_isolated: 4 GiB, 5 s plus 30 s per GiB of the file, at most
+    60 s): libhdf5 crashes or hangs on some damaged files, and there that is an IoError naming
+    the file while this process goes on.
     isolated=False reads it in this process: for trusted files only (docs/bad_input.md, "Trust
     boundary").
     """

@@ -116,7 +116,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   sdmha::io::KerasReadOptions options;
   // libhdf5 loops forever on some files: an IoError after 1 s, where a whole load of a file of
   // the corpus's sizes takes a few milliseconds (the fuzzer's own time goes to the hangs).
-  options.isolation.seconds = 1.0;
+  options.isolation.small_file_seconds = 1.0;
   options.isolation.memory_bytes = std::size_t(1) << 30;
   sdmha_fuzz::accepts([&] {
     const auto layer = sdmha::io::load_keras_layer_isolated<float>(path, "", options);

@@ -109,6 +109,16 @@ TEST(RunInChild, RefusesLimitsThatAreNotPositive) {
   EXPECT_THROW(isolated([] { return std::string(); }, limits), sdmha::ConfigError);
 }
 
+TEST(IsolationLimits, AReadersTimeGrowsWithItsFileUpToSeconds) {
+  IsolationLimits limits;  // 5 s, plus 30 s per GiB, at most 60 s
+  EXPECT_DOUBLE_EQ(sdmha::io::reader_seconds(limits, 0.0), 5.0);
+  EXPECT_DOUBLE_EQ(sdmha::io::reader_seconds(limits, 32564.0), 5.0);  // + 0.0009 s, in tenths
+  EXPECT_DOUBLE_EQ(sdmha::io::reader_seconds(limits, double(1 << 30)), 35.0);
+  EXPECT_DOUBLE_EQ(sdmha::io::reader_seconds(limits, 4.0 * double(1 << 30)), 60.0);
+  limits.small_file_seconds = 0.0;  // `seconds` alone
+  EXPECT_DOUBLE_EQ(sdmha::io::reader_seconds(limits, 0.0), 60.0);
+}
+
 #ifdef SDMHA_HAS_KERAS_IO
 
 std::string keras_file(const std::string& name) {
