@@ -184,11 +184,14 @@ KERAS_FILES = SOURCE_DIR / "tests" / "data" / "keras"
     ("nested.keras", "attention", "nested_attention"),
     ("nested.keras", "outer_attention", "nested_outer_attention"),
 ])
-def test_from_keras_reads_keras_3_files(file, layer_name, expected):
+@pytest.mark.parametrize("isolated", [True, False])
+def test_from_keras_reads_keras_3_files(file, layer_name, expected, isolated):
     """Keras 3 .keras / .weights.h5 files (tests/data/keras, docs/keras_files.md) against the
-    float64 outputs stored beside them; the query is the dense one made sparse."""
+    float64 outputs stored beside them, read in a child process (the default) and in this one;
+    the query is the dense one made sparse."""
     module = SparseQueryMultiheadAttention.from_keras(KERAS_FILES / file, dtype=torch.float64,
-                                                      layer_name=layer_name, num_threads=1)
+                                                      layer_name=layer_name, num_threads=1,
+                                                      isolated=isolated)
     arrays = np.load(KERAS_FILES / f"{expected}.expected.npz")
     query = torch.from_numpy(arrays["query"]).to_sparse()
     output = module(query, torch.from_numpy(arrays["key"]), torch.from_numpy(arrays["value"]))
