@@ -16,40 +16,17 @@
 
 #include <sdmha/sparse_dense_mha.hpp>
 
+#include "same_bits.hpp"
+
 namespace sdmha_test {
 namespace {
 
 using sdmha_bench::AllocationCounter;
 
-template <typename Scalar>
-bool same_bits(const Scalar* a, const Scalar* b, Index count_a, Index count_b) {
-  return count_a == count_b &&
-         (count_a == 0 || std::memcmp(a, b, sizeof(Scalar) * std::size_t(count_a)) == 0);
-}
-
-#define SDMHA_SAME(a, b) same_bits((a).data(), (b).data(), Index((a).size()), Index((b).size()))
-
-template <typename Scalar>
-bool same_gradients(const sdmha::MhaGradients<Scalar>& a, const sdmha::MhaGradients<Scalar>& b) {
-  return SDMHA_SAME(a.query_kernel, b.query_kernel) && SDMHA_SAME(a.key_kernel, b.key_kernel) &&
-         SDMHA_SAME(a.value_kernel, b.value_kernel) &&
-         SDMHA_SAME(a.output_kernel, b.output_kernel) && SDMHA_SAME(a.query_bias, b.query_bias) &&
-         SDMHA_SAME(a.key_bias, b.key_bias) && SDMHA_SAME(a.value_bias, b.value_bias) &&
-         SDMHA_SAME(a.output_bias, b.output_bias) && SDMHA_SAME(a.query_values, b.query_values) &&
-         SDMHA_SAME(a.key, b.key) && SDMHA_SAME(a.value, b.value);
-}
-
 // A problem with masks, empty rows and dropout, so that the calls take their longer paths.
 Case<double> fault_case(sdmha::ScoreStrategy strategy) {
-  Shape s;
-  s.batch = 2;
-  s.steps = 6;
-  s.key_steps = 9;
+  Shape s = Shape{}.sized(2, 6, 9).with_heads(2, 4, 3, 5);
   s.query_dim = 20;
-  s.heads = 2;
-  s.key_dim = 4;
-  s.value_dim = 3;
-  s.output_dim = 5;
   s.random_mask = true;
   s.key_mask = true;
   s.empty_rows = true;
@@ -137,8 +114,8 @@ TEST(FaultInjection, EachAllocationOfAFirstForwardAndBackwardFailingLeavesLayerA
       AllocationCounter::fail_allocation(0);
       forward_backward(layer, c, query, d_output, workspace, calls);  // the same objects again
       const bool same =
-          SDMHA_SAME(calls.result.output, expected.result.output) &&
-          SDMHA_SAME(calls.result.attention_scores, expected.result.attention_scores) &&
+          same_bits(calls.result.output, expected.result.output) &&
+          same_bits(calls.result.attention_scores, expected.result.attention_scores) &&
           same_gradients(calls.gradients, expected.gradients);
       if (!same)
         ADD_FAILURE() << "allocation " << n << " of " << first_call << ": the next call "

@@ -5,6 +5,8 @@
 // grows per call would show). .ci/hardening.sh runs it under ThreadSanitizer too (filter Soak*).
 #include "test_support.hpp"
 
+#include "same_bits.hpp"
+
 #include <unistd.h>
 
 #include <atomic>
@@ -44,24 +46,6 @@ long resident_bytes() {
   return resident < 0 ? -1 : resident * ::sysconf(_SC_PAGESIZE);
 }
 
-template <typename Scalar>
-bool same_bits(const Scalar* a, const Scalar* b, Index count_a, Index count_b) {
-  return count_a == count_b &&
-         (count_a == 0 || std::memcmp(a, b, sizeof(Scalar) * std::size_t(count_a)) == 0);
-}
-
-#define SDMHA_SAME(a, b) same_bits((a).data(), (b).data(), Index((a).size()), Index((b).size()))
-
-template <typename Scalar>
-bool same_gradients(const sdmha::MhaGradients<Scalar>& a, const sdmha::MhaGradients<Scalar>& b) {
-  return SDMHA_SAME(a.query_kernel, b.query_kernel) && SDMHA_SAME(a.key_kernel, b.key_kernel) &&
-         SDMHA_SAME(a.value_kernel, b.value_kernel) &&
-         SDMHA_SAME(a.output_kernel, b.output_kernel) && SDMHA_SAME(a.query_bias, b.query_bias) &&
-         SDMHA_SAME(a.key_bias, b.key_bias) && SDMHA_SAME(a.value_bias, b.value_bias) &&
-         SDMHA_SAME(a.output_bias, b.output_bias) && SDMHA_SAME(a.query_values, b.query_values) &&
-         SDMHA_SAME(a.key, b.key) && SDMHA_SAME(a.value, b.value);
-}
-
 // One thread's problem: the layer's widths, its own batch, lengths, masks and options.
 struct SoakWork {
   Case<double> problem;
@@ -73,17 +57,10 @@ struct SoakWork {
 };
 
 SoakWork soak_work(int thread) {
-  Shape s;
-  s.query_dim = 24;
-  s.key_in_dim = 12;
-  s.value_in_dim = 10;
-  s.heads = 2;
-  s.key_dim = 4;
-  s.value_dim = 3;
-  s.output_dim = 6;
-  s.batch = 1 + thread % 2;
-  s.steps = 4 + 3 * thread;
-  s.key_steps = 5 + (thread * 5) % 7;
+  Shape s = Shape{}
+                .sized(1 + thread % 2, 4 + 3 * thread, 5 + (thread * 5) % 7)
+                .widths(24, 12, 10)
+                .with_heads(2, 4, 3, 6);
   s.random_mask = thread % 2 == 1;
   s.causal = thread == 2;
   s.key_mask = thread == 3;
@@ -123,7 +100,7 @@ TEST(Soak, ThreadsWithTheirOwnWorkspacesGiveTheSerialResultsBitwiseAndTheHeapSta
           layer.forward(w.query, w.problem.key, w.problem.value, w.options, workspace, result);
           layer.backward(w.query, w.problem.key, w.problem.value, w.d_output, w.options, workspace,
                          gradients);
-          if (!SDMHA_SAME(result.output, w.expected.output) ||
+          if (!same_bits(result.output, w.expected.output) ||
               !same_gradients(gradients, w.expected_gradients))
             mismatches.fetch_add(1);
           calls.fetch_add(1, std::memory_order_relaxed);
