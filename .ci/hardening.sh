@@ -4,7 +4,7 @@
 #      UndefinedBehaviorSanitizer, in build-asan/;
 #   2. the threaded tests under ThreadSanitizer (clang), in build-tsan/, built from the test
 #      files that declare them only;
-#   3. every libFuzzer target for SDMHA_FUZZ_SECONDS (default 60) over a copy of its seed corpus,
+#   3. every libFuzzer target for SDMHA_FUZZ_SECONDS (default 40) over a copy of its seed corpus,
 #      two targets at a time, in build-fuzz/;
 #   4. the unit tests that run the kernels (sdmha_tests' files but those of io/ and four others,
 #      see stage 4, and the steady-state allocation test) built without -march=native (x86-64's
@@ -25,7 +25,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 readonly JOBS=2
-readonly FUZZ_SECONDS=${SDMHA_FUZZ_SECONDS:-60}
+# Five targets, two at a time, take three rounds: 40 s each keeps the stage's fuzzing at 120 s,
+# what two rounds of four targets at 60 s took.
+readonly FUZZ_SECONDS=${SDMHA_FUZZ_SECONDS:-40}
 readonly FUZZ_SEED=${SDMHA_FUZZ_SEED:-1}
 readonly STAGES=" ${SDMHA_HARDENING_STAGES:-asan tsan fuzz portable} "
 wanted() { [[ $STAGES == *" $1 "* ]]; }
@@ -88,7 +90,8 @@ fi
 # The tests that run threads: one layer shared by 8 threads (Concurrency) and the thread-count
 # invariance tests (the layer and the backward pass on 1 to 8 workers), the backward's ordered
 # sums of dK and dV across tile groups (BackwardTiles: up to 64 workers, and a failing tile), and
-# the Workspace and ThreadPool tests (persistent worker threads kept between calls).
+# the Workspace and ThreadPool tests (persistent worker threads kept between calls), and the soak
+# test (4 threads with workspaces of their own on one layer, forward and backward for 2 s).
 # Built: sdmha_test_subset (tests/CMakeLists.txt), the test files that declare a test the filter
 # may select (found by their TEST macros at configure time, listed in the configure output), with
 # sdmha_tests' settings: the same tests as the filter selects from the whole sdmha_tests (the
@@ -96,7 +99,7 @@ fi
 if wanted tsan; then
 banner "2/4 ThreadSanitizer (build-tsan/, clang)"
 tsan_flags="-fsanitize=thread -fno-omit-frame-pointer"
-tsan_filter='Concurrency*:*ThreadCount*:*Workspace*:ThreadPool*:BackwardTiles*'
+tsan_filter='Concurrency*:*ThreadCount*:*Workspace*:ThreadPool*:BackwardTiles*:Soak*'
 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
   -DCMAKE_CXX_FLAGS="$tsan_flags" -DCMAKE_CXX_FLAGS_DEBUG="$sanitizer_debug" \
   -DCMAKE_EXE_LINKER_FLAGS="$tsan_flags" -DSDMHA_BUILD_EXAMPLES=OFF -DSDMHA_BUILD_TOOLS=OFF \
@@ -121,7 +124,7 @@ banner "3/4 libFuzzer, ${FUZZ_SECONDS} s per target, -seed=${FUZZ_SEED} (build-f
 cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
   -DSDMHA_BUILD_FUZZERS=ON -DSDMHA_BUILD_TESTS=OFF -DSDMHA_BUILD_EXAMPLES=OFF \
   -DSDMHA_BUILD_TOOLS=OFF "${common[@]}"
-targets=(fuzz_sparse_query fuzz_safetensors fuzz_npy fuzz_forward)
+targets=(fuzz_sparse_query fuzz_safetensors fuzz_npy fuzz_forward fuzz_keras)
 cmake --build build-fuzz -j"$JOBS" --target "${targets[@]}"
 # Two targets at a time, each for the whole FUZZ_SECONDS: a libFuzzer process runs one input at a
 # time on one core (fuzz_forward's layer takes at most 3 threads, for problems of a few rows), so
@@ -135,6 +138,10 @@ fuzz_start() {  # target: starts it over a scratch copy of its corpus; its pid i
   # libFuzzer adds what it finds to the first corpus directory: a scratch copy, never the repo's.
   rm -rf "$work" && mkdir -p "$work/corpus" "$work/artifacts"
   if [ -d "tests/fuzz/corpus/$target" ]; then cp -R "tests/fuzz/corpus/$target/." "$work/corpus/"; fi
+  if [ "$target" = fuzz_keras ]; then  # the Keras test files and the damaged ones, made from them
+    cp tests/data/keras/*.keras tests/data/keras/*.weights.h5 tests/data/keras/damaged/*.h5 "$work/corpus/"
+    python3 tests/fuzz/make_keras_seeds.py "$work/corpus"
+  fi
   local dictionary=()
   if [ -f "tests/fuzz/$target.dict" ]; then dictionary=(-dict="tests/fuzz/$target.dict"); fi
   ASAN_OPTIONS=halt_on_error=1:abort_on_error=1:detect_leaks=1 \
@@ -186,14 +193,15 @@ fi
 # behind blocked keys, biases with -inf, the options, the goldens at the README's tolerances) and
 # runtime/test_workspace (reuse through shape changes, bitwise). Left out, 22 % of sdmha_tests'
 # compile time when measured: io/ (file formats and loaders), runtime/test_parallel (the pool
-# alone), runtime/test_concurrency (8 threads on one layer: what the calls share is the layer's,
-# the same code in both builds, and the kernels work in the scratch each call is given),
+# alone), runtime/test_concurrency and runtime/test_soak (threads on one layer: what the calls
+# share is the layer's, the same code in both builds, and the kernels work in the scratch each
+# call is given),
 # semantics/test_mask (mask building) and semantics/test_bad_input (input refused before any
 # arithmetic). A test file renamed or added is built: the list names what may be left out, not
 # what is kept.
 if wanted portable; then
 banner "4/4 portable build without -march=native (build-portable/, Release)"
-portable_exclude='^(io/|runtime/test_(parallel|concurrency)[.]cpp$|semantics/test_(mask|bad_input)[.]cpp$)'
+portable_exclude='^(io/|runtime/test_(parallel|concurrency|soak)[.]cpp$|semantics/test_(mask|bad_input)[.]cpp$)'
 cmake -S . -B build-portable -DCMAKE_BUILD_TYPE=Release -DSDMHA_TESTS_NATIVE=OFF \
   -DSDMHA_BUILD_EXAMPLES=OFF -DSDMHA_BUILD_TOOLS=OFF \
   -DSDMHA_TEST_SUBSET_FILTER= -DSDMHA_TEST_SUBSET_EXCLUDE="$portable_exclude" "${common[@]}"

@@ -93,8 +93,9 @@ A query/dense_shape whose batch * steps rows would not fit in this machine's mem
 before anything is allocated.
 
 A Keras file holds no call-time settings: use_causal_mask (--causal) and the rest come from the
-inputs file's metadata. The isolated reader gets 60 s and 4 GiB of address space; a reader that
-crashes, hangs or runs past them ends the run with status 1, naming the file.
+inputs file's metadata. The isolated reader gets 5 s plus 30 s per GiB of file (at most 60 s) and 4 GiB
+of address space; a reader that crashes, hangs or runs past them ends the run with status 1,
+naming the file.
 
 Exit status: 0 on success; 1 for a bad, missing or inconsistent file or tensor (a mask or a
 bias of the wrong shape or dtype included), or a failure to write (one line "sdmha-run: error: ..." on stderr, no output file); 2 for bad usage.

@@ -179,7 +179,7 @@ def load_layer(path, dtype="float32", num_heads=None, layout=None, prefix=None, 
 
 
 def load_keras_layer(path, dtype="float32", layer_name="", num_heads=None, key_dim=0, value_dim=0,
-                     output_dim=0, use_bias=True):
+                     output_dim=0, use_bias=True, isolated=True):
     """sdmha::io::load_keras_layer: a MultiHeadAttention from a Keras 3 file — ``model.save``'s
     .keras zip (or its unzipped directory) or ``model.save_weights``' .weights.h5.
 
@@ -187,13 +187,21 @@ def load_keras_layer(path, dtype="float32", layer_name="", num_heads=None, key_d
     or "" for the file's only MultiHeadAttention. A .weights.h5 written before Keras 3.6 names no
     layers and holds no configuration: give the group path, and num_heads (with key_dim,
     value_dim, output_dim, use_bias) to have every shape checked. docs/keras_files.md has the
-    details. Returns {'layer': Layer, 'name', 'group', 'keras_version'}.
+    details. Returns {'layer': Layer, 'name', 'group', 'keras_version',
+    'no_keras_version_reason'} (the reason is '' when keras_version is known).
+
+    isolated=True (the default) reads the file in a child process
+    (sdmha::io::load_keras_layer_isolated: 4 GiB, 5 s plus 30 s per GiB of the file, at most
+    60 s): libhdf5 crashes or hangs on some damaged files, and there that is an IoError naming
+    the file while this process goes on.
+    isolated=False reads it in this process: for trusted files only (docs/bad_input.md, "Trust
+    boundary").
     """
     _require_io("load_keras_layer")
     if not _sdmha.with_keras_files:
         raise ConfigError("sdmha: load_keras_layer: this build has no Keras file reader")
     return _sdmha.load_keras_layer(_os.fspath(path), dtype_name(dtype), layer_name, num_heads, key_dim,
-                                   value_dim, output_dim, use_bias)
+                                   value_dim, output_dim, use_bias, bool(isolated))
 
 
 def load_inputs(path, dtype="float32"):

@@ -760,7 +760,7 @@ class SparseQueryMultiheadAttention(nn.Module):
     # ---- loading -------------------------------------------------------------------------------
 
     @classmethod
-    def from_keras(cls, path, dtype=torch.float32, prefix=None, layer_name="", **kwargs):
+    def from_keras(cls, path, dtype=torch.float32, prefix=None, layer_name="", isolated=True, **kwargs):
         """A module with the weights of a Keras MultiHeadAttention.
 
         From a Keras 3 file — ``model.save``'s .keras (or its unzipped directory) or
@@ -768,11 +768,12 @@ class SparseQueryMultiheadAttention(nn.Module):
         the layer (a Keras layer name or an HDF5 group path; "" for the file's only one) — or from
         safetensors / .npz in the names query/kernel (Eq, H, Dk) ... attention_output/bias (O),
         optionally under a layer `prefix` (tools/sdmha_export.py's export_keras writes them),
-        read by sdmha::io::load_layer."""
+        read by sdmha::io::load_layer. A Keras file is read in a child process (libhdf5 cannot be
+        hardened against hostile files); isolated=False reads it in this one, for trusted files."""
         text = os.fspath(path)
         if os.path.isdir(text) or text.endswith((".keras", ".h5")):
             _check_dtype(dtype)
-            loaded = load_keras_layer(text, dtype_name(dtype), layer_name)
+            loaded = load_keras_layer(text, dtype_name(dtype), layer_name, isolated=isolated)
             return cls._from_layer(loaded["layer"], dtype, False, kwargs)
         return cls._from_file(path, dtype, "keras", None, prefix, kwargs)
 

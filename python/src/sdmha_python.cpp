@@ -36,7 +36,7 @@
 #define SDMHA_PYTHON_WITH_KERAS_FILES 1
 #endif
 #if SDMHA_PYTHON_WITH_KERAS_FILES
-#include <sdmha/io/keras_file.hpp>
+#include <sdmha/io/keras_isolated.hpp>
 #endif
 #endif
 #ifndef SDMHA_PYTHON_WITH_KERAS_FILES
@@ -908,14 +908,21 @@ py::dict load_layer(const std::string& path, const std::optional<Index>& num_hea
 }
 
 #if SDMHA_PYTHON_WITH_KERAS_FILES
+// Isolated: io::load_keras_layer_isolated, the reader in a forked child (a file that crashes or
+// hangs libhdf5 is an IoError, this interpreter untouched); else in this process, for trusted
+// files only (docs/bad_input.md, "Trust boundary").
 template <typename Scalar>
 py::dict load_keras_layer(const std::string& path, const std::string& layer_name,
-                          const std::optional<sdmha::MhaConfig>& config) {
+                          const std::optional<sdmha::MhaConfig>& config, bool isolated) {
   std::optional<sdmha::io::KerasLayer<Scalar>> file;
   {
     py::gil_scoped_release release;
-    file.emplace(config ? sdmha::io::load_keras_layer<Scalar>(path, layer_name, *config)
-                        : sdmha::io::load_keras_layer<Scalar>(path, layer_name));
+    if (isolated)
+      file.emplace(config ? sdmha::io::load_keras_layer_isolated<Scalar>(path, layer_name, *config)
+                          : sdmha::io::load_keras_layer_isolated<Scalar>(path, layer_name));
+    else
+      file.emplace(config ? sdmha::io::load_keras_layer<Scalar>(path, layer_name, *config)
+                          : sdmha::io::load_keras_layer<Scalar>(path, layer_name));
   }
   auto weights = std::make_shared<sdmha::MhaWeights<Scalar>>(std::move(file->weights));
   py::dict result;
@@ -923,6 +930,7 @@ py::dict load_keras_layer(const std::string& path, const std::string& layer_name
   result["name"] = file->name;
   result["group"] = file->group;
   result["keras_version"] = file->keras_version;
+  result["no_keras_version_reason"] = file->no_keras_version_reason;
   return result;
 }
 #endif
@@ -1104,7 +1112,7 @@ PYBIND11_MODULE(SDMHA_PYTHON_MODULE_NAME, m) {
       "load_keras_layer",
       [](const std::string& path, const std::string& dtype, const std::string& layer_name,
          const std::optional<Index>& num_heads, Index key_dim, Index value_dim, Index output_dim,
-         bool use_bias) -> py::dict {
+         bool use_bias, bool isolated) -> py::dict {
         std::optional<sdmha::MhaConfig> config;
         if (num_heads) {
           config.emplace();
@@ -1114,19 +1122,21 @@ PYBIND11_MODULE(SDMHA_PYTHON_MODULE_NAME, m) {
           config->output_dim = output_dim;
           config->use_bias = use_bias;
         }
-        if (dtype == "float32") return load_keras_layer<float>(path, layer_name, config);
-        if (dtype == "float64") return load_keras_layer<double>(path, layer_name, config);
+        if (dtype == "float32") return load_keras_layer<float>(path, layer_name, config, isolated);
+        if (dtype == "float64") return load_keras_layer<double>(path, layer_name, config, isolated);
         throw py::type_error("sdmha: load_keras_layer: dtype = '" + dtype +
                              "'; expected 'float32' or 'float64'");
       },
       py::arg("path"), py::arg("dtype") = "float32", py::arg("layer_name") = "",
       py::arg("num_heads") = py::none(), py::arg("key_dim") = 0, py::arg("value_dim") = 0,
-      py::arg("output_dim") = 0, py::arg("use_bias") = true,
-      "sdmha::io::load_keras_layer on a Keras 3 .keras file, its unzipped directory or a "
-      ".weights.h5 file: the MultiHeadAttention called layer_name (a Keras layer name, an HDF5 "
-      "group path, or '' for the file's only one). num_heads (with key_dim, value_dim, "
-      "output_dim, use_bias) gives the configuration a .weights.h5 lacks; otherwise it comes from "
-      "config.json or the shapes. -> {'layer', 'name', 'group', 'keras_version'}");
+      py::arg("output_dim") = 0, py::arg("use_bias") = true, py::arg("isolated") = true,
+      "sdmha::io::load_keras_layer_isolated (isolated=True: the reader in a child process) or "
+      "sdmha::io::load_keras_layer (isolated=False, trusted files only) on a Keras 3 .keras file, "
+      "its unzipped directory or a .weights.h5 file: the MultiHeadAttention called layer_name (a "
+      "Keras layer name, an HDF5 group path, or '' for the file's only one). num_heads (with "
+      "key_dim, value_dim, output_dim, use_bias) gives the configuration a .weights.h5 lacks; "
+      "otherwise it comes from config.json or the shapes. -> {'layer', 'name', 'group', "
+      "'keras_version', 'no_keras_version_reason'}");
 #endif
   m.def(
       "load_inputs",

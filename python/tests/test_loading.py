@@ -184,11 +184,14 @@ KERAS_FILES = SOURCE_DIR / "tests" / "data" / "keras"
     ("nested.keras", "attention", "nested_attention"),
     ("nested.keras", "outer_attention", "nested_outer_attention"),
 ])
-def test_from_keras_reads_keras_3_files(file, layer_name, expected):
+@pytest.mark.parametrize("isolated", [True, False])
+def test_from_keras_reads_keras_3_files(file, layer_name, expected, isolated):
     """Keras 3 .keras / .weights.h5 files (tests/data/keras, docs/keras_files.md) against the
-    float64 outputs stored beside them; the query is the dense one made sparse."""
+    float64 outputs stored beside them, read in a child process (the default) and in this one;
+    the query is the dense one made sparse."""
     module = SparseQueryMultiheadAttention.from_keras(KERAS_FILES / file, dtype=torch.float64,
-                                                      layer_name=layer_name, num_threads=1)
+                                                      layer_name=layer_name, num_threads=1,
+                                                      isolated=isolated)
     arrays = np.load(KERAS_FILES / f"{expected}.expected.npz")
     query = torch.from_numpy(arrays["query"]).to_sparse()
     output = module(query, torch.from_numpy(arrays["key"]), torch.from_numpy(arrays["value"]))
@@ -202,3 +205,35 @@ def test_load_keras_layer_names_the_layer_and_rejects_a_wrong_name():
     assert loaded["layer"].output_dim == 7
     with pytest.raises(sdmha.Error, match="no_such_layer"):
         sdmha.load_keras_layer(KERAS_FILES / "functional_bias.keras", "float64", "no_such_layer")
+
+
+@pytest.mark.skipif(not sdmha._sdmha.with_keras_files, reason="built without the Keras file reader")
+@pytest.mark.parametrize("file", ["functional_bias.keras", "functional_bias.weights.h5", "nested.keras"])
+def test_load_keras_layer_isolated_by_default_and_in_process_on_request_agree(file):
+    """The default (a child process reads the file) and isolated=False (this process) give the
+    same layer: names, version and the reason for a missing one, and bitwise the same weights."""
+    isolated = sdmha.load_keras_layer(KERAS_FILES / file, "float64", "attention")
+    direct = sdmha.load_keras_layer(KERAS_FILES / file, "float64", "attention", isolated=False)
+    for key in ("name", "group", "keras_version", "no_keras_version_reason"):
+        assert isolated[key] == direct[key], key
+    if file.endswith(".weights.h5"):
+        assert isolated["no_keras_version_reason"] == "a .weights.h5 file holds no metadata.json"
+    else:
+        assert isolated["keras_version"] != "" and isolated["no_keras_version_reason"] == ""
+    for name in isolated["layer"].weight_names:
+        a, b = isolated["layer"].weight(name), direct["layer"].weight(name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.skipif(not sdmha._sdmha.with_keras_files, reason="built without the Keras file reader")
+@pytest.mark.parametrize("file", ["address_all_ones_120.weights.h5", "address_all_ones_688.weights.h5"])
+def test_load_keras_layer_isolated_turns_a_libhdf5_crash_into_an_io_error(file):
+    """Files that crash libhdf5 in-process (tests/data/keras/damaged/README.md) end in an IoError
+    naming the file, and this interpreter goes on (isolated=False would take it down: not run)."""
+    path = KERAS_FILES / "damaged" / file
+    with pytest.raises(sdmha.IoError, match=file):
+        sdmha.load_keras_layer(path, "float64", "attention")
+    assert sdmha.load_keras_layer(KERAS_FILES / "functional_bias.keras", "float64",
+                                  "attention")["keras_version"] == "3.8.0"

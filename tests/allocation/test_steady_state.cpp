@@ -12,6 +12,7 @@
 #include "dense_mha.hpp"  // the bench's dense baseline (bench/), which the layers are compared with
 
 #include "internal_access.hpp"
+#include "same_bits.hpp"
 
 #include <limits>
 
@@ -164,23 +165,6 @@ TEST(SteadyState, DenseBaselineAllocatesNothingOnceWarm) {
   auto options = c.options;
   options.num_threads = 2;
   expect_no_allocation_after_warm_up(layer, query, c, options);
-}
-
-// Every gradient of `after` equals `before`'s, bit for bit.
-template <typename Scalar>
-bool same_gradients(const sdmha::MhaGradients<Scalar>& before,
-                    const sdmha::MhaGradients<Scalar>& after) {
-  auto same = [](const auto& a, const auto& b) {
-    return a.size() == b.size() && std::equal(a.data(), a.data() + a.size(), b.data());
-  };
-  return same(before.query_kernel, after.query_kernel) &&
-         same(before.key_kernel, after.key_kernel) &&
-         same(before.value_kernel, after.value_kernel) &&
-         same(before.output_kernel, after.output_kernel) &&
-         same(before.query_bias, after.query_bias) && same(before.key_bias, after.key_bias) &&
-         same(before.value_bias, after.value_bias) && same(before.output_bias, after.output_bias) &&
-         same(before.query_values, after.query_values) && same(before.key, after.key) &&
-         same(before.value, after.value);
 }
 
 TEST(SteadyState, BackwardAllocatesNothingOnceWarm) {

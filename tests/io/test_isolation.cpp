@@ -109,6 +109,16 @@ TEST(RunInChild, RefusesLimitsThatAreNotPositive) {
   EXPECT_THROW(isolated([] { return std::string(); }, limits), sdmha::ConfigError);
 }
 
+TEST(IsolationLimits, AReadersTimeGrowsWithItsFileUpToSeconds) {
+  IsolationLimits limits;  // 5 s, plus 30 s per GiB, at most 60 s
+  EXPECT_DOUBLE_EQ(sdmha::io::reader_seconds(limits, 0.0), 5.0);
+  EXPECT_DOUBLE_EQ(sdmha::io::reader_seconds(limits, 32564.0), 5.0);  // + 0.0009 s, in tenths
+  EXPECT_DOUBLE_EQ(sdmha::io::reader_seconds(limits, double(1 << 30)), 35.0);
+  EXPECT_DOUBLE_EQ(sdmha::io::reader_seconds(limits, 4.0 * double(1 << 30)), 60.0);
+  limits.small_file_seconds = 0.0;  // `seconds` alone
+  EXPECT_DOUBLE_EQ(sdmha::io::reader_seconds(limits, 0.0), 60.0);
+}
+
 #ifdef SDMHA_HAS_KERAS_IO
 
 std::string keras_file(const std::string& name) {
@@ -123,6 +133,7 @@ TEST(KerasIsolated, LoadsTheSameLayerAsTheInProcessReader) {
     EXPECT_EQ(isolated_layer.name, direct.name) << name;
     EXPECT_EQ(isolated_layer.group, direct.group) << name;
     EXPECT_EQ(isolated_layer.keras_version, direct.keras_version) << name;
+    EXPECT_EQ(isolated_layer.no_keras_version_reason, direct.no_keras_version_reason) << name;
     EXPECT_EQ(isolated_layer.config.num_heads, direct.config.num_heads) << name;
     EXPECT_EQ(isolated_layer.config.output_dim, direct.config.output_dim) << name;
     EXPECT_EQ(isolated_layer.config.use_bias, direct.config.use_bias) << name;
@@ -138,6 +149,11 @@ TEST(KerasIsolated, TheReadersErrorsArriveWithTheirType) {
                sdmha::FormatError);
   EXPECT_THROW(sdmha::io::load_keras_layer_isolated<float>(keras_file("no_such_file.keras"), ""),
                sdmha::IoError);
+  sdmha::io::KerasReadOptions strict;  // a .weights.h5 has no metadata.json
+  strict.require_keras_version = true;
+  EXPECT_THROW(sdmha::io::load_keras_layer_isolated<float>(keras_file("functional_bias.weights.h5"),
+                                                           "", strict),
+               sdmha::FormatError);
   sdmha::MhaConfig wrong;  // refused before any child is started
   EXPECT_THROW(
       sdmha::io::load_keras_layer_isolated<float>(keras_file("functional_bias.keras"), "", wrong),

@@ -64,10 +64,23 @@ class AllocationCounter {
   // through it (without the wrap nothing is counted and memory is reported as unavailable).
   static constexpr bool counts_malloc() { return SDMHA_BENCH_WRAP_MALLOC != 0; }
 
+  // Fault injection: the `n`th allocation from now (1: the next one) fails, malloc & co.
+  // returning null and operator new throwing std::bad_alloc, and none after it; 0 disarms. For
+  // one thread's allocations: with others allocating, which one fails is a race.
+  static void fail_allocation(std::int64_t n) {
+    countdown_.store(n < 0 ? 0 : n, std::memory_order_relaxed);
+  }
+  // Called by each allocation before it is made; true when it is the one to fail.
+  static bool injected_failure() {
+    if (countdown_.load(std::memory_order_relaxed) <= 0) return false;
+    return countdown_.fetch_sub(1, std::memory_order_relaxed) == 1;
+  }
+
  private:
   static inline std::atomic<std::int64_t> live_{0};
   static inline std::atomic<std::int64_t> peak_{0};
   static inline std::atomic<std::int64_t> count_{0};
+  static inline std::atomic<std::int64_t> countdown_{0};
 };
 
 // Runs `call` once and returns the peak heap bytes it had live at once beyond what was live
@@ -90,6 +103,7 @@ void* __real_realloc(void* block, std::size_t size);
 void* __real_aligned_alloc(std::size_t alignment, std::size_t size);
 
 void* __wrap_malloc(std::size_t size) {
+  if (sdmha_bench::AllocationCounter::injected_failure()) return nullptr;
   void* block = __real_malloc(size);
   if (block != nullptr) sdmha_bench::AllocationCounter::allocated(malloc_usable_size(block));
   return block;
@@ -102,12 +116,14 @@ void __wrap_free(void* block) {
 }
 
 void* __wrap_calloc(std::size_t count, std::size_t size) {
+  if (sdmha_bench::AllocationCounter::injected_failure()) return nullptr;
   void* block = __real_calloc(count, size);
   if (block != nullptr) sdmha_bench::AllocationCounter::allocated(malloc_usable_size(block));
   return block;
 }
 
 void* __wrap_aligned_alloc(std::size_t alignment, std::size_t size) {
+  if (sdmha_bench::AllocationCounter::injected_failure()) return nullptr;
   void* block = __real_aligned_alloc(alignment, size);
   if (block != nullptr) sdmha_bench::AllocationCounter::allocated(malloc_usable_size(block));
   return block;
@@ -115,6 +131,7 @@ void* __wrap_aligned_alloc(std::size_t alignment, std::size_t size) {
 
 // A moved block is counted as allocated before the old one is released, as it is in memory.
 void* __wrap_realloc(void* block, std::size_t size) {
+  if (size != 0 && sdmha_bench::AllocationCounter::injected_failure()) return nullptr;  // kept
   const std::size_t old_bytes = block == nullptr ? 0 : malloc_usable_size(block);
   void* moved = __real_realloc(block, size);
   if (moved == nullptr) {

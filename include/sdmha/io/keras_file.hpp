@@ -42,6 +42,8 @@
 // a zip or HDF5 file, truncated, a missing group or dataset, a shape or dtype that disagrees with
 // the configuration, a soft or external link, an option sdmha does not implement), naming the
 // file, the HDF5 path and what was expected; ConfigError for an invalid MhaConfig argument.
+// A missing or unusable metadata.json is no error: keras_version stays empty and
+// no_keras_version_reason says why (a FormatError under KerasReadOptions::require_keras_version).
 //
 // Dependencies: HDF5's C library (Debian: libhdf5-dev; pkg-config `hdf5`), libzip and
 // nlohmann/json (CMake: sdmha::io_keras). The HDF5 calls made here hold a process-wide mutex, and
@@ -186,6 +188,7 @@ io::KerasLayer<Scalar> read_layer(const KerasFile& file, const Location& locatio
   layer.name = location.name;
   layer.group = location.group;
   layer.keras_version = file.keras_version;
+  layer.no_keras_version_reason = file.no_keras_version_reason;
   layer.config.num_heads = w.heads;
   layer.config.key_dim = w.key_dim;
   layer.config.value_dim = w.value_dim;
@@ -213,6 +216,10 @@ io::KerasLayer<Scalar> load(const std::string& path, const std::string& layer_na
   if (config) config->validate();
   Hdf5Session session;
   const KerasFile file = open_keras_file(path);
+  if (options.require_keras_version && file.keras_version.empty())
+    fail<FormatError>(kWhere, "'", path, "': ", file.no_keras_version_reason,
+                      "; expected metadata.json with a keras_version string "
+                      "(KerasReadOptions::require_keras_version)");
   const Location location = locate(file, layer_name);
   Expected expected;
   if (location.entry) {

@@ -107,6 +107,7 @@ std::string encode(const io::KerasLayer<Scalar>& layer) {
   out.text(layer.name);
   out.text(layer.group);
   out.text(layer.keras_version);
+  out.text(layer.no_keras_version_reason);
   const MhaWeights<Scalar>& w = layer.weights;
   for (const RowMatrix<Scalar>* kernel :
        {&w.query_kernel, &w.key_kernel, &w.value_kernel, &w.output_kernel})
@@ -127,6 +128,7 @@ io::KerasLayer<Scalar> decode(const std::string& bytes, const std::string& path)
   layer.name = in.text();
   layer.group = in.text();
   layer.keras_version = in.text();
+  layer.no_keras_version_reason = in.text();
   MhaWeights<Scalar>& w = layer.weights;
   for (RowMatrix<Scalar>* kernel :
        {&w.query_kernel, &w.key_kernel, &w.value_kernel, &w.output_kernel})
@@ -139,6 +141,16 @@ io::KerasLayer<Scalar> decode(const std::string& bytes, const std::string& path)
   return layer;
 }
 
+// The bytes the reader of `path` reads: the file, or a directory's model.weights.h5 (0 when it
+// cannot tell: the reader then says why).
+inline std::uint64_t keras_file_bytes(const std::string& path) {
+  std::error_code error;
+  const bool directory = std::filesystem::is_directory(path, error);
+  const std::uintmax_t size =
+      std::filesystem::file_size(directory ? path + "/model.weights.h5" : path, error);
+  return error ? 0 : std::uint64_t(size);
+}
+
 template <typename Scalar>
 io::KerasLayer<Scalar> load_isolated(const std::string& path, const std::string& layer_name,
                                      const MhaConfig* config, const io::KerasReadOptions& options) {
@@ -147,7 +159,9 @@ io::KerasLayer<Scalar> load_isolated(const std::string& path, const std::string&
   if (config) config->validate();  // before the fork: a bad argument costs no child
   io::KerasReadOptions in_child = options;
   in_child.allow_non_finite_weights = true;  // checked here, on what arrives
-  const std::string reply = run_in_child("load_keras_layer_isolated", path, options.isolation, [&] {
+  io::IsolationLimits limits = options.isolation;
+  limits.seconds = io::reader_seconds(limits, double(keras_file_bytes(path)));
+  const std::string reply = run_in_child("load_keras_layer_isolated", path, limits, [&] {
     return encode(load<Scalar>(path, layer_name, config, in_child));
   });
   auto layer = decode<Scalar>(reply, path);

@@ -18,14 +18,18 @@ struct KerasLayer {
   LayerDims dims;              // every width, Eq, Ek and Ev included
   std::string name;            // the Keras layer name; empty when the file does not say
   std::string group;  // its HDF5 group, e.g. "layers/functional/layers/multi_head_attention_1"
-  std::string keras_version;  // from metadata.json; empty for a .weights.h5
+  std::string keras_version;            // from metadata.json; empty when unknown, and then
+  std::string no_keras_version_reason;  // says why (docs/keras_files.md, "metadata.json")
 };
 
 // How a Keras file is read. A NaN or ±Inf weight is a FormatError naming the tensor and its first
-// such entry unless allow_non_finite_weights; `isolation` bounds load_keras_layer_isolated's
-// child process.
+// such entry unless allow_non_finite_weights. A file without a usable metadata.json (a
+// .weights.h5 has none) loads with keras_version empty and the reason in no_keras_version_reason,
+// unless require_keras_version, which makes it a FormatError naming the file and the reason.
+// `isolation` bounds load_keras_layer_isolated's child process.
 struct KerasReadOptions {
   bool allow_non_finite_weights = false;
+  bool require_keras_version = false;
   IsolationLimits isolation;
 };
 

@@ -101,6 +101,10 @@ template <typename Produce>
     ::dup2(null, STDERR_FILENO);
     ::close(null);
   }
+  // A crash ends the child as a signal, which the caller reports; a handler the caller installed
+  // (Python's faulthandler, a crash reporter) would run in the child and write to descriptors of
+  // its own.
+  for (const int fatal : {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT}) ::signal(fatal, SIG_DFL);
   std::string reply;
   try {
     reply = char(ChildReply::result) + produce();

@@ -33,6 +33,7 @@ struct KerasFile {
   std::optional<json> config;
   std::string config_name;  // "<path>[config.json]" in messages
   std::string keras_version;
+  std::string no_keras_version_reason;  // why keras_version is empty; empty when it is known
 };
 
 // config.json, which must be a JSON object.
@@ -51,17 +52,50 @@ inline json parse_config(const std::vector<std::uint8_t>& bytes, const std::stri
   return value;
 }
 
-// The keras_version of metadata.json, or empty: the version is only reported, never checked.
-// Bytes that nest deeper than metadata ever does (Keras writes a flat object) count as no
-// version rather than reaching the recursive parse (detail/json.hpp).
-inline std::string keras_version_of(const std::vector<std::uint8_t>& bytes) {
+// metadata.json's keras_version, or why there is none. metadata.json describes the file (Keras
+// writes {"keras_version": ..., "date_saved": ...}) and holds nothing the layer needs, so a
+// missing or unusable one leaves the version unknown, with the reason in
+// no_keras_version_reason, rather than refusing weights that are otherwise whole;
+// KerasReadOptions::require_keras_version makes it a FormatError. Keras writes a flat object:
+// bytes that nest deeper than kMetadataNesting never reach the recursive parse (detail/json.hpp).
+struct KerasVersion {
+  std::string version;
+  std::string unknown_reason;
+};
+
+inline KerasVersion keras_version_of(const std::vector<std::uint8_t>& bytes) {
   constexpr int kMetadataNesting = 8;
-  if (excess_json_nesting(bytes.data(), bytes.size(), kMetadataNesting)) return std::string();
+  KerasVersion result;
+  if (const auto offset = excess_json_nesting(bytes.data(), bytes.size(), kMetadataNesting)) {
+    result.unknown_reason = "metadata.json nests JSON more than " +
+                            std::to_string(kMetadataNesting) + " levels deep at byte " +
+                            std::to_string(*offset) + "; expected Keras' flat object";
+    return result;
+  }
   const json metadata = json::parse(bytes.begin(), bytes.end(), nullptr, false);
-  if (metadata.is_object() && metadata.contains("keras_version") &&
-      metadata["keras_version"].is_string())
-    return metadata["keras_version"].get<std::string>();
-  return std::string();
+  const json* version = metadata.is_object() && metadata.contains("keras_version")
+                            ? &metadata["keras_version"]
+                            : nullptr;
+  if (metadata.is_discarded())
+    result.unknown_reason = "metadata.json is not valid JSON";
+  else if (!metadata.is_object())
+    result.unknown_reason =
+        std::string("metadata.json is a JSON ") + metadata.type_name() + "; expected an object";
+  else if (!version)
+    result.unknown_reason = "metadata.json has no 'keras_version'";
+  else if (!version->is_string() || version->get<std::string>().empty())
+    result.unknown_reason = "metadata.json's keras_version is " +
+                            (version->is_string() ? std::string("empty")
+                                                  : std::string("a JSON ") + version->type_name()) +
+                            "; expected a version string";
+  else
+    result.version = version->get<std::string>();
+  return result;
+}
+
+inline void set_keras_version(KerasFile& file, const KerasVersion& version) {
+  file.keras_version = version.version;
+  file.no_keras_version_reason = version.unknown_reason;
 }
 
 inline KerasFile open_keras_zip(const std::string& path, std::uint64_t size) {
@@ -80,7 +114,9 @@ inline KerasFile open_keras_zip(const std::string& path, std::uint64_t size) {
   file.config_name = path + "[config.json]";
   file.config = parse_config(archive.read(kWhere, *config, "config.json"), file.config_name);
   if (const auto metadata = archive.locate("metadata.json"))
-    file.keras_version = keras_version_of(archive.read(kWhere, *metadata, "metadata.json"));
+    set_keras_version(file, keras_version_of(archive.read(kWhere, *metadata, "metadata.json")));
+  else
+    file.no_keras_version_reason = "the archive has no member 'metadata.json'";
   file.h5 = open_hdf5_image(archive.read(kWhere, *weights, "model.weights.h5"),
                             path + "[model.weights.h5]");
   return file;
@@ -96,7 +132,9 @@ inline KerasFile open_keras_directory(const std::string& path) {
   const std::string metadata = path + "/metadata.json";
   std::error_code error;
   if (std::filesystem::is_regular_file(metadata, error))
-    file.keras_version = keras_version_of(read_file_bytes(kWhere, metadata));
+    set_keras_version(file, keras_version_of(read_file_bytes(kWhere, metadata)));
+  else
+    file.no_keras_version_reason = "the directory has no file 'metadata.json'";
   file.h5 = open_hdf5_file(weights, readable_file_size(kWhere, weights));
   return file;
 }
@@ -113,6 +151,7 @@ inline KerasFile open_keras_file(const std::string& path) {
     return open_keras_zip(path, size);
   if (size == 0) fail<FormatError>(kWhere, "'", path, "' is empty; expected a Keras file");
   KerasFile file;
+  file.no_keras_version_reason = "a .weights.h5 file holds no metadata.json";
   file.h5 = open_hdf5_file(path, size);
   return file;
 }
