@@ -522,6 +522,17 @@ class PyLayer {
     const sdmha::TensorRef3<Scalar> key_ref, value_ref;
   };
 
+  // Runs body(workspace) without the GIL, under the shared side of the calls' lock (weights and
+  // precision change under the exclusive side), on the call's workspace or one borrowed from the
+  // layer's cache for the call.
+  template <typename Body>
+  void run_released(const CallArguments<Scalar>& call, Body&& body) const {
+    py::gil_scoped_release release;
+    const std::shared_lock<std::shared_mutex> lock(calls_mutex_);
+    std::optional<typename sdmha::detail::WorkspaceCache<Scalar>::Borrowed> borrowed;
+    body(call.workspace ? *call.workspace : borrowed.emplace(workspaces_).workspace());
+  }
+
   py::tuple forward(const py::object& query_object, const InArray<Scalar>& key,
                     const py::object& value_object, const py::kwargs& kwargs) const {
     CallInputs in("Layer.forward", query_object, key, value_object, kwargs);
@@ -532,17 +543,12 @@ class PyLayer {
     recycled_.output->lend(result.output);
     const bool scores_wanted = call.options.return_attention_scores;
     if (scores_wanted) recycled_.scores->lend(result.attention_scores);
-    {
-      py::gil_scoped_release release;
-      const std::shared_lock<std::shared_mutex> lock(calls_mutex_);
-      std::optional<typename sdmha::detail::WorkspaceCache<Scalar>::Borrowed> borrowed;
-      sdmha::Workspace<Scalar>& workspace =
-          call.workspace ? *call.workspace : borrowed.emplace(workspaces_).workspace();
+    run_released(call, [&](sdmha::Workspace<Scalar>& workspace) {
       if (call.context)
         layer_.forward(query.query, *call.context, call.options, workspace, result);
       else
         layer_.forward(query.query, key_ref, value_ref, call.options, workspace, result);
-    }
+    });
     auto& out = result.output;
     const std::vector<py::ssize_t> output_shape{out.dimension(0), out.dimension(1),
                                                 out.dimension(2)};
@@ -577,18 +583,13 @@ class PyLayer {
     recycled_.query_values->lend(g.query_values);
     recycled_.key->lend(g.key);
     recycled_.value->lend(g.value);
-    {
-      py::gil_scoped_release release;
-      const std::shared_lock<std::shared_mutex> lock(calls_mutex_);
-      std::optional<typename sdmha::detail::WorkspaceCache<Scalar>::Borrowed> borrowed;
-      sdmha::Workspace<Scalar>& workspace =
-          call.workspace ? *call.workspace : borrowed.emplace(workspaces_).workspace();
+    run_released(call, [&](sdmha::Workspace<Scalar>& workspace) {
       if (call.context)
         layer_.backward(query.query, key_ref, value_ref, *call.context, d_output_ref, call.options,
                         workspace, g);
       else
         layer_.backward(query.query, key_ref, value_ref, d_output_ref, call.options, workspace, g);
-    }
+    });
     auto tensor = [](Recycler<Tensor3>& home, Tensor3& t) {
       const std::vector<py::ssize_t> shape{t.dimension(0), t.dimension(1), t.dimension(2)};
       return home.adopt(std::move(t), shape);
@@ -635,12 +636,9 @@ class PyLayer {
         if (contexts_.size() < 2) contexts_.push_back(context);
       }
     }
-    py::gil_scoped_release release;
-    const std::shared_lock<std::shared_mutex> lock(calls_mutex_);
-    std::optional<typename sdmha::detail::WorkspaceCache<Scalar>::Borrowed> borrowed;
-    sdmha::Workspace<Scalar>& workspace =
-        call.workspace ? *call.workspace : borrowed.emplace(workspaces_).workspace();
-    layer_.project_context(key_ref, value_ref, workspace, *context, num_threads);
+    run_released(call, [&](sdmha::Workspace<Scalar>& workspace) {
+      layer_.project_context(key_ref, value_ref, workspace, *context, num_threads);
+    });
     return context;
   }
 

@@ -217,9 +217,7 @@ TEST(BackwardGradientCheck, WideQueryKernelTakesTheFeatureOrder) {
 
 TYPED_TEST(BackwardTest, GradientsHaveTheWeightsShapesAndNoBiasWithoutBias) {
   for (bool use_bias : {true, false}) {
-    Shape s;
-    s.value_dim = 3;
-    s.output_dim = 5;
+    Shape s = Shape{}.with_heads(2, 4, 3, 5);
     s.use_bias = use_bias;
     s.duplicates = true;
     s.density = 0.4;
@@ -249,9 +247,7 @@ TYPED_TEST(BackwardTest, GradientsHaveTheWeightsShapesAndNoBiasWithoutBias) {
 }
 
 TYPED_TEST(BackwardTest, FullyBlockedRowsPassExactlyZeroGradient) {
-  Shape s;
-  s.batch = 3;
-  s.steps = 7;
+  Shape s = Shape{}.sized(3, 7, 7);
   s.fully_blocked_rows = true;
   s.random_mask = true;
   s.density = 0.3;
@@ -475,9 +471,7 @@ TYPED_TEST(BackwardTest, ReusingTheProjectedContextGivesTheSameGradients) {
 // One Workspace and one MhaGradients kept across calls of different shapes (growing, then
 // shrinking), both forms, masks and dropout: every call gives the bits of a fresh backward.
 TYPED_TEST(BackwardTest, AKeptWorkspaceAndGradientsGiveTheBitsOfAFreshCall) {
-  Shape small;
-  small.steps = 7;
-  small.key_steps = 5;
+  Shape small = Shape{}.sized(2, 7, 5);
   small.random_mask = true;
   Shape large = Shape{}.sized(3, 80, 70).with_heads(3, 9, 5).with_masks();
   large.random_mask = false;
@@ -819,9 +813,7 @@ SDMHA_SCALAR_TYPED_TEST_SUITE(QueryGradientStagesTest);
 TYPED_TEST(QueryGradientStagesTest, MatchDenseProducts) {
   using Scalar = TypeParam;
   using Projection = sdmha::SparseQueryProjection<Scalar>;
-  Shape s;
-  s.batch = 3;
-  s.steps = 9;
+  Shape s = Shape{}.sized(3, 9, 7);
   s.query_dim = 37;
   s.density = 0.15;
   s.empty_rows = true;

@@ -90,10 +90,7 @@ TYPED_TEST(LayerBehaviour, MatchesReferenceOnRandomShapes) {
 }
 
 TYPED_TEST(LayerBehaviour, OutputIsBitwiseTheSameForAnyThreadCount) {
-  Shape s;
-  s.batch = 3;
-  s.steps = 70;
-  s.key_steps = 20;
+  Shape s = Shape{}.sized(3, 70, 20);
   s.query_dim = 50;
   s.heads = 3;
   s.random_mask = true;
@@ -177,10 +174,7 @@ TYPED_TEST(LayerBehaviour, ExtremeLogitsStayFinite) {
 TYPED_TEST(LayerBehaviour, ZeroSizeBatchStepsAndKeysGiveEmptyOrBiasOutputs) {
   using Scalar = typename TypeParam::ScalarType;
   for (auto dims : std::vector<std::array<Index, 3>>{{0, 5, 7}, {2, 0, 7}, {2, 5, 0}}) {
-    Shape s;
-    s.batch = dims[0];
-    s.steps = dims[1];
-    s.key_steps = dims[2];
+    Shape s = Shape{}.sized(dims[0], dims[1], dims[2]);
     const auto c = make_case<Scalar>(s, 14);
     const auto expected = sdmha_reference::forward(c.problem);
     const typename TypeParam::Layer layer(c.config, c.weights);

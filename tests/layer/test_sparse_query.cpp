@@ -186,6 +186,18 @@ TYPED_TEST(SparseQueryTest, MovingTheQueryKeepsItsArrays) {
       all_near(naive_dense(moved.csr()).data(), c.problem.query, relative_tolerance<TypeParam>()));
 }
 
+// The case's query in both of its storage forms: from_coo's compressed CSR, and from_eigen over an
+// uncompressed Eigen matrix (room for 2 more entries a row).
+template <typename Scalar>
+std::vector<std::pair<const char*, Query<Scalar>>> both_forms(const Case<Scalar>& c) {
+  std::vector<std::pair<const char*, Query<Scalar>>> queries;
+  queries.emplace_back("from_coo, compressed", c.query());
+  queries.emplace_back(
+      "from_eigen, uncompressed",
+      Query<Scalar>::from_eigen(c.shape.batch, c.shape.steps, uncompressed_matrix(c, 2)));
+  return queries;
+}
+
 // A copy owns arrays of its own (for from_coo and from_eigen queries): same rows, other memory,
 // independent of the original's later life; a copy of a view_csr query views the same arrays.
 TYPED_TEST(SparseQueryTest, CopyingAnOwningQueryCopiesItsArrays) {
@@ -193,10 +205,7 @@ TYPED_TEST(SparseQueryTest, CopyingAnOwningQueryCopiesItsArrays) {
   Shape s = query_shape(2, 5, 9, 0.5);
   s.duplicates = true;
   const auto c = make_case<Scalar>(s, 212);
-  std::vector<std::pair<const char*, Query<Scalar>>> originals;
-  originals.emplace_back("from_coo", c.query());
-  originals.emplace_back("from_eigen uncompressed",
-                         Query<Scalar>::from_eigen(s.batch, s.steps, uncompressed_matrix(c, 2)));
+  auto originals = both_forms(c);
   for (auto& [name, original] : originals) {
     SCOPED_TRACE(name);
     const std::vector<double> expected = naive_dense(original.csr());
@@ -406,10 +415,7 @@ TYPED_TEST(SparseQueryTest, BatchRowsAndMiddleRowsViewTheRightRowsInPlace) {
   Shape s = query_shape(3, 5, 11, 0.4);
   s.empty_rows = true;
   const auto c = make_case<TypeParam>(s, 230);
-  std::vector<std::pair<const char*, Query<TypeParam>>> queries;
-  queries.emplace_back("compressed", c.query());
-  queries.emplace_back("uncompressed",
-                       Query<TypeParam>::from_eigen(s.batch, s.steps, uncompressed_matrix(c, 2)));
+  const auto queries = both_forms(c);
   std::mt19937_64 generator(231);
   for (const auto& [name, query] : queries) {
     SCOPED_TRACE(name);

@@ -256,9 +256,7 @@ TYPED_TEST(AttentionBiasTest, OnlineSoftmaxPathWithBiasAndMasks) {
   for (const BroadcastShape& bias_shape : broadcast_shapes())
     for (int causal = 0; causal < 3; ++causal)
       for (bool uniform : {false, true}) {
-        Shape shape;
-        shape.batch = 2, shape.heads = 2, shape.steps = 6;
-        shape.key_steps = sdmha::detail::kKeyTile + 89;
+        Shape shape = Shape{}.sized(2, 6, sdmha::detail::kKeyTile + 89);
         shape.query_dim = 12;
         auto c = make_case<Scalar>(shape, 5000 + seed);
         std::mt19937_64 generator(6000 + seed++);

@@ -4,6 +4,8 @@
 // −∞.
 #include "test_support.hpp"
 
+#include "stage_test.hpp"
+
 #include <cstring>
 
 namespace sdmha_test {
@@ -45,15 +47,6 @@ sdmha::BatchMask batch_mask(const Case<Scalar>& c, long b) {
   if (!c.options.key_mask.empty())
     mask.key_mask = c.options.key_mask.data() + b * c.shape.key_steps;
   return mask;
-}
-
-template <typename Scalar>
-sdmha::RowMatrix<Scalar> random_scores(Index rows, Index cols, std::uint64_t seed) {
-  std::mt19937_64 generator(seed);
-  std::uniform_real_distribution<double> distribution(-3.0, 3.0);
-  sdmha::RowMatrix<Scalar> scores(rows, cols);
-  for (Index i = 0; i < scores.size(); ++i) scores.data()[i] = Scalar(distribution(generator));
-  return scores;
 }
 
 bool same_bits(const void* a, const void* b, std::size_t bytes) {
@@ -125,7 +118,8 @@ TYPED_TEST(MaskTest, ApplyMaskBlocksExactlyTheDisallowedEntries) {
     SCOPED_TRACE(variant.name);
     const auto c = mask_case<TypeParam>(variant, seed++);
     for (long b = 0; b < c.shape.batch; ++b) {
-      const auto original = random_scores<TypeParam>(variant.steps, variant.key_steps, seed + b);
+      const auto original =
+          uniform_matrix<TypeParam>(variant.steps, variant.key_steps, 3.0, seed + b);
       sdmha::RowMatrix<TypeParam> scores = original;
       sdmha::apply_mask<TypeParam>(batch_mask(c, b), scores);
       for (long t = 0; t < variant.steps; ++t)
@@ -143,7 +137,7 @@ TYPED_TEST(MaskTest, ApplyMaskWorksOnABlockOfALargerMatrix) {
   constexpr TypeParam minus_infinity = -std::numeric_limits<TypeParam>::infinity();
   const MaskVariant variant{"all_combined", 5, 6, true, true, true};
   const auto c = mask_case<TypeParam>(variant, 320);
-  const auto original = random_scores<TypeParam>(9, 11, 321);
+  const auto original = uniform_matrix<TypeParam>(9, 11, 3.0, 321);
   sdmha::RowMatrix<TypeParam> big = original;
   const Index row0 = 2, col0 = 3;
   sdmha::apply_mask<TypeParam>(batch_mask(c, 1), big.block(row0, col0, 5, 6));
@@ -183,7 +177,7 @@ TYPED_TEST(MaskTest, TilesOfAMaskFollowTheReferenceAtTheirOffsets) {
           }
           if (!c.options.key_mask.empty())
             mask.key_mask = c.options.key_mask.data() + b * S + first_key_step;
-          const auto original = random_scores<TypeParam>(rows, cols, seed + b);
+          const auto original = uniform_matrix<TypeParam>(rows, cols, 3.0, seed + b);
           sdmha::RowMatrix<TypeParam> scores = original;
           sdmha::apply_mask<TypeParam>(mask, scores);
           for (long t = 0; t < rows; ++t)
@@ -200,7 +194,7 @@ TYPED_TEST(MaskTest, TilesOfAMaskFollowTheReferenceAtTheirOffsets) {
 }
 
 TYPED_TEST(MaskTest, AnEmptyMaskLeavesScoresUntouched) {
-  auto scores = random_scores<TypeParam>(4, 6, 330);
+  auto scores = uniform_matrix<TypeParam>(4, 6, 3.0, 330);
   scores(1, 2) = std::numeric_limits<TypeParam>::quiet_NaN();
   scores(3, 5) = std::numeric_limits<TypeParam>::infinity();
   scores(0, 0) = -std::numeric_limits<TypeParam>::infinity();

@@ -51,15 +51,6 @@ sdmha::RowMatrix<Scalar> random_probabilities(Index rows, Index cols, std::uint6
 }
 
 template <typename Scalar>
-sdmha::RowMatrix<Scalar> random_values(Index rows, Index cols, std::uint64_t seed) {
-  std::mt19937_64 generator(seed);
-  std::uniform_real_distribution<double> distribution(-2.0, 2.0);
-  sdmha::RowMatrix<Scalar> values(rows, cols);
-  for (Index i = 0; i < values.size(); ++i) values.data()[i] = Scalar(distribution(generator));
-  return values;
-}
-
-template <typename Scalar>
 sdmha::RowMatrix<Scalar> attend(const sdmha::RowMatrix<Scalar>& probabilities,
                                 const sdmha::RowMatrix<Scalar>& value,
                                 bool bfloat16_operands = false) {
@@ -78,7 +69,7 @@ TYPED_TEST(AttendValuesTest, MatchesANaiveLoop) {
     SCOPED_TRACE(::testing::Message()
                  << "T " << dims[0] << ", S " << dims[1] << ", Dv " << dims[2]);
     const auto probabilities = random_probabilities<TypeParam>(dims[0], dims[1], seed++, 1);
-    const auto value = random_values<TypeParam>(dims[1], dims[2], seed++);
+    const auto value = uniform_matrix<TypeParam>(dims[1], dims[2], 2.0, seed++);
     const auto output = attend(probabilities, value);
     EXPECT_TRUE(all_near(output.data(), naive_attend(probabilities, value),
                          relative_tolerance<TypeParam>()));
@@ -114,7 +105,7 @@ TYPED_TEST(AttendValuesTest, NonFiniteValueRowsWithZeroProbabilityDoNotReachTheO
   constexpr TypeParam infinity = std::numeric_limits<TypeParam>::infinity();
   const Index T = 6, S = 8, Dv = 5;
   auto probabilities = random_probabilities<TypeParam>(T, S, 920, 4);
-  auto value = random_values<TypeParam>(S, Dv, 921);
+  auto value = uniform_matrix<TypeParam>(S, Dv, 2.0, 921);
   // Key step 2 is blocked for every query, key step 5 for every query but query 0 (its weight
   // moves to key step 3); query 0 attends key steps 5 and 6 only, query 4 nothing.
   for (Index t = 0; t < T; ++t)
@@ -158,8 +149,8 @@ TEST(AttendValuesBFloat16, OutputIsTheRoundedOperandsProducts) {
     SCOPED_TRACE(::testing::Message()
                  << "T " << dims[0] << ", S " << dims[1] << ", Dv " << dims[2]);
     const auto probabilities = random_probabilities<float>(dims[0], dims[1], seed++, 1);
-    const auto value = random_values<float>(dims[1], dims[2], seed++);
-    const auto start = random_values<float>(dims[0], dims[2], seed++);
+    const auto value = uniform_matrix<float>(dims[1], dims[2], 2.0, seed++);
+    const auto start = uniform_matrix<float>(dims[0], dims[2], 2.0, seed++);
     const auto output = attend(probabilities, value, true);
     sdmha::RowMatrix<float> accumulated = start;
     typename Attend<float>::Arguments args{{}, probabilities, value, accumulated};
@@ -181,7 +172,7 @@ TEST(AttendValuesBFloat16, OutputIsTheRoundedOperandsProducts) {
       }
   }
   auto probabilities = random_probabilities<float>(4, 6, 960);
-  auto value = random_values<float>(6, 3, 961);
+  auto value = uniform_matrix<float>(6, 3, 2.0, 961);
   probabilities.col(2).setZero();
   value.row(2).setConstant(std::numeric_limits<float>::quiet_NaN());
   const auto skipped = attend(probabilities, value, true);
@@ -202,7 +193,7 @@ TEST(AttendValuesBFloat16, OutputIsTheRoundedOperandsProducts) {
   EXPECT_EQ(std::memcmp(beyond.data(), skipping.data(), sizeof(float) * std::size_t(beyond.size())),
             0);
   const auto p64 = random_probabilities<double>(2, 3, 962);
-  const auto v64 = random_values<double>(3, 2, 963);
+  const auto v64 = uniform_matrix<double>(3, 2, 2.0, 963);
   SDMHA_EXPECT_THROW_WITH(attend(p64, v64, true), sdmha::ConfigError,
                           "bfloat16_operands is set for a double stage");
 }
@@ -212,7 +203,7 @@ TYPED_TEST(AttendValuesTest, WritesOnlyItsHeadsColumnsOfALargerMatrix) {
   const auto probabilities = random_probabilities<TypeParam>(T, S, 930);
   for (const bool finite : {true, false}) {
     SCOPED_TRACE(finite ? "finite values" : "a non-finite value row");
-    auto value = random_values<TypeParam>(S, Dv, 931);
+    auto value = uniform_matrix<TypeParam>(S, Dv, 2.0, 931);
     if (!finite) {
       value.row(1).setConstant(std::numeric_limits<TypeParam>::quiet_NaN());
     }

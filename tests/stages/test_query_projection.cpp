@@ -137,9 +137,7 @@ TYPED_TEST(QueryProjectionTest, MatchesTheReferenceOnCallerCsrWithUnsortedDuplic
   dense[0 * 5 + 1] = 1;
   dense[2 * 5 + 4] = -0.75;
   dense[2 * 5 + 2] = 2;
-  Shape s;
-  s.batch = 1;
-  s.steps = 3;
+  Shape s = Shape{}.sized(1, 3, 7);
   s.query_dim = 5;
   const auto c = make_case<Scalar>(s, 420);  // for its weights
   const auto query = sdmha::SparseQuery<Scalar>::view_csr(1, 3, 5, offsets.data(), 4,
@@ -152,9 +150,7 @@ TYPED_TEST(QueryProjectionTest, MatchesTheReferenceOnCallerCsrWithUnsortedDuplic
 }
 
 TYPED_TEST(QueryProjectionTest, ProjectsRowSubViewsIntoABlockOfALargerOutput) {
-  Shape s;
-  s.batch = 3;
-  s.steps = 8;
+  Shape s = Shape{}.sized(3, 8, 7);
   s.empty_rows = true;
   const auto c = make_case<TypeParam>(s, 430);
   const auto query = c.query();

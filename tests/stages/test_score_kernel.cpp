@@ -235,12 +235,10 @@ TYPED_TEST(ScoreKernelTest, TheTwoFormsAgreeWithEachOther) {
 }
 
 TYPED_TEST(ScoreKernelTest, BlockedEntriesAreMinusInfinityEvenOverNonFiniteKeys) {
-  Shape s;
+  Shape s = Shape{}.sized(2, 6, 8);
   s.key_mask = true;
   s.random_mask = true;
   s.causal = true;
-  s.steps = 6;
-  s.key_steps = 8;
   ScoreProblem<TypeParam> problem(s, 730);
   // Poison the projected key at every padded step, for every head.
   Index poisoned = 0;
@@ -330,9 +328,7 @@ TYPED_TEST(ScoreKernelTest, TheScaleIsTheCallersArgument) {
 
 TYPED_TEST(ScoreKernelTest, ZeroStepsOrKeysGiveEmptyScores) {
   for (auto dims : std::vector<std::array<long, 2>>{{0, 7}, {5, 0}, {0, 0}}) {
-    Shape s;
-    s.steps = dims[0];
-    s.key_steps = dims[1];
+    Shape s = Shape{}.sized(2, dims[0], dims[1]);
     s.causal = true;
     const ScoreProblem<TypeParam> problem(s, 750);
     for (Index b = 0; b < s.batch; ++b) {

@@ -10,6 +10,17 @@
 
 namespace sdmha_test {
 
+// A rows × cols matrix of entries drawn uniformly from [-bound, bound) by a generator seeded
+// with `seed`.
+template <typename Scalar>
+sdmha::RowMatrix<Scalar> uniform_matrix(Index rows, Index cols, double bound, std::uint64_t seed) {
+  std::mt19937_64 generator(seed);
+  std::uniform_real_distribution<double> distribution(-bound, bound);
+  sdmha::RowMatrix<Scalar> matrix(rows, cols);
+  for (Index i = 0; i < matrix.size(); ++i) matrix.data()[i] = Scalar(distribution(generator));
+  return matrix;
+}
+
 template <typename Scalar>
 using EigenSparse = typename sdmha::SparseQuery<Scalar>::SparseMatrixType;
 
