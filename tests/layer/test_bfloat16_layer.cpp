@@ -300,7 +300,7 @@ TEST(BFloat16GemmChoice, OffIsTheQueryKernelLayerBitForBit) {
 TEST(BFloat16GemmChoice, AutomaticFollowsThisCpu) {
   const auto c = make_case<float>(Shape{}, 461);
   const bool expected = sdmha::detail::bfloat16_gemms_pay(
-      sdmha::detail::cpu_features(), sdmha::detail::avx512_bf16_kernels_active());
+      sdmha::detail::cpu_features(), sdmha::active_kernels().avx512_bfloat16_gemm);
   for (const char* value : {"auto", ""}) {
     const ScopedBFloat16Gemms automatic(value);
     Layer layer(c.config, c.weights);

@@ -27,6 +27,7 @@
 #include "sdmha/detail/parallel.hpp"
 #include "sdmha/detail/softmax_exp.hpp"
 #include "sdmha/errors.hpp"
+#include "sdmha/kernels.hpp"
 #include "sdmha/mask.hpp"
 #include "sdmha/options.hpp"
 #include "sdmha/projected_context.hpp"
@@ -162,9 +163,10 @@ class AttentionCore {
   // context or output projection stage that takes no kernel_bfloat16, is a ConfigError whatever
   // the CPU, as is an SDMHA_BFLOAT16_GEMMS other than auto, on or off.
   void set_dense_kernel_precision(const char* where, Precision precision) {
-    const bool bfloat16_gemms = precision == Precision::bfloat16 &&
-                                use_bfloat16_gemms(bfloat16_gemms_from_environment(where),
-                                                   cpu_features(), avx512_bf16_kernels_active());
+    const bool bfloat16_gemms =
+        precision == Precision::bfloat16 &&
+        use_bfloat16_gemms(bfloat16_gemms_from_environment(where), cpu_features(),
+                           active_kernels().avx512_bfloat16_gemm);
     if (precision == Precision::float32) {
       dense_bfloat16_.reset();
       return;

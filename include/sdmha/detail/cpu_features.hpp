@@ -20,7 +20,6 @@
 #endif
 
 #include "sdmha/errors.hpp"
-#include "sdmha/kernels.hpp"
 
 namespace sdmha::detail {
 
@@ -76,13 +75,14 @@ inline BFloat16Gemms bfloat16_gemms_from_environment(const char* where) {
 // Whether bfloat16 dot products pay for the GEMM stages. They halve the kernels' memory traffic
 // everywhere; what decides is their multiply-add rate against float32 FMA:
 //  - AMD Zen 4 and 5 (AVX512_BF16): one vdpbf16ps does 32 multiply-adds at the FMA's issue rate,
-//    twice float32's, and the bfloat16 mode runs 1.1-1.6x faster than float32 end to end;
+//    twice float32's;
 //  - Intel's AVX512_BF16 (Cooper Lake, Sapphire Rapids and later cores): the 512-bit vdpbf16ps
 //    retires at half the FMA's rate, the same multiply-adds a cycle as float32 plus the rounding
-//    of the operands, and the mode ran 1.6-1.7x slower than float32 where every GEMM took it;
-//    AMX, Intel's bfloat16 engine, has no kernel here yet, so these GEMMs stay float32;
-//  - no AVX512_BF16 at run time, in the build or allowed by SDMHA_KERNELS (`compiled` false):
-//    the portable loop, far slower than the float32 engine.
+//    of the operands, so float32 wins; AMX, Intel's bfloat16 engine, has no kernel here yet, so
+//    these GEMMs stay float32;
+//  - no AVX512_BF16 kernels running (`compiled` false: not in the CPU, not in the build, or
+//    switched off by SDMHA_KERNELS=portable, sdmha/kernels.hpp's active_kernels()): the portable
+//    loop, far slower than the float32 engine.
 // Wq's bfloat16 copy (the sparse query projection, bound by its memory traffic) is used in every
 // case: it is the query projection's choice, not this one.
 inline bool bfloat16_gemms_pay(const CpuFeatures& cpu, bool compiled) {
@@ -93,9 +93,5 @@ inline bool use_bfloat16_gemms(BFloat16Gemms choice, const CpuFeatures& cpu, boo
   if (choice == BFloat16Gemms::automatic) return bfloat16_gemms_pay(cpu, compiled);
   return choice == BFloat16Gemms::on;
 }
-
-// Whether this process runs the AVX512_BF16 kernels of gemm_bfloat16.hpp: compiled in and not
-// switched off by SDMHA_KERNELS=portable (sdmha/kernels.hpp).
-inline bool avx512_bf16_kernels_active() { return active_kernels().avx512_bfloat16_gemm; }
 
 }  // namespace sdmha::detail
