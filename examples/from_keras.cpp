@@ -1,4 +1,4 @@
-// from_keras.cpp — load a MultiHeadAttention layer exported from Keras (tools/sdmha_export.py)
+// from_keras.cpp — load a MultiHeadAttention layer exported from Keras (tools/cli/sdmha_export.py)
 // and its inputs from a safetensors file, run it, and compare with the output Keras' math gave.
 //
 //   from_keras [layer.safetensors]   (default: data/keras_layer.safetensors, shipped beside it)

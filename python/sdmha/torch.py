@@ -767,7 +767,7 @@ class SparseQueryMultiheadAttention(nn.Module):
         ``model.save_weights``' .weights.h5, read by sdmha::io::load_keras_layer; layer_name picks
         the layer (a Keras layer name or an HDF5 group path; "" for the file's only one) — or from
         safetensors / .npz in the names query/kernel (Eq, H, Dk) ... attention_output/bias (O),
-        optionally under a layer `prefix` (tools/sdmha_export.py's export_keras writes them),
+        optionally under a layer `prefix` (tools/cli/sdmha_export.py's export_keras writes them),
         read by sdmha::io::load_layer. A Keras file is read in a child process (libhdf5 cannot be
         hardened against hostile files); isolated=False reads it in this one, for trusted files."""
         text = os.fspath(path)
@@ -781,7 +781,7 @@ class SparseQueryMultiheadAttention(nn.Module):
     def from_torch(cls, source, num_heads=None, dtype=None, **kwargs):
         """A module with the weights of a torch.nn.MultiheadAttention: the instance itself, or its
         weights saved in safetensors or .npz (in_proj_weight or q/k/v_proj_weight, in_proj_bias,
-        out_proj.weight, out_proj.bias; tools/sdmha_export.py's export_torch writes them; num_heads
+        out_proj.weight, out_proj.bias; tools/cli/sdmha_export.py's export_torch writes them; num_heads
         is needed when the file's metadata lacks it). The result equals the torch module on the
         densified query (batch_first, attn_mask polarity inverted). dtype: the instance's (float32
         or float64) by default, float32 for a file; an instance's dropout is taken unless given."""

@@ -25,8 +25,9 @@ torch.set_num_threads(1)
 
 
 def load_export_tools():
-    """tools/sdmha_export.py (numpy only): safetensors/npz writers and the Keras/torch exporters."""
-    spec = importlib.util.spec_from_file_location("sdmha_export", SOURCE_DIR / "tools" / "sdmha_export.py")
+    """tools/cli/sdmha_export.py (numpy only): safetensors/npz writers and the Keras/torch exporters."""
+    spec = importlib.util.spec_from_file_location("sdmha_export",
+                                                  SOURCE_DIR / "tools" / "cli" / "sdmha_export.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

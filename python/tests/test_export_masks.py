@@ -1,4 +1,4 @@
-"""tools/sdmha_export.py on PyTorch's masks: a float attn_mask becomes an additive attention_bias
+"""tools/cli/sdmha_export.py on PyTorch's masks: a float attn_mask becomes an additive attention_bias
 (-inf, -1e9 and finfo.min kept as values), a bool one an inverted attention_mask, (N*H, L, S) is
 read as (N, H, L, S), key_padding_mask is ANDed; the inputs file carries both tensors; the result,
 fed to sdmha, equals torch.nn.MultiheadAttention with the original masks."""

@@ -2,7 +2,7 @@
 // (.weights.h5, .keras) laid out as Keras' saving code lays them out, run end to end through
 // SparseDenseMHA against float64 outputs computed with Keras' math; layers found by name, by group
 // path and inside nested models; and every malformed input answered by a typed error, never a
-// crash. The fixtures in tests/data/keras/ come from tools/make_keras_test_files.py; the corrupt
+// crash. The fixtures in tests/data/keras/ come from tools/testdata/make_keras_test_files.py; the corrupt
 // variants are made here.
 #include "test_support.hpp"
 
@@ -147,7 +147,7 @@ MhaConfig config_of(Index heads, Index key_dim, Index value_dim, Index output_di
 }
 
 // The layer's forward on the fixture's inputs (the dense query given as the COO of all its
-// entries) against the float64 output that tools/make_keras_test_files.py computed.
+// entries) against the float64 output that tools/testdata/make_keras_test_files.py computed.
 template <typename Scalar>
 void expect_forward(const sdmha::io::KerasLayer<Scalar>& keras, const std::string& expected_npz,
                     double tolerance) {

@@ -1,7 +1,7 @@
 // Tests for sdmha/io/npy.hpp: reading numpy-written fixtures of every supported descr, format
 // versions 1.0 to 3.0 and Fortran order; writing files byte-identical to numpy.save; every
 // malformed header and size the parser must reject; and .npz archives, stored and deflated,
-// intact and corrupted. The fixtures come from tools/make_npy_test_data.py.
+// intact and corrupted. The fixtures come from tools/testdata/make_npy_test_data.py.
 #include <gtest/gtest.h>
 #include <zip.h>
 

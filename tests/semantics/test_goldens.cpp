@@ -140,7 +140,7 @@ TEST(Goldens, FloatAgreesWithDoubleOnEveryCase) {
 }
 
 // ---- gradients: every gradient of the Keras-layout cases against PyTorch's autograd ----
-// tests/data/gradient_goldens/<case>.safetensors (tools/make_gradient_goldens.py) holds a
+// tests/data/gradient_goldens/<case>.safetensors (tools/testdata/make_gradient_goldens.py) holds a
 // d_output and the gradients of Σ d_output ⊙ output, in float64 from the case's numbers; its
 // forward was checked against the case's expected output first. The torch-layout case is not
 // among them (the weight mapping is the forward goldens' to check).

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The sdmha-run tests (CTest label `tool`, registered in tools/CMakeLists.txt): one CASE per call.
+# The sdmha-run tests (CTest label `tool`, registered in the CMakeLists.txt beside it), one CASE
+# per call.
 #
 #   test_sdmha_run.sh CASE WORKDIR SDMHA_RUN COMPARE EDIT GOLDENS_DIR
 #
@@ -31,7 +32,7 @@ fail() {
 }
 
 golden() { echo "$GOLDENS/$1.safetensors"; }
-# The cases of tests/data/semantics/ (tools/make_semantics_goldens.py), next to the goldens.
+# The cases of tests/data/semantics/ (tools/testdata/make_semantics_goldens.py), next to the goldens.
 semantics() { echo "$GOLDENS/../semantics/$1.safetensors"; }
 keras() { echo "$GOLDENS/../keras/$1"; }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Runs the code blocks of README.md, docs/*.md and tools/README.md as tests (stdlib only).
+"""Runs the code blocks of README.md, docs/*.md and tools/cli/README.md as tests (stdlib only).
 
-    python3 tools/check_docs.py [--build build] [--jobs 2] [--keep] [FILE.md ...]
+    python3 tools/dev/check_docs.py [--build build] [--jobs 2] [--keep] [FILE.md ...]
 
 Run from anywhere; it needs the build folder of the README's test command (build/: sdmha-run,
 the examples) and, for the Python blocks, the package built there (build/python, after
@@ -12,8 +12,9 @@ comment `<!-- check: ... -->` on the line just before its fence (a blank line ma
                            `<!-- check: prints -->` right after it is its expected output, exactly
   ```cpp otherwise         must be marked `fragment of WHAT; harness NAME`: compiled inside the
                            harness NAME below (-fsyntax-only), or `excerpt of PATH`
-  ```python                run (PYTHONPATH = build/python and tools/); a fragment names a prelude,
-                           `fragment of WHAT; prelude NAME`, run before it in the same process
+  ```python                run (PYTHONPATH = build/python and tools/cli/); a fragment names a
+                           prelude, `fragment of WHAT; prelude NAME`, run before it in the same
+                           process
   ```sh                    run with bash -e (60 s at most); one file's blocks run in order in one
                            scratch folder, so a later block sees an earlier one's files
   any block                `not run: REASON` (said in the report), `excerpt of PATH` (its lines
@@ -42,8 +43,8 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-PAGES = ["README.md", "docs/*.md", "tools/README.md"]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PAGES = ["README.md", "docs/*.md", "tools/cli/README.md"]
 # The pages' sh blocks are those that take under a minute; the limit leaves room for a loaded
 # machine (a g++ line of the README takes 50 s at a load of 9 on 2 cores).
 SHELL_TIMEOUT = 120
@@ -357,7 +358,8 @@ def run_block(block, folder, build, report):
     # virtualenv python3 first on PATH usually lacks Debian's torch).
     environment["PATH"] = str(folder.parent / "bin") + os.pathsep + environment.get("PATH", "")
     if block.language == "python":
-        paths = [str(build / "python"), str(ROOT / "tools"), environment.get("PYTHONPATH", "")]
+        paths = [str(build / "python"), str(ROOT / "tools" / "cli"),
+                 environment.get("PYTHONPATH", "")]
         environment["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     started = time.time()
     try:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compare an sdmha-run output file with a reference and report the largest errors.
 
-    python3 tools/sdmha_compare.py RESULT REFERENCE [--tolerance T] [--scores]
+    python3 tools/cli/sdmha_compare.py RESULT REFERENCE [--tolerance T] [--scores]
 
 RESULT is the safetensors file sdmha-run wrote (tensor `output`, and `attention_scores` with
 --scores). REFERENCE is one of

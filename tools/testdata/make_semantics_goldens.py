@@ -11,9 +11,9 @@ layouts.
 The expected tensors come from the float64 reference below, written from the math alone with
 numpy (it imports nothing of sdmha): from exactly the numbers stored in the file (float32 cases:
 from the float32 values, computed in float64, stored as float32). Only the safetensors writer of
-tools/sdmha_export.py is used.
+tools/cli/sdmha_export.py is used.
 
-    /usr/bin/python3 tools/make_semantics_goldens.py [OUTPUT_DIR]
+    /usr/bin/python3 tools/testdata/make_semantics_goldens.py [OUTPUT_DIR]
 
 The output is a function of the seeds below: rerunning it rewrites identical files.
 """
@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cli"))
 from sdmha_export import write_safetensors  # noqa: E402  (numpy-only safetensors writer)
 
 # (B', H') of every broadcast shape a mask or a bias may have, with its stored rank.
@@ -222,7 +222,7 @@ def cases():
 
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "..", "tests", "data",
+    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "..", "..", "tests", "data",
                                                              "semantics")
     os.makedirs(out, exist_ok=True)
     for name, tensors, metadata in cases():

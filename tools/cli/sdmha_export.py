@@ -15,14 +15,14 @@ Tensor names are those of tests/data/goldens/README.md:
                                                     num_heads=H))
 
 then `sdmha-run --weights weights.safetensors --inputs inputs.safetensors --out out.safetensors`
-and `python3 tools/sdmha_compare.py out.safetensors reference.npy` (see tools/README.md).
+and `python3 tools/cli/sdmha_compare.py out.safetensors reference.npy` (see tools/cli/README.md).
 
 Only numpy is needed to import this module; Keras, TensorFlow, PyTorch and SciPy are touched only
 through the objects you pass in. The safetensors writer and reader here are numpy-only (no
 `safetensors` package): an 8-byte little-endian header length, a JSON header padded with spaces
 to a multiple of 8 bytes, then the data, laid out largest element first as sdmha's own writer does.
 
-`python3 tools/sdmha_export.py --self-check [--sdmha-run PATH]` checks the numpy-only parts, and
+`python3 tools/cli/sdmha_export.py --self-check [--sdmha-run PATH]` checks the numpy-only parts, and
 with sdmha-run, runs a random layer through it against a numpy reference of the math.
 """
 
@@ -913,7 +913,7 @@ def _self_check(sdmha_run=None):
         # 4. The exporters' names and metadata, on stand-ins that carry a golden case's weights the
         # way a Keras layer and a torch module hold them (Keras and PyTorch are not needed).
         goldens = os.path.join(
-            os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "goldens"
+            os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "data", "goldens"
         )
         if sdmha_run is None or not os.path.isdir(goldens):
             print(

@@ -3,7 +3,7 @@
 
 Usage (needs numpy; on Debian, python3-numpy):
 
-    python3 tools/make_npy_test_data.py
+    python3 tools/testdata/make_npy_test_data.py
 
 Every array is fixed and numpy.savez stamps members with a fixed date, so every file comes out
 byte for byte the same for a given numpy version (checked with numpy 1.24). The tests compare
@@ -27,7 +27,7 @@ import pathlib
 
 import numpy as np
 
-OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data" / "npy"
+OUT = pathlib.Path(__file__).resolve().parents[2] / "tests" / "data" / "npy"
 
 
 def main():

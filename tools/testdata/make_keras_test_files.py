@@ -3,7 +3,7 @@
 
 Usage (needs numpy and h5py; on Debian, python3-numpy and python3-h5py):
 
-    /usr/bin/python3 tools/make_keras_test_files.py
+    /usr/bin/python3 tools/testdata/make_keras_test_files.py
 
 (`/usr/bin/python3`: Debian's h5py is installed for Debian's Python, not for another one on PATH.)
 
@@ -70,7 +70,7 @@ import zipfile
 import h5py
 import numpy as np
 
-OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data" / "keras"
+OUT = pathlib.Path(__file__).resolve().parents[2] / "tests" / "data" / "keras"
 
 EQ, EK, EV = 5, 4, 6  # query, key and value feature widths
 BATCH, STEPS, KEY_STEPS = 2, 3, 4

@@ -6,12 +6,12 @@
 # from a copy outside the source tree against it: with the kernels chosen for this CPU, then
 # with SDMHA_KERNELS=portable (the extension that runs on any x86-64 CPU).
 #
-#   tools/check_wheel.sh                          a fresh CMake build in build-python/
-#   SDMHA_CMAKE_BUILD_DIR=build tools/check_wheel.sh   reuse a configured build tree (CI: nothing
+#   tools/dev/check_wheel.sh                          a fresh CMake build in build-python/
+#   SDMHA_CMAKE_BUILD_DIR=build tools/dev/check_wheel.sh   reuse a configured build tree (CI: nothing
 #                                                      is compiled again)
 # PYTHON picks the interpreter (default /usr/bin/python3, Debian's, which has torch).
 set -euo pipefail
-source_dir=$(cd "$(dirname "$0")/.." && pwd)
+source_dir=$(cd "$(dirname "$0")/../.." && pwd)
 python=${PYTHON:-/usr/bin/python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -3,7 +3,7 @@
 # clang-format 14); with --fix, formats them in place. Exits non-zero and lists the files
 # that differ otherwise.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 command -v clang-format >/dev/null || tools/bootstrap.sh clang-format
 mapfile -t files < <(git ls-files '*.hpp' '*.cpp' '*.h' | grep -v '^tests/lint/')
 if [ "${1:-}" = "--fix" ]; then
@@ -15,8 +15,8 @@ for file in "${files[@]}"; do
   if ! clang-format --dry-run --Werror "$file" >/dev/null 2>&1; then unformatted+=("$file"); fi
 done
 if [ ${#unformatted[@]} -ne 0 ]; then
-  printf 'tools/check_format.sh: not formatted by .clang-format (run tools/check_format.sh --fix):\n' >&2
+  printf '%s: not formatted by .clang-format (run %s --fix):\n' "$0" "$0" >&2
   printf '  %s\n' "${unformatted[@]}" >&2
   exit 1
 fi
-echo "tools/check_format.sh: ${#files[@]} files formatted"
+echo "tools/dev/check_format.sh: ${#files[@]} files formatted"

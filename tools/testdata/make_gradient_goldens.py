@@ -2,7 +2,7 @@
 """Regenerates tests/data/gradient_goldens/: every gradient of the Keras-layout golden cases of
 tests/data/goldens/, computed by PyTorch's autograd in float64, for a fixed d_output.
 
-    /usr/bin/python3 tools/make_gradient_goldens.py     # Debian's python3-torch and python3-numpy
+    /usr/bin/python3 tools/testdata/make_gradient_goldens.py     # Debian's python3-torch and python3-numpy
 
 For each case the layer is written again in PyTorch with Keras 3's math (the golden README's
 formulas; a fully blocked query row gets zero probabilities), its output is checked against the
@@ -22,10 +22,10 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cli"))
 from sdmha_export import read_safetensors, write_safetensors  # noqa: E402
 
-REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
+REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
 SOURCE = REPOSITORY / "tests" / "data" / "goldens"
 TARGET = REPOSITORY / "tests" / "data" / "gradient_goldens"
 D_OUTPUT_SEED = 20261201
