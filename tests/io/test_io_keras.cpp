@@ -2,8 +2,8 @@
 // (.weights.h5, .keras) laid out as Keras' saving code lays them out, run end to end through
 // SparseDenseMHA against float64 outputs computed with Keras' math; layers found by name, by group
 // path and inside nested models; and every malformed input answered by a typed error, never a
-// crash. The fixtures in tests/data/keras/ come from tools/testdata/make_keras_test_files.py; the corrupt
-// variants are made here.
+// crash. The fixtures in tests/data/keras/ come from tools/testdata/make_keras_test_files.py; the
+// corrupt variants are made here.
 #include "test_support.hpp"
 
 #include <hdf5.h>

@@ -15,7 +15,7 @@ for file in "${files[@]}"; do
   if ! clang-format --dry-run --Werror "$file" >/dev/null 2>&1; then unformatted+=("$file"); fi
 done
 if [ ${#unformatted[@]} -ne 0 ]; then
-  printf '%s: not formatted by .clang-format (run %s --fix):\n' "$0" "$0" >&2
+  printf 'tools/dev/check_format.sh: not formatted by .clang-format (run it with --fix):\n' >&2
   printf '  %s\n' "${unformatted[@]}" >&2
   exit 1
 fi
