@@ -11,6 +11,7 @@
 #include <memory>
 #include <utility>
 
+#include "sdmha/context.hpp"
 #include "sdmha/detail/attention_core.hpp"
 #include "sdmha/stages/attend_values.hpp"
 #include "sdmha/stages/context_projection.hpp"
@@ -39,22 +40,21 @@ class DenseMHA : public DenseLayerCore<Scalar> {
   DenseMHA(const MhaConfig& layer_config, std::shared_ptr<MhaWeights<Scalar>> layer_weights)
       : Core(layer_config, std::move(layer_weights)) {}
 
-  // query (B, T, Eq) dense; key (B, S, Ek); value (B, S, Ev) → output (B, T, O). Thread-safe
-  // (a DropoutGenerator in the options is not: it belongs to one caller).
-  // options.score_strategy is ignored: a dense query has only the project-first form.
-  AttentionResult<Scalar> forward(const TensorRef3<Scalar>& query, const TensorRef3<Scalar>& key,
-                                  const TensorRef3<Scalar>& value,
+  // query (B, T, Eq) dense, attending to `context` (sdmha/context.hpp, as SparseDenseMHA's) →
+  // output (B, T, O). Thread-safe (a DropoutGenerator in the options is not: it belongs to one
+  // caller). options.score_strategy is ignored: a dense query has only the project-first form.
+  AttentionResult<Scalar> forward(const TensorRef3<Scalar>& query, const Context<Scalar>& context,
                                   const AttentionOptions<Scalar>& options = {}) const {
     const auto borrowed = this->borrow_workspace();
     AttentionResult<Scalar> result;
-    forward(query, key, value, options, borrowed.workspace(), result);
+    forward(query, context, options, borrowed.workspace(), result);
     return result;
   }
 
   // The same into `result`, working in `workspace` (see SparseDenseMHA).
-  void forward(const TensorRef3<Scalar>& query, const TensorRef3<Scalar>& key,
-               const TensorRef3<Scalar>& value, const AttentionOptions<Scalar>& options,
-               Workspace<Scalar>& workspace, AttentionResult<Scalar>& result) const {
+  void forward(const TensorRef3<Scalar>& query, const Context<Scalar>& context,
+               const AttentionOptions<Scalar>& options, Workspace<Scalar>& workspace,
+               AttentionResult<Scalar>& result) const {
     constexpr const char* where = "DenseMHA::forward";
     const LayerDims shape = this->dims();
     const Index B = query.dimension(0), T = query.dimension(1);
@@ -64,11 +64,11 @@ class DenseMHA : public DenseLayerCore<Scalar> {
     if (query.data() == nullptr && B * T * shape.query_dim > 0)
       detail::fail<ShapeError>(where, "query has no data; expected ", B, " x ", T, " x ",
                                shape.query_dim, " values");
-    detail::check_context<Scalar>(where, shape, B, key, value);
+    detail::check_context<Scalar>(where, shape, B, context, false);
     // The lease first: planning draws the call's dropout seed, which a refused call must not use.
     const typename Workspace<Scalar>::Lease lease(workspace, where);
     auto& buffers = lease.buffers();
-    const Index S = value.dimension(1);
+    const Index S = context.key_steps();
     detail::check_options(where, shape, B, T, S, options);
     auto plan = detail::start_plan(shape, B, T, S, options, detail::Pass::forward);
     TileSizes block;
@@ -77,7 +77,7 @@ class DenseMHA : public DenseLayerCore<Scalar> {
     block.output_width = shape.projected_key_width();
     detail::finish_plan(core(), plan, detail::stage_workspace_size<QueryProjection>(block));
     QuerySource source{*this, plan, query, buffers.projected_query};
-    detail::run_forward(core(), plan, source, key, value, options, buffers, result);
+    detail::run_forward(core(), plan, source, context, options, buffers, result);
   }
 
  private:

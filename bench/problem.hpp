@@ -478,7 +478,7 @@ inline void Problem::build_references() {
   sdmha::AttentionOptions<float> options;
   options.num_threads = 1;
   const Tensor3 layer_output =
-      dense_layer.forward(dense_query_tensor(dense_query), key, value, options).output;
+      dense_layer.forward(dense_query_tensor(dense_query), {key, value}, options).output;
   const std::string disagreement =
       compare("DenseMHA::forward vs the bench's stage chain", as_matrix(layer_output), output);
   if (!disagreement.empty()) throw std::runtime_error(disagreement);

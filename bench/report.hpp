@@ -155,7 +155,7 @@ inline void print_summary(std::ostream& out, const std::vector<ConfigResult>& re
   }
   out << "\nsparse = SparseDenseMHA::forward (project_first) with a Workspace and result kept "
          "between\n"
-         "calls; plain = the plain forward(query, key, value, options): a new result per call, "
+         "calls; plain = the plain forward(query, {key, value}, options): a new result per call, "
          "the\n"
          "layer's own cached workspace; regroup = the same as sparse with sparse_regrouped\n"
          "scores (\"-\": not timed where it costs more FLOPs than the dense layer); bf16 = the\n"

@@ -62,12 +62,12 @@ inline void add_forward_cases(std::vector<Case>& cases, Problem& p, int threads)
       p.forward_result = sdmha::AttentionResult<float>();
     };
   };
-  cases.push_back({"forward", "sparse", f.sparse_total(), csr, 0, 0, fresh(p.sparse_workspace),
-                   [&p, o = options(sdmha::ScoreStrategy::project_first)] {
-                     p.sparse_layer.forward(p.query, p.key, p.value, o, p.sparse_workspace,
-                                            p.forward_result);
-                   },
-                   check_forward});
+  cases.push_back(
+      {"forward", "sparse", f.sparse_total(), csr, 0, 0, fresh(p.sparse_workspace),
+       [&p, o = options(sdmha::ScoreStrategy::project_first)] {
+         p.sparse_layer.forward(p.query, {p.key, p.value}, o, p.sparse_workspace, p.forward_result);
+       },
+       check_forward});
   // The call most users make: no Workspace given, a new result each call.
   // Its workspace is the layer's own cache, emptied before the checked call.
   cases.push_back({"forward", "sparse_plain", f.sparse_total(), csr, 0, 0,
@@ -76,21 +76,21 @@ inline void add_forward_cases(std::vector<Case>& cases, Problem& p, int threads)
                      p.forward_result = sdmha::AttentionResult<float>();
                    },
                    [&p, o = options(sdmha::ScoreStrategy::project_first)] {
-                     p.forward_result = p.sparse_layer.forward(p.query, p.key, p.value, o);
+                     p.forward_result = p.sparse_layer.forward(p.query, {p.key, p.value}, o);
                    },
                    check_forward});
   if (regrouped_is_timed(p.shape, p.density))
     cases.push_back({"forward", "sparse_regrouped", f.sparse_total(), csr, 0, 0,
                      fresh(p.regrouped_workspace),
                      [&p, o = options(sdmha::ScoreStrategy::sparse_regrouped)] {
-                       p.sparse_layer.forward(p.query, p.key, p.value, o, p.regrouped_workspace,
+                       p.sparse_layer.forward(p.query, {p.key, p.value}, o, p.regrouped_workspace,
                                               p.forward_result);
                      },
                      check_forward});
   cases.push_back({"forward", "sparse_bf16", f.sparse_total(), csr, 0, 0,
                    fresh(p.bfloat16_workspace),
                    [&p, o = options(sdmha::ScoreStrategy::project_first)] {
-                     p.bfloat16_layer.forward(p.query, p.key, p.value, o, p.bfloat16_workspace,
+                     p.bfloat16_layer.forward(p.query, {p.key, p.value}, o, p.bfloat16_workspace,
                                               p.forward_result);
                    },
                    [&p] {
@@ -100,7 +100,7 @@ inline void add_forward_cases(std::vector<Case>& cases, Problem& p, int threads)
   cases.push_back({"forward", "dense", f.dense_total(), dense, 0, 0, fresh(p.dense_workspace),
                    [&p, o = options(sdmha::ScoreStrategy::project_first)] {
                      const Matrix densified = p.query.to_dense();
-                     p.dense_layer.forward(p.dense_query_tensor(densified), p.key, p.value, o,
+                     p.dense_layer.forward(p.dense_query_tensor(densified), {p.key, p.value}, o,
                                            p.dense_workspace, p.forward_result);
                    },
                    check_forward});
@@ -126,7 +126,7 @@ inline void add_backward_cases(std::vector<Case>& cases, Problem& p, int threads
   };
   cases.push_back({"backward", "sparse", 0, csr, 0, 0, fresh_backward,
                    [&p, o] {
-                     p.sparse_layer.backward(p.query, p.key, p.value, p.d_output, o,
+                     p.sparse_layer.backward(p.query, {p.key, p.value}, p.d_output, o,
                                              p.backward_workspace, p.gradients);
                    },
                    check_backward});
@@ -138,7 +138,7 @@ inline void add_backward_cases(std::vector<Case>& cases, Problem& p, int threads
                      fresh_backward();
                    },
                    [&p, o] {
-                     p.sparse_layer.backward(p.query, p.key, p.value, p.saved_context, p.d_output,
+                     p.sparse_layer.backward(p.query, {p.key, p.value, p.saved_context}, p.d_output,
                                              o, p.backward_workspace, p.gradients);
                    },
                    check_backward});
@@ -417,14 +417,14 @@ inline MemoryResult measure_memory(const WorkloadShape& shape, double density, i
     sdmha::AttentionResult<float> sparse, dense;
     auto sparse_call = [&] {
       sdmha::Workspace<float> workspace;
-      sparse_layer.forward(query, key, value, options, workspace, sparse);
+      sparse_layer.forward(query, {key, value}, options, workspace, sparse);
     };
     auto dense_call = [&] {
       sdmha::Workspace<float> workspace;
       const Matrix densified = query.to_dense();
       dense_layer.forward(
           sdmha::TensorRef3<float>(densified.data(), shape.batch, shape.steps, shape.query_dim),
-          key, value, options, workspace, dense);
+          {key, value}, options, workspace, dense);
     };
     result.sparse_ms = milliseconds_of([&] { result.sparse_peak = peak_heap_bytes(sparse_call); });
     result.dense_ms = milliseconds_of([&] { result.dense_peak = peak_heap_bytes(dense_call); });

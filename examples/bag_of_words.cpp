@@ -54,14 +54,14 @@ int main() {
     return std::chrono::duration<double, std::milli>(d).count();
   };
   const auto sparse_start = Clock::now();
-  const auto sparse = layer.forward(query, context, context, options);  // key = value
+  const auto sparse = layer.forward(query, {context, context}, options);  // key = value
   const double sparse_ms = milliseconds(Clock::now() - sparse_start);
 
   const auto dense_start = Clock::now();
   const sdmha::RowMatrix<float> dense = query.to_dense();
   Eigen::TensorMap<const Eigen::Tensor<const float, 3, Eigen::RowMajor>> dense_query(
       dense.data(), batch, steps, vocabulary);
-  const auto reference = baseline.forward(dense_query, context, context, options);
+  const auto reference = baseline.forward(dense_query, {context, context}, options);
   const double dense_ms = milliseconds(Clock::now() - dense_start);
 
   const double csr_bytes = double(query.nonzeros()) * (sizeof(float) + sizeof(int)) +

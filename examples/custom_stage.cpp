@@ -323,11 +323,11 @@ bool matches_standard_layer(const Problem& p) {
   for (const auto strategy : kStrategies) {
     const auto in = inputs_of<float>(p, strategy);
     const bool forward_same =
-        same_bits(custom.forward(in.query, in.key, in.value, in.options).output,
-                  standard.forward(in.query, in.key, in.value, in.options).output);
+        same_bits(custom.forward(in.query, {in.key, in.value}, in.options).output,
+                  standard.forward(in.query, {in.key, in.value}, in.options).output);
     const bool backward_same =
-        same_gradients(custom.backward(in.query, in.key, in.value, d_output, in.options),
-                       standard.backward(in.query, in.key, in.value, d_output, in.options));
+        same_gradients(custom.backward(in.query, {in.key, in.value}, d_output, in.options),
+                       standard.backward(in.query, {in.key, in.value}, d_output, in.options));
     std::printf("slope 0, temperature 1, %-16s: forward %s, backward %s the standard layer's\n",
                 name(strategy), forward_same ? "bitwise" : "NOT",
                 backward_same ? "bitwise" : "NOT");
@@ -344,7 +344,7 @@ bool matches_reference(const Problem& p, const Settings& settings) {
   bool ok = true;
   for (const auto strategy : kStrategies) {
     const auto in = inputs_of<float>(p, strategy);
-    const auto output = custom.forward(in.query, in.key, in.value, in.options).output;
+    const auto output = custom.forward(in.query, {in.key, in.value}, in.options).output;
     double worst = 0.0;
     for (std::size_t i = 0; i < expected.size(); ++i)
       worst = std::max(
@@ -368,11 +368,11 @@ bool matches_central_difference(const Problem& p, const Settings& settings) {
     configure(custom, settings);
     const auto in = inputs_of<double>(p, strategy);
     const auto d_output = loss_weights<double>(p);
-    const auto gradients = custom.backward(in.query, in.key, in.value, d_output, in.options);
+    const auto gradients = custom.backward(in.query, {in.key, in.value}, d_output, in.options);
     Index row = 0, column = 0;
     gradients.query_kernel.cwiseAbs().maxCoeff(&row, &column);
     auto loss = [&] {
-      const auto output = custom.forward(in.query, in.key, in.value, in.options).output;
+      const auto output = custom.forward(in.query, {in.key, in.value}, in.options).output;
       const Eigen::Tensor<double, 0, Eigen::RowMajor> sum = (output * d_output).sum();
       return sum();
     };
@@ -414,13 +414,13 @@ bool trains(const Problem& p, const Settings& settings) {
   const float rate = 0.3f, rows = float(p.B * p.T);
   double first = 0.0, last = 0.0;
   for (int step = 0; step < 30; ++step) {
-    custom.forward(in.query, in.key, in.value, in.options, workspace, result);
+    custom.forward(in.query, {in.key, in.value}, in.options, workspace, result);
     const Eigen::Tensor<float, 0, Eigen::RowMajor> loss =
         (result.output - target).square().sum() / rows;
     (step == 0 ? first : last) = double(loss());
     const Eigen::Tensor<float, 3, Eigen::RowMajor> d_output =
         (result.output - target) * (2.0f / rows);
-    custom.backward(in.query, in.key, in.value, d_output, in.options, workspace, g);
+    custom.backward(in.query, {in.key, in.value}, d_output, in.options, workspace, g);
     weights->query_kernel -= rate * g.query_kernel;
     weights->query_bias -= rate * g.query_bias;
     weights->key_kernel -= rate * g.key_kernel;

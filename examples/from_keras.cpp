@@ -25,7 +25,7 @@ int main(int argc, char** argv) {
     auto options = layer_file.attention_options();
     options.attention_mask = inputs.attention_mask;
     options.attention_bias = inputs.attention_bias;
-    const auto result = layer.forward(inputs.query, inputs.key, inputs.value, options);
+    const auto result = layer.forward(inputs.query, {inputs.key, inputs.value}, options);
 
     std::printf("layer: %ld heads, key_dim %ld, query (%ld, %ld, %ld) with %ld stored values\n",
                 long(layer_file.config.num_heads), long(layer_file.config.key_dim),

@@ -43,17 +43,17 @@ int main() {
   sdmha::AttentionOptions<float>
       options;  // attention_mask, use_causal_mask, return_attention_scores, num_threads
   options.use_causal_mask = true;
-  sdmha::AttentionResult<float> result = layer.forward(query, key, value, options);
+  sdmha::AttentionResult<float> result = layer.forward(query, {key, value}, options);
   // result.output: Eigen::Tensor<float, 3, RowMajor> (B, T, O)
   // result.attention_scores: Eigen::Tensor<float, 4, RowMajor> (B, H, T, S), empty unless asked for
 
   // The dense baseline on the same weights, shared with the layer (no copy):
-  // forward(dense_query (B, T, Eq), key, value, options).
+  // forward(dense_query (B, T, Eq), {key, value}, options).
   sdmha::DenseMHA<float> baseline(config, layer.shared_weights());
   const sdmha::RowMatrix<float> dense = query.to_dense();
   Eigen::TensorMap<const Eigen::Tensor<const float, 3, Eigen::RowMajor>> dense_query(
       dense.data(), batch, steps, features);
-  const auto reference = baseline.forward(dense_query, key, value, options);
+  const auto reference = baseline.forward(dense_query, {key, value}, options);
 
   const Eigen::Tensor<float, 0, Eigen::RowMajor> difference =
       (result.output - reference.output).abs().maximum();
@@ -73,9 +73,9 @@ int main() {
   };
   const Eigen::Tensor<float, 3, Eigen::RowMajor> d_output = result.output;
   const double loss_before = loss(result.output);
-  sdmha::MhaGradients<float> g = layer.backward(query, key, value, d_output, options);
+  sdmha::MhaGradients<float> g = layer.backward(query, {key, value}, d_output, options);
   layer.weights().query_kernel -= 0.01f * g.query_kernel;  // in place: the next call sees it
-  const double loss_after = loss(layer.forward(query, key, value, options).output);
+  const double loss_after = loss(layer.forward(query, {key, value}, options).output);
   // To first order the step lowers the loss by 0.01·‖dWq‖².
   const double predicted = 0.01 * g.query_kernel.cast<double>().squaredNorm();
   const double lowered = loss_before - loss_after;

@@ -164,7 +164,7 @@ int main() {
     Tensor3 d_logits;
     Index correct = 0;
     running_loss += cross_entropy(forward_result.output, batch.answers, correct, &d_logits);
-    layer.backward(batch.query, batch.key, batch.value, context, d_logits, options, workspace,
+    layer.backward(batch.query, {batch.key, batch.value, context}, d_logits, options, workspace,
                    gradients);
     // In place, through the shared handle: the next forward sees the new weights.
     ++adam.step;
@@ -185,7 +185,7 @@ int main() {
   // Held-out examples, never trained on.
   std::mt19937_64 held_out_generator(99);
   const Batch test = make_batch(1000, held_out_generator);
-  const auto logits = layer.forward(test.query, test.key, test.value, options).output;
+  const auto logits = layer.forward(test.query, {test.key, test.value}, options).output;
   Index correct = 0;
   const double test_loss = cross_entropy(logits, test.answers, correct, nullptr);
   const double accuracy = double(correct) / double(test.answers.size());

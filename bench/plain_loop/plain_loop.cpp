@@ -1,4 +1,4 @@
-// bench/plain_loop/plain_loop.cpp — the plain forward(query, key, value, options) called back to
+// bench/plain_loop/plain_loop.cpp — the plain forward(query, {key, value}, options) called back to
 // back, the way a server calls the layer: one workload of bench/workloads.hpp (its inputs and
 // weights), one untimed call, then `calls` timed ones; prints their median, least and most.
 //
@@ -58,11 +58,11 @@ int main(int argc, char** argv) {
   sdmha::AttentionOptions<float> options;
   options.num_threads = threads;
 
-  layer.forward(query, key, value, options);  // untimed: the layer's workspace and threads
+  layer.forward(query, {key, value}, options);  // untimed: the layer's workspace and threads
   std::vector<double> milliseconds;
   for (int call = 0; call < calls; ++call) {
     const auto start = std::chrono::steady_clock::now();
-    const auto result = layer.forward(query, key, value, options);
+    const auto result = layer.forward(query, {key, value}, options);
     const auto stop = std::chrono::steady_clock::now();
     milliseconds.push_back(std::chrono::duration<double, std::milli>(stop - start).count());
   }

@@ -80,9 +80,9 @@ class StepRunner {
   // backward to every weight given ∂loss/∂output (it recomputes what it needs of the forward).
   void run(Step step) {
     const StepProblem& p = problem_;
-    p.layer.forward(p.query, p.key, p.value, options_, workspace_, result_);
+    p.layer.forward(p.query, {p.key, p.value}, options_, workspace_, result_);
     if (step == Step::training)
-      p.layer.backward(p.query, p.key, p.value, p.d_output, options_, workspace_, gradients_);
+      p.layer.backward(p.query, {p.key, p.value}, p.d_output, options_, workspace_, gradients_);
   }
 
  private:

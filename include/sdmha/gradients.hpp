@@ -24,6 +24,7 @@ struct MhaGradients {
   // in the order from_coo received them (entries summed as duplicates each get their
   // coordinate's gradient); otherwise one per stored value in CSR order. Only the stored
   // positions have a gradient: the query's pattern is not a parameter.
+  // Empty where AttentionOptions::input_gradients leaves it out, as key and value below.
   Vector<Scalar> query_values;
   Eigen::Tensor<Scalar, 3, Eigen::RowMajor> key;    // (B, S, Ek)
   Eigen::Tensor<Scalar, 3, Eigen::RowMajor> value;  // (B, S, Ev)

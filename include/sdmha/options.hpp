@@ -105,6 +105,16 @@ class DropoutGenerator {
   std::uint64_t last_ = 0;
 };
 
+// The inputs whose gradients backward returns (the weights' it always returns): one left out
+// comes back empty in MhaGradients and its work is skipped. ∂loss/∂key and ∂loss/∂value cost
+// what the K and V projections cost (B·S·E·H·D multiply-adds each): leave them out where key and
+// value are data, not parameters, as in most training.
+struct InputGradients {
+  bool query_values = true;
+  bool key = true;
+  bool value = true;
+};
+
 template <typename Scalar>
 struct AttentionOptions {
   // true = query step t may attend to key step s (Keras' polarity), as a view of (T, S),
@@ -120,6 +130,8 @@ struct AttentionOptions {
   // backward also returns ∂loss/∂attention_bias (MhaGradients::attention_bias), in the bias's
   // own shape: summed over the batch entries and heads it is broadcast to, in a fixed order.
   bool compute_bias_gradient = false;
+  // The inputs whose gradients backward returns (InputGradients; all by default).
+  InputGradients input_gradients;
   // Keras' use_causal_mask: step t may attend to key steps s <= t (T and S may differ), or
   // s <= t + S − T with causal_alignment = bottom_right.
   bool use_causal_mask = false;

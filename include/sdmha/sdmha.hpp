@@ -10,6 +10,7 @@
 #include "sdmha/options.hpp"        // AttentionOptions, DropoutGenerator, Precision, ScoreStrategy
 #include "sdmha/attention_result.hpp"   // AttentionResult: what forward returns
 #include "sdmha/projected_context.hpp"  // ProjectedContext: K and V projected once, reused
+#include "sdmha/context.hpp"  // Context: what forward and backward attend to: {key, value}, projected, or both
 #include "sdmha/workspace.hpp"  // Workspace: per-worker memory and threads kept across calls
 #include "sdmha/mask.hpp"       // BatchMask and the −∞ convention for blocked scores
 #include "sdmha/stage.hpp"      // TilePosition, TileSizes, StageScratch: what every stage is given

@@ -24,6 +24,7 @@
 #include <utility>
 
 #include "sdmha/attention_result.hpp"
+#include "sdmha/context.hpp"
 #include "sdmha/detail/attention_core.hpp"
 #include "sdmha/gradients.hpp"
 #include "sdmha/sparse_query.hpp"
@@ -139,35 +140,11 @@ class SparseDenseMHA
   // where they pay (or as SDMHA_BFLOAT16_GEMMS forced them when the precision was set).
   bool bfloat16_gemms() const { return this->dense_kernels_bfloat16(); }
 
-  // query (B, T, Eq) sparse; key (B, S, Ek); value (B, S, Ev) → output (B, T, O). Thread-safe
-  // (a DropoutGenerator in the options is not: it belongs to one caller).
-  AttentionResult<Scalar> forward(const Query& query, const TensorRef3<Scalar>& key,
-                                  const TensorRef3<Scalar>& value,
-                                  const AttentionOptions<Scalar>& options = {}) const {
-    const auto borrowed = this->borrow_workspace();
-    AttentionResult<Scalar> result;
-    forward(query, key, value, options, borrowed.workspace(), result);
-    return result;
-  }
-
-  // The same into `result`, working in `workspace` (sdmha/workspace.hpp): called again with the
-  // same shapes, it allocates nothing and starts no threads. Thread-safe for distinct workspaces.
-  void forward(const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
-               const AttentionOptions<Scalar>& options, Workspace<Scalar>& workspace,
-               AttentionResult<Scalar>& result) const {
-    constexpr const char* where = "SparseDenseMHA::forward";
-    const LayerDims shape = checked_query(where, query);
-    detail::check_context<Scalar>(where, shape, query.batch(), key, value);
-    const typename Workspace<Scalar>::Lease lease(workspace, where);
-    auto& buffers = lease.buffers();
-    const auto plan =
-        plan_call(where, shape, query, value.dimension(1), options, detail::Pass::forward, buffers);
-    QuerySource source{*this, plan, query, buffers.projected_query};
-    detail::run_forward(core(), plan, source, key, value, options, buffers, result);
-  }
-
-  // The same against keys and values projected once by project_context(key, value).
-  AttentionResult<Scalar> forward(const Query& query, const ProjectedContext<Scalar>& context,
+  // query (B, T, Eq) sparse, attending to `context` (sdmha/context.hpp): {key, value} with key
+  // (B, S, Ek) and value (B, S, Ev), or keys and values projected once by project_context, or
+  // both → output (B, T, O). Thread-safe (a DropoutGenerator in the options is not: it belongs
+  // to one caller).
+  AttentionResult<Scalar> forward(const Query& query, const Context<Scalar>& context,
                                   const AttentionOptions<Scalar>& options = {}) const {
     const auto borrowed = this->borrow_workspace();
     AttentionResult<Scalar> result;
@@ -175,44 +152,36 @@ class SparseDenseMHA
     return result;
   }
 
-  void forward(const Query& query, const ProjectedContext<Scalar>& context,
+  // The same into `result`, working in `workspace` (sdmha/workspace.hpp): called again with the
+  // same shapes, it allocates nothing and starts no threads. Thread-safe for distinct workspaces.
+  void forward(const Query& query, const Context<Scalar>& context,
                const AttentionOptions<Scalar>& options, Workspace<Scalar>& workspace,
                AttentionResult<Scalar>& result) const {
     constexpr const char* where = "SparseDenseMHA::forward";
     const LayerDims shape = checked_query(where, query);
-    detail::check_context<Scalar>(where, shape, query.batch(), context);
+    detail::check_context<Scalar>(where, shape, query.batch(), context, false);
     const typename Workspace<Scalar>::Lease lease(workspace, where);
     auto& buffers = lease.buffers();
-    const auto plan =
-        plan_call(where, shape, query, context.key_steps, options, detail::Pass::forward, buffers);
+    const auto plan = plan_call(where, shape, query, context.key_steps(), options,
+                                detail::Pass::forward, buffers);
     QuerySource source{*this, plan, query, buffers.projected_query};
     detail::run_forward(core(), plan, source, context, options, buffers, result);
   }
 
-  // Gradients of a loss through forward(query, key, value, options), given d_output =
+  // Gradients of a loss through forward(query, context, options), given d_output =
   // ∂loss/∂output (B, T, O): every weight, the query's stored values, key and value
-  // (sdmha/detail/backward_pass.hpp). Same masks, dropout and threads as the forward; bitwise the
-  // same for any thread count. Every stage must bring its backward (a readable static_assert
-  // otherwise).
-  MhaGradients<Scalar> backward(const Query& query, const TensorRef3<Scalar>& key,
-                                const TensorRef3<Scalar>& value, const TensorRef3<Scalar>& d_output,
+  // (sdmha/detail/backward_pass.hpp). The context must hold the key and value ({key, value}, or
+  // {key, value, projected} to reuse the forward's K and V). Same masks, dropout and threads as
+  // the forward; bitwise the same for any thread count. Every stage must bring its backward (a
+  // readable static_assert otherwise).
+  MhaGradients<Scalar> backward(const Query& query, const Context<Scalar>& context,
+                                const TensorRef3<Scalar>& d_output,
                                 const AttentionOptions<Scalar>& options = {}) const;
   // The same into `gradients`, working in `workspace`: a training loop that keeps both allocates
   // nothing and starts no threads after its first step.
-  void backward(const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
+  void backward(const Query& query, const Context<Scalar>& context,
                 const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options,
                 Workspace<Scalar>& workspace, MhaGradients<Scalar>& gradients) const;
-  // Both forms reusing the keys and values of project_context(key, value), the context the
-  // forward ran against (key and value are still needed: dWk = keyᵀ·dK, dWv = valueᵀ·dV).
-  MhaGradients<Scalar> backward(const Query& query, const TensorRef3<Scalar>& key,
-                                const TensorRef3<Scalar>& value,
-                                const ProjectedContext<Scalar>& context,
-                                const TensorRef3<Scalar>& d_output,
-                                const AttentionOptions<Scalar>& options = {}) const;
-  void backward(const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
-                const ProjectedContext<Scalar>& context, const TensorRef3<Scalar>& d_output,
-                const AttentionOptions<Scalar>& options, Workspace<Scalar>& workspace,
-                MhaGradients<Scalar>& gradients) const;
 
   // The score strategy that `requested` resolves to for this query and S key steps (see
   // detail::regrouped_is_cheaper for the cost model).

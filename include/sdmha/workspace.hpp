@@ -9,11 +9,12 @@
 //
 //   sdmha::Workspace<float> workspace;            // one per calling thread
 //   sdmha::AttentionResult<float> result;         // reused too: its tensors keep their memory
-//   for (auto& batch : batches) layer.forward(batch.query, key, value, options, workspace, result);
+//   for (auto& batch : batches) layer.forward(batch.query, {key, value}, options, workspace,
+//   result);
 //
 // backward takes a workspace the same way, with an MhaGradients to fill:
 //
-//   layer.backward(query, key, value, context, d_output, options, workspace, gradients);
+//   layer.backward(query, {key, value, context}, d_output, options, workspace, gradients);
 //
 // One workspace serves one call at a time: using it from two threads at once throws ConfigError
 // (give each calling thread its own). Buffers grow to the largest shapes seen and are freed with

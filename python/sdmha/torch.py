@@ -220,6 +220,10 @@ class _SparseQueryAttention(torch.autograd.Function):
         options = ctx.options
         if "attention_bias" in options:
             options = dict(options, compute_bias_gradient=bool(needs[7]))
+        # Only the gradients autograd asks for: ∂key and ∂value cost as much as K and V did. (With
+        # value = key both are asked for and autograd adds them.)
+        wanted = tuple(name for name, index in (("query_values", 4), ("key", 5), ("value", 6)) if needs[index])
+        options = dict(options, input_gradients=wanted)
         grads = binding.layer.backward(ctx.query, key_array, value_array, d_output,
                                        workspace=binding.workspace, context=ctx.context, **options)
 

@@ -293,6 +293,28 @@ inline sdmha::CausalAlignment alignment_from(const std::string& name) {
                            "'; expected 'top_left' or 'bottom_right'");
 }
 
+// input_gradients=("query_values", "key", "value") or any part of it: the inputs whose
+// gradients backward returns.
+inline sdmha::InputGradients input_gradients_from(const char* where, const py::handle& names) {
+  if (py::isinstance<py::str>(names))
+    fail<sdmha::ConfigError>(where, "input_gradients is the string '", names.cast<std::string>(),
+                             "'; expected a tuple of names, such as ('key', 'value')");
+  sdmha::InputGradients wanted{false, false, false};
+  for (const py::handle item : names) {
+    const std::string name = item.cast<std::string>();
+    if (name == "query_values")
+      wanted.query_values = true;
+    else if (name == "key")
+      wanted.key = true;
+    else if (name == "value")
+      wanted.value = true;
+    else
+      fail<sdmha::ConfigError>(where, "input_gradients names '", name,
+                               "'; expected 'query_values', 'key' or 'value'");
+  }
+  return wanted;
+}
+
 inline sdmha::FullyMaskedRows fully_masked_from(const std::string& name) {
   if (name == "zeros") return sdmha::FullyMaskedRows::zeros;
   if (name == "uniform") return sdmha::FullyMaskedRows::uniform;
@@ -345,6 +367,8 @@ CallArguments<Scalar> call_arguments(const char* where, const py::dict& kwargs) 
         options.attention_bias = broadcast_view<Scalar>(where, "attention_bias", bias);
       } else if (key == "compute_bias_gradient") {
         options.compute_bias_gradient = value.cast<bool>();
+      } else if (key == "input_gradients") {
+        options.input_gradients = input_gradients_from(where, value);
       } else if (key == "scale") {
         if (value.is_none()) continue;
         options.scale = value.cast<double>();
@@ -547,7 +571,7 @@ class PyLayer {
       if (call.context)
         layer_.forward(query.query, *call.context, call.options, workspace, result);
       else
-        layer_.forward(query.query, key_ref, value_ref, call.options, workspace, result);
+        layer_.forward(query.query, {key_ref, value_ref}, call.options, workspace, result);
     });
     auto& out = result.output;
     const std::vector<py::ssize_t> output_shape{out.dimension(0), out.dimension(1),
@@ -580,15 +604,17 @@ class PyLayer {
       recycled_.kernels[i]->lend(*kernels[i]);
       if (bias) recycled_.biases[i]->lend(*biases[i]);
     }
-    recycled_.query_values->lend(g.query_values);
-    recycled_.key->lend(g.key);
-    recycled_.value->lend(g.value);
+    const sdmha::InputGradients& wanted = call.options.input_gradients;
+    if (wanted.query_values) recycled_.query_values->lend(g.query_values);
+    if (wanted.key) recycled_.key->lend(g.key);
+    if (wanted.value) recycled_.value->lend(g.value);
     run_released(call, [&](sdmha::Workspace<Scalar>& workspace) {
       if (call.context)
-        layer_.backward(query.query, key_ref, value_ref, *call.context, d_output_ref, call.options,
-                        workspace, g);
+        layer_.backward(query.query, {key_ref, value_ref, *call.context}, d_output_ref,
+                        call.options, workspace, g);
       else
-        layer_.backward(query.query, key_ref, value_ref, d_output_ref, call.options, workspace, g);
+        layer_.backward(query.query, {key_ref, value_ref}, d_output_ref, call.options, workspace,
+                        g);
     });
     auto tensor = [](Recycler<Tensor3>& home, Tensor3& t) {
       const std::vector<py::ssize_t> shape{t.dimension(0), t.dimension(1), t.dimension(2)};
@@ -604,9 +630,11 @@ class PyLayer {
       result[kBiasNames[i]] = bias ? recycled_.biases[i]->adopt(std::move(b), length) : py::none();
     }
     const std::vector<py::ssize_t> nonzeros{g.query_values.size()};
-    result["query_values"] = recycled_.query_values->adopt(std::move(g.query_values), nonzeros);
-    result["key"] = tensor(*recycled_.key, g.key);
-    result["value"] = tensor(*recycled_.value, g.value);
+    result["query_values"] =
+        wanted.query_values ? recycled_.query_values->adopt(std::move(g.query_values), nonzeros)
+                            : py::none();
+    result["key"] = wanted.key ? tensor(*recycled_.key, g.key) : py::none();
+    result["value"] = wanted.value ? tensor(*recycled_.value, g.value) : py::none();
     if (call.options.compute_bias_gradient && !call.options.attention_bias.empty())
       result["attention_bias"] = bias_gradient(call, std::move(g.attention_bias));
     return result;
@@ -837,7 +865,9 @@ void bind_layer(py::module_& m, const std::string& suffix) {
            "names (biases None without use_bias), query_values, key, value, and attention_bias "
            "(in the bias's shape as given; only with an attention_bias and "
            "compute_bias_gradient=True). value=None means value = key (the two gradients are "
-           "returned apart; add them).")
+           "returned apart; add them). input_gradients=('query_values', 'key', 'value') by "
+           "default: those left out are None and not computed (key and value each cost as much "
+           "as their projection).")
       .def("project_context", &L::project_context, py::arg("key"), py::arg("value") = py::none(),
            py::arg("num_threads") = 0, py::arg("workspace") = py::none(),
            "K = key·Wk + bk and V = value·Wv + bv once, for forward/backward(context=). The layer "
@@ -895,7 +925,7 @@ py::dict load_layer(const std::string& path, const std::optional<Index>& num_hea
   result["layout"] = file->layout == sdmha::io::WeightLayout::keras ? "keras" : "torch";
   result["use_causal_mask"] = file->use_causal_mask;
   // The file's attention settings as forward's and backward's keyword arguments:
-  // layer.forward(query, key, value, **loaded["options"]) runs the file's layer as the file says.
+  // layer.forward(query, {key, value}, **loaded["options"]) runs the file's layer as the file says.
   py::dict settings;
   settings["use_causal_mask"] = file->use_causal_mask;
   settings["causal_alignment"] = sdmha::to_string(file->causal_alignment);

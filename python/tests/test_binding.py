@@ -68,6 +68,26 @@ def test_csr_forward_and_backward_match_the_reference(dtype):
     assert_close(grads["value"], ref_value.grad, torch_dtype, "value")
 
 
+def test_input_gradients_selects_what_backward_returns():
+    case = Case()
+    layer = layer_of(case)
+    indptr, indices, values = csr_arrays(case)
+    query = sdmha.csr_query(case.batch, case.steps, case.features, indptr, indices, values)
+    key, value, d_output = numpy_of(case.key), numpy_of(case.value), numpy_of(case.d_output)
+    every = layer.backward(query, key, value, d_output)
+    for wanted in ((), ("key",), ("value", "query_values"), ("query_values", "key", "value")):
+        grads = layer.backward(query, key, value, d_output, input_gradients=wanted)
+        for name, expected in every.items():
+            if name in ("query_values", "key", "value") and name not in wanted:
+                assert grads[name] is None, name
+            elif expected is not None:
+                assert np.array_equal(grads[name], expected), name
+    with pytest.raises(sdmha.ConfigError, match="input_gradients names 'keys'; expected 'query_values', 'key' or"):
+        layer.backward(query, key, value, d_output, input_gradients=("keys",))
+    with pytest.raises(sdmha.ConfigError, match="input_gradients is the string 'key'; expected a tuple"):
+        layer.backward(query, key, value, d_output, input_gradients="key")
+
+
 def test_key_mask_true_may_attend():
     """key_mask (B, S), True = may attend (the negation of PyTorch's key_padding_mask): a key step
     whose entry is False gets probability 0 from every query and head of its batch entry; the

@@ -134,6 +134,24 @@ def test_self_attention_value_defaults_to_key_and_gets_both_gradients():
     assert_close(key.grad, ref_key.grad, torch.float64, "key (= value) gradient")
 
 
+def test_inputs_without_grad_get_none_and_the_weights_the_same_gradients():
+    # The module asks the C++ backward only for the input gradients autograd wants; the weights'
+    # gradients do not depend on which.
+    case = Case()
+    module = case.module()
+    (module(case.query(), case.key.clone().requires_grad_(), case.value.clone().requires_grad_())
+     * case.d_output).sum().backward()
+    expected = {name: p.grad.clone() for name, p in module.named_parameters()}
+    for key_grad, value_grad in ((False, False), (True, False), (False, True)):
+        module.zero_grad(set_to_none=True)
+        key = case.key.clone().requires_grad_(key_grad)
+        value = case.value.clone().requires_grad_(value_grad)
+        (module(case.query(), key, value) * case.d_output).sum().backward()
+        assert (key.grad is not None) == key_grad and (value.grad is not None) == value_grad
+        for name, p in module.named_parameters():
+            assert torch.equal(p.grad, expected[name]), name
+
+
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support")
 def test_sparse_csr_query_equals_coo():
     case = Case()

@@ -49,7 +49,7 @@ TEST(SteadyState, CountingSeesTheHeap) {
   const auto c = make_case<float>(Shape{}, 1);
   const sdmha::SparseDenseMHA<float> layer(c.config, c.weights);
   const auto query = c.query();
-  EXPECT_GE(allocations_during([&] { layer.forward(query, c.key, c.value, c.options); }), 3);
+  EXPECT_GE(allocations_during([&] { layer.forward(query, {c.key, c.value}, c.options); }), 3);
 }
 
 // Many work items of every kind (B·H·tiles, row blocks) so that, after the warm-up calls, every
@@ -69,11 +69,11 @@ void expect_no_allocation_after_warm_up(const Layer& layer, const Query& query,
   sdmha::Workspace<Scalar> workspace;
   sdmha::AttentionResult<Scalar> result;
   for (int warm_up = 0; warm_up < 3; ++warm_up)
-    layer.forward(query, c.key, c.value, options, workspace, result);
+    layer.forward(query, {c.key, c.value}, options, workspace, result);
   const auto first = result.output;
   const std::int64_t allocations = allocations_during([&] {
     for (int call = 0; call < 5; ++call)
-      layer.forward(query, c.key, c.value, options, workspace, result);
+      layer.forward(query, {c.key, c.value}, options, workspace, result);
   });
   EXPECT_EQ(allocations, 0);
   // Still the same answer.
@@ -89,9 +89,9 @@ TEST(SteadyState, PlainForwardAllocatesOnlyItsResultOnceWarm) {
   const auto query = c.query();
   auto options = c.options;
   options.num_threads = 2;
-  for (int warm_up = 0; warm_up < 3; ++warm_up) layer.forward(query, c.key, c.value, options);
+  for (int warm_up = 0; warm_up < 3; ++warm_up) layer.forward(query, {c.key, c.value}, options);
   const std::int64_t allocations = allocations_during([&] {
-    for (int call = 0; call < 5; ++call) layer.forward(query, c.key, c.value, options);
+    for (int call = 0; call < 5; ++call) layer.forward(query, {c.key, c.value}, options);
   });
   EXPECT_EQ(allocations, 5);
 }
@@ -213,10 +213,10 @@ TEST(SteadyState, BackwardAllocatesNothingOnceWarm) {
           sdmha::MhaGradients<float> gradients;
           auto call = [&] {
             if (with_context)
-              layer.backward(query, c.key, c.value, context, d_output, options, workspace,
+              layer.backward(query, {c.key, c.value, context}, d_output, options, workspace,
                              gradients);
             else
-              layer.backward(query, c.key, c.value, d_output, options, workspace, gradients);
+              layer.backward(query, {c.key, c.value}, d_output, options, workspace, gradients);
           };
           expect_steady_backward(call, gradients);
           EXPECT_TRUE(gradients.key_kernel.allFinite());
@@ -245,7 +245,7 @@ TEST(SteadyState, BackwardByFeatureAllocatesNothingOnceWarm) {
     sdmha::Workspace<float> workspace;
     sdmha::MhaGradients<float> gradients;
     auto call = [&] {
-      layer.backward(query, c.key, c.value, d_output, options, workspace, gradients);
+      layer.backward(query, {c.key, c.value}, d_output, options, workspace, gradients);
     };
     expect_steady_backward(call, gradients);
   }
@@ -282,7 +282,7 @@ TEST(SteadyState, BackwardWithAChangingPaddingAllocatesNothingOnceWarm) {
     sdmha::Workspace<float> workspace;
     sdmha::MhaGradients<float> gradients;
     auto step = [&](const sdmha::AttentionOptions<float>& options) {
-      layer.backward(query, c.key, c.value, d_output, options, workspace, gradients);
+      layer.backward(query, {c.key, c.value}, d_output, options, workspace, gradients);
     };
     for (int warm_up = 0; warm_up < 2; ++warm_up)
       for (const auto& options : paddings) step(options);

@@ -88,8 +88,8 @@ void forward_and_maybe_backward() {
   const auto query = sdmha::SparseQuery<double>::from_coo(1, 1, 8, indices, values);
   Eigen::Tensor<double, 3, Eigen::RowMajor> context(1, 1, 8);
   context.setConstant(1.0);
-  const auto result = layer.forward(query, context, context);
-  if constexpr (kBackward) layer.backward(query, context, context, result.output);
+  const auto result = layer.forward(query, {context, context});
+  if constexpr (kBackward) layer.backward(query, {context, context}, result.output);
 }
 
 }  // namespace

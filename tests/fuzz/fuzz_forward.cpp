@@ -333,9 +333,9 @@ void check_backward(const Setup& setup, const Layer& layer, const Query& query, 
   for (Index i = 0; i < d_output.size(); ++i) d_output.data()[i] = double(i % 7 - 3) / 8.0;
   options.compute_bias_gradient = setup.bias_rank != 0;
   options.num_threads = 1;
-  const auto single = layer.backward(query, key, value, d_output, options);
+  const auto single = layer.backward(query, {key, value}, d_output, options);
   options.num_threads = setup.threads;
-  const auto several = layer.backward(query, key, value, d_output, options);
+  const auto several = layer.backward(query, {key, value}, d_output, options);
   auto same = [](const auto& a, const auto& b) {
     return a.size() == b.size() && bitwise_equal(a.data(), b.data(), Index(a.size()));
   };
@@ -455,7 +455,7 @@ void run(const Setup& setup, const sdmha_reference::Result& expected) {
   const double tolerance = std::is_same<Scalar, double>::value ? 1e-10 : 2e-5;
 
   const sdmha::SparseDenseMHA<Scalar> layer(config, weights);
-  const auto result = layer.forward(query, key, value, options);
+  const auto result = layer.forward(query, {key, value}, options);
   SDMHA_FUZZ_CHECK(result.output.dimension(0) == B && result.output.dimension(1) == T &&
                    result.output.dimension(2) == p.output_dim);
   check_near(result.output.data(), expected.output, tolerance, output_scale);
@@ -465,7 +465,7 @@ void run(const Setup& setup, const sdmha_reference::Result& expected) {
   // first two bitwise, the last within tolerance.
   auto single = options;
   single.num_threads = 1;
-  const auto single_result = layer.forward(query, key, value, single);
+  const auto single_result = layer.forward(query, {key, value}, single);
   SDMHA_FUZZ_CHECK(
       bitwise_equal(single_result.output.data(), result.output.data(), result.output.size()));
   const auto context = layer.project_context(key, value, setup.threads);
@@ -475,14 +475,14 @@ void run(const Setup& setup, const sdmha_reference::Result& expected) {
        {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
     auto other = options;
     other.score_strategy = strategy;
-    check_near(layer.forward(query, key, value, other).output.data(), expected.output, tolerance,
+    check_near(layer.forward(query, {key, value}, other).output.data(), expected.output, tolerance,
                output_scale);
   }
 
   if constexpr (std::is_same<Scalar, double>::value) {
     const sdmha::DenseMHA<Scalar> dense(config, weights);
     const auto dense_query = tensor<Scalar>(p.query, B, T, p.query_dim);
-    check_near(dense.forward(dense_query, key, value, options).output.data(), expected.output,
+    check_near(dense.forward(dense_query, {key, value}, options).output.data(), expected.output,
                tolerance, output_scale);
     check_backward(setup, layer, query, key, value, options);
   }
@@ -815,14 +815,14 @@ void run_bfloat16(const Setup& setup) {
   if (options.score_strategy == sdmha::ScoreStrategy::sparse_regrouped) {
     bool refused = false;
     try {
-      layer.forward(inputs.query, inputs.key, inputs.value, options);
+      layer.forward(inputs.query, {inputs.key, inputs.value}, options);
     } catch (const sdmha::ConfigError&) {
       refused = true;
     }
     SDMHA_FUZZ_CHECK(refused);
     options.score_strategy = sdmha::ScoreStrategy::project_first;
   }
-  const auto result = layer.forward(inputs.query, inputs.key, inputs.value, options);
+  const auto result = layer.forward(inputs.query, {inputs.key, inputs.value}, options);
   SDMHA_FUZZ_CHECK(result.output.dimension(0) == p.batch && result.output.dimension(1) == p.steps &&
                    result.output.dimension(2) == p.output_dim);
   SDMHA_FUZZ_CHECK(result.attention_scores.size() == Index(model.result.probabilities.size()));
@@ -831,7 +831,7 @@ void run_bfloat16(const Setup& setup) {
   if (setup.threads > 1) {
     auto single = options;
     single.num_threads = 1;
-    const auto single_result = layer.forward(inputs.query, inputs.key, inputs.value, single);
+    const auto single_result = layer.forward(inputs.query, {inputs.key, inputs.value}, single);
     SDMHA_FUZZ_CHECK(
         bitwise_equal(single_result.output.data(), result.output.data(), result.output.size()));
   }

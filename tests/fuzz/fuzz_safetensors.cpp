@@ -107,8 +107,9 @@ void load_and_run(const TensorSource& source) {
        {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
     options.score_strategy = strategy;
     sdmha::AttentionResult<Scalar> result;
-    if (!sdmha_fuzz::accepts(
-            [&] { result = layer.forward(inputs.query, inputs.key, inputs.value, options); }))
+    if (!sdmha_fuzz::accepts([&] {
+          result = layer.forward(inputs.query, {inputs.key, inputs.value}, options);
+        }))
       return;
     SDMHA_FUZZ_CHECK(result.output.dimension(0) == inputs.query.batch());
     SDMHA_FUZZ_CHECK(result.output.dimension(1) == inputs.query.steps());

@@ -171,7 +171,7 @@ void expect_forward(const sdmha::io::KerasLayer<Scalar>& keras, const std::strin
     return result;
   };
   const sdmha::SparseDenseMHA<Scalar> layer(keras.config, keras.weights);
-  const auto result = layer.forward(sparse, tensor(key), tensor(value), {});
+  const auto result = layer.forward(sparse, {tensor(key), tensor(value)}, {});
   const auto expected = output.as<double>();
   ASSERT_EQ(std::size_t(result.output.size()), expected.size());
   EXPECT_TRUE(all_near(result.output.data(), expected, tolerance));

@@ -38,12 +38,12 @@ GoldenRun run_file(const std::string& relative) {
   auto options = layer_file.attention_options();
   options.attention_mask = inputs.attention_mask;
   options.attention_bias = inputs.attention_bias;
-  const auto output = layer.forward(inputs.query, inputs.key, inputs.value, options).output;
+  const auto output = layer.forward(inputs.query, {inputs.key, inputs.value}, options).output;
   run.with_file_options.assign(output.data(), output.data() + output.size());
   sdmha::AttentionOptions<double> defaults;
   defaults.attention_mask = inputs.attention_mask;
   defaults.attention_bias = inputs.attention_bias;
-  const auto plain = layer.forward(inputs.query, inputs.key, inputs.value, defaults).output;
+  const auto plain = layer.forward(inputs.query, {inputs.key, inputs.value}, defaults).output;
   run.with_default_options.assign(plain.data(), plain.data() + plain.size());
   return run;
 }

@@ -27,7 +27,7 @@ template <typename Scalar>
 sdmha::MhaGradients<Scalar> backward(const Case<Scalar>& c, const Tensor3<Scalar>& d_output,
                                      const sdmha::AttentionOptions<Scalar>& options) {
   const Layer<Scalar> layer(c.config, c.weights);
-  return layer.backward(c.query(), c.key, c.value, d_output, options);
+  return layer.backward(c.query(), {c.key, c.value}, d_output, options);
 }
 
 // ---- gradient check against central differences, in double ----
@@ -246,6 +246,35 @@ TYPED_TEST(BackwardTest, GradientsHaveTheWeightsShapesAndNoBiasWithoutBias) {
   }
 }
 
+// Leaving input gradients out (AttentionOptions::input_gradients) empties them and changes no
+// other bit, by rows and by feature (a Wq beyond the core's cache, a denser query).
+TYPED_TEST(BackwardTest, InputGradientsLeftOutAreEmptyAndTheRestBitwiseUnchanged) {
+  const Shape by_rows = Shape{}.sized(2, 7, 6);
+  Shape by_feature = Shape{}.sized(4, 32, 9).widths(4096, 12, 10).with_heads(4, 64, 8, 16);
+  by_feature.density = 0.2;
+  for (const bool wide : {false, true}) {
+    const Shape& s = wide ? by_feature : by_rows;
+    auto c = make_case<TypeParam>(s, 44);
+    const auto d_output = random_d_output(c, 45);
+    const Layer<TypeParam> layer(c.config, c.weights);
+    const auto query = c.query();
+    ASSERT_EQ(sdmha::detail::query_gradients_by_feature(query.csr(), s.heads * s.key_dim), wide);
+    const auto all = layer.backward(query, {c.key, c.value}, d_output, c.options);
+    for (int mask = 0; mask < 8; ++mask) {
+      auto options = c.options;
+      options.input_gradients = {(mask & 1) != 0, (mask & 2) != 0, (mask & 4) != 0};
+      auto g = layer.backward(query, {c.key, c.value}, d_output, options);
+      EXPECT_EQ(g.query_values.size() == 0, (mask & 1) == 0) << mask;
+      EXPECT_EQ(g.key.size() == 0, (mask & 2) == 0) << mask;
+      EXPECT_EQ(g.value.size() == 0, (mask & 4) == 0) << mask;
+      if ((mask & 1) == 0) g.query_values = all.query_values;
+      if ((mask & 2) == 0) g.key = all.key;
+      if ((mask & 4) == 0) g.value = all.value;
+      EXPECT_TRUE(same_bits(c, all, g)) << mask;
+    }
+  }
+}
+
 TYPED_TEST(BackwardTest, FullyBlockedRowsPassExactlyZeroGradient) {
   Shape s = Shape{}.sized(3, 7, 7);
   s.fully_blocked_rows = true;
@@ -367,10 +396,10 @@ TYPED_TEST(BackwardTest, ThreadCountDoesNotChangeGradientsBitwise) {
       options.training = true;
       options.dropout_rate = 0.2;
       options.num_threads = 1;
-      const auto single = layer.backward(query, c.key, c.value, d_output, options);
+      const auto single = layer.backward(query, {c.key, c.value}, d_output, options);
       for (int threads : {2, 3, 8}) {
         options.num_threads = threads;
-        const auto multi = layer.backward(query, c.key, c.value, d_output, options);
+        const auto multi = layer.backward(query, {c.key, c.value}, d_output, options);
         EXPECT_TRUE(same_bits(c, single, multi)) << threads << " threads";
       }
     }
@@ -398,10 +427,10 @@ TEST(BackwardTiles, EveryThreadCountGivesTheSameBits) {
     const auto query = c.query();
     auto options = c.options;
     options.num_threads = 1;
-    const auto single = layer.backward(query, c.key, c.value, d_output, options);
+    const auto single = layer.backward(query, {c.key, c.value}, d_output, options);
     for (int threads : {2, 3, 16, 64}) {
       options.num_threads = threads;
-      EXPECT_TRUE(same_bits(c, single, layer.backward(query, c.key, c.value, d_output, options)))
+      EXPECT_TRUE(same_bits(c, single, layer.backward(query, {c.key, c.value}, d_output, options)))
           << threads << " threads";
     }
   }
@@ -434,10 +463,10 @@ TEST(BackwardTiles, AFailingTileEndsTheCallWithItsException) {
     sdmha::Workspace<float> workspace;
     sdmha::MhaGradients<float> gradients;
     SDMHA_EXPECT_THROW_WITH(
-        failing.backward(query, c.key, c.value, d_output, options, workspace, gradients),
+        failing.backward(query, {c.key, c.value}, d_output, options, workspace, gradients),
         std::runtime_error, "tile (h 1, t 64)");
-    layer.backward(query, c.key, c.value, d_output, options, workspace, gradients);
-    EXPECT_TRUE(same_bits(c, gradients, layer.backward(query, c.key, c.value, d_output, options)))
+    layer.backward(query, {c.key, c.value}, d_output, options, workspace, gradients);
+    EXPECT_TRUE(same_bits(c, gradients, layer.backward(query, {c.key, c.value}, d_output, options)))
         << threads << " threads";
   }
 }
@@ -456,16 +485,17 @@ TYPED_TEST(BackwardTest, ReusingTheProjectedContextGivesTheSameGradients) {
                         sdmha::ScoreStrategy::sparse_regrouped}) {
     auto options = c.options;
     options.score_strategy = strategy;
-    EXPECT_TRUE(same_bits(c, layer.backward(query, c.key, c.value, d_output, options),
-                          layer.backward(query, c.key, c.value, context, d_output, options)))
+    EXPECT_TRUE(same_bits(c, layer.backward(query, {c.key, c.value}, d_output, options),
+                          layer.backward(query, {c.key, c.value, context}, d_output, options)))
         << sdmha::to_string(strategy);
   }
   Tensor3<TypeParam> other_key(2, 6, s.key_in_dim), other_value(2, 6, s.value_in_dim);
   other_key.setZero();
   other_value.setZero();
   const auto short_context = layer.project_context(other_key, other_value);
-  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, short_context, d_output, c.options),
-                          sdmha::ShapeError, "context has batch 2, key_steps 6, keys 12 x 8");
+  SDMHA_EXPECT_THROW_WITH(
+      layer.backward(query, {c.key, c.value, short_context}, d_output, c.options),
+      sdmha::ShapeError, "context's projected keys and values have 6 key steps but value has");
 }
 
 // One Workspace and one MhaGradients kept across calls of different shapes (growing, then
@@ -492,11 +522,11 @@ TYPED_TEST(BackwardTest, AKeptWorkspaceAndGradientsGiveTheBitsOfAFreshCall) {
     options.dropout_rate = 0.25;
     options.dropout_seed = 5;
     SCOPED_TRACE("call " + std::to_string(call));
-    layer.backward(query, c.key, c.value, d_output, options, workspace, kept);
-    EXPECT_TRUE(same_bits(c, layer.backward(query, c.key, c.value, d_output, options), kept));
-    layer.backward(query, c.key, c.value, context, d_output, options, workspace, kept);
+    layer.backward(query, {c.key, c.value}, d_output, options, workspace, kept);
+    EXPECT_TRUE(same_bits(c, layer.backward(query, {c.key, c.value}, d_output, options), kept));
+    layer.backward(query, {c.key, c.value, context}, d_output, options, workspace, kept);
     EXPECT_TRUE(
-        same_bits(c, layer.backward(query, c.key, c.value, context, d_output, options), kept));
+        same_bits(c, layer.backward(query, {c.key, c.value, context}, d_output, options), kept));
     ++call;
   }
   EXPECT_GT(workspace.bytes(), 0u);
@@ -514,19 +544,20 @@ TYPED_TEST(BackwardTest, AWorkspaceInUseOrBadInputLeavesTheGradientsUntouched) {
   {
     const typename sdmha::Workspace<TypeParam>::Lease held(workspace, "another call");
     SDMHA_EXPECT_THROW_WITH(
-        layer.backward(query, c.key, c.value, d_output, c.options, workspace, gradients),
+        layer.backward(query, {c.key, c.value}, d_output, c.options, workspace, gradients),
         sdmha::ConfigError, "SparseDenseMHA::backward: workspace is in use by another call");
   }
   Tensor3<TypeParam> short_d_output(c.problem.batch, c.problem.steps, 1);
   short_d_output.setZero();
   SDMHA_EXPECT_THROW_WITH(
-      layer.backward(query, c.key, c.value, short_d_output, c.options, workspace, gradients),
+      layer.backward(query, {c.key, c.value}, short_d_output, c.options, workspace, gradients),
       sdmha::ShapeError, "d_output is (");
   EXPECT_EQ(gradients.query_kernel.size(), 0);
   EXPECT_EQ(gradients.key.size(), 0);
   EXPECT_EQ(workspace.bytes(), 0u);
-  layer.backward(query, c.key, c.value, d_output, c.options, workspace, gradients);  // free again
-  EXPECT_TRUE(same_bits(c, layer.backward(query, c.key, c.value, d_output, c.options), gradients));
+  layer.backward(query, {c.key, c.value}, d_output, c.options, workspace, gradients);  // free again
+  EXPECT_TRUE(
+      same_bits(c, layer.backward(query, {c.key, c.value}, d_output, c.options), gradients));
 }
 
 TYPED_TEST(BackwardTest, DropoutRateZeroEqualsNoDropout) {
@@ -603,7 +634,7 @@ TYPED_TEST(BackwardTest, QueryFromAnUncompressedEigenMatrixGetsOneGradientPerSto
         sdmha::SparseQuery<TypeParam>::from_eigen(s.batch, s.steps, std::move(matrix));
     EXPECT_EQ(sdmha::detail::query_gradients_by_feature(query.csr(), s.heads * s.key_dim), wide);
     const Layer<TypeParam> layer(c.config, c.weights);
-    const auto g = layer.backward(query, c.key, c.value, d_output, c.options);
+    const auto g = layer.backward(query, {c.key, c.value}, d_output, c.options);
     ASSERT_EQ(g.query_values.size(), c.values.size());
     // from_coo's gradients are in COO order; the Eigen query's in CSR order.
     const auto coo_query = c.query();
@@ -666,20 +697,20 @@ TYPED_TEST(BackwardTest, RejectsBadInput) {
   wrong.setZero();
   short_steps.setZero();
   other_batch.setZero();
-  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, wrong, c.options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, {c.key, c.value}, wrong, c.options),
                           sdmha::ShapeError,
                           "d_output is (2, 5, 15); expected (B, T, O) = (2, 5, 16)");
-  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, short_steps, c.options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, {c.key, c.value}, short_steps, c.options),
                           sdmha::ShapeError, "d_output is (2, 4, 16)");
-  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, other_batch, c.options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, {c.key, c.value}, other_batch, c.options),
                           sdmha::ShapeError, "d_output is (3, 5, 16)");
   Tensor3<TypeParam> narrow_key(2, 7, 11);
   narrow_key.setZero();
-  SDMHA_EXPECT_THROW_WITH(layer.backward(query, narrow_key, c.value, d_output, c.options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, {narrow_key, c.value}, d_output, c.options),
                           sdmha::ShapeError,
                           "key has width 11; expected the kernel's input width 12");
   const auto wide_query = sdmha::SparseQuery<TypeParam>::from_coo(2, 5, 17, c.indices, c.values);
-  SDMHA_EXPECT_THROW_WITH(layer.backward(wide_query, c.key, c.value, d_output, c.options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(wide_query, {c.key, c.value}, d_output, c.options),
                           sdmha::ShapeError,
                           "query has 17 features; expected the query kernel's input width 16");
   auto options = c.options;
@@ -687,16 +718,16 @@ TYPED_TEST(BackwardTest, RejectsBadInput) {
   short_mask.setConstant(true);
   options.attention_mask = short_mask;
   SDMHA_EXPECT_THROW_WITH(
-      layer.backward(query, c.key, c.value, d_output, options), sdmha::ShapeError,
+      layer.backward(query, {c.key, c.value}, d_output, options), sdmha::ShapeError,
       "attention_mask is (2, 5, 6); expected (B, T, S) = (2, 5, 7), (T, S) = (5, 7) "
       "or (B, H, T, S) = (2, 2, 5, 7) with B or H possibly 1");
   options = c.options;
   options.dropout_rate = 1.0;
-  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, {c.key, c.value}, d_output, options),
                           sdmha::ConfigError, "dropout_rate = 1; expected 0 <= dropout_rate < 1");
   options = c.options;
   options.num_threads = -2;
-  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, {c.key, c.value}, d_output, options),
                           sdmha::ConfigError, "num_threads = -2");
 }
 
@@ -765,14 +796,14 @@ TEST(BackwardDropout, KeepsTheExpectationOverSeeds) {
   const auto query = c.query();
   auto options = c.options;
   options.num_threads = 1;
-  const auto expected = layer.forward(query, c.key, c.value, options).output;
+  const auto expected = layer.forward(query, {c.key, c.value}, options).output;
   options.training = true;
   options.dropout_rate = 0.3;
   constexpr int kSeeds = 4000;
   std::vector<double> sum(std::size_t(expected.size()), 0.0), sum_of_squares(sum.size(), 0.0);
   for (int seed = 0; seed < kSeeds; ++seed) {
     options.dropout_seed = std::uint64_t(seed) * 7919 + 1;
-    const auto output = layer.forward(query, c.key, c.value, options).output;
+    const auto output = layer.forward(query, {c.key, c.value}, options).output;
     for (std::size_t i = 0; i < sum.size(); ++i) {
       sum[i] += output.data()[i];
       sum_of_squares[i] += output.data()[i] * output.data()[i];

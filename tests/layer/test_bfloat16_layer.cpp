@@ -112,11 +112,11 @@ TEST_F(BFloat16LayerTest, AgreesWithTheReferenceAndIsThreadInvariant) {
     const auto query = c.query();
     auto options = c.options;
     options.num_threads = 1;
-    const auto single = layer.forward(query, c.key, c.value, options);
+    const auto single = layer.forward(query, {c.key, c.value}, options);
     const auto expected = sdmha_reference::forward(c.problem);
     EXPECT_TRUE(all_near(single.output.data(), expected.output, kBFloat16LayerTolerance));
     options.num_threads = 2;
-    EXPECT_TRUE(same_bits(single.output, layer.forward(query, c.key, c.value, options).output));
+    EXPECT_TRUE(same_bits(single.output, layer.forward(query, {c.key, c.value}, options).output));
     const auto context = layer.project_context(c.key, c.value);
     EXPECT_TRUE(same_bits(single.output, layer.forward(query, context, options).output));
   }
@@ -140,7 +140,7 @@ double largest_difference(const std::vector<double>& a, const std::vector<double
 void expect_the_rounded_model(const Case<float>& c, long online_key_tile) {
   Layer layer(c.config, c.weights);
   layer.set_precision(sdmha::Precision::bfloat16);
-  const auto result = layer.forward(c.query(), c.key, c.value, c.options);
+  const auto result = layer.forward(c.query(), {c.key, c.value}, c.options);
   auto model = c.problem;
   model.bfloat16_projections = true;
   auto float_attention = model;
@@ -192,8 +192,8 @@ TEST_F(BFloat16LayerTest, StreamedContextIsBitwiseTheWholeOne) {
                           std::size_t(sdmha::detail::kKeyTile);
   sdmha_test::ContextStreamingHook::set(streamed, streaming);
   const auto query = c.query();
-  EXPECT_TRUE(same_bits(whole.forward(query, c.key, c.value, c.options).output,
-                        streamed.forward(query, c.key, c.value, c.options).output));
+  EXPECT_TRUE(same_bits(whole.forward(query, {c.key, c.value}, c.options).output,
+                        streamed.forward(query, {c.key, c.value}, c.options).output));
 }
 
 // Back to float32, the layer is the float32 layer again; precision() is the mode last set, and
@@ -203,21 +203,21 @@ TEST_F(BFloat16LayerTest, Float32RestoresTheFloatLayer) {
   const auto c = make_case<float>(Shape{}, 430);
   Layer layer(c.config, c.weights);
   const auto query = c.query();
-  const auto before = layer.forward(query, c.key, c.value, c.options);
+  const auto before = layer.forward(query, {c.key, c.value}, c.options);
   layer.set_precision(sdmha::Precision::bfloat16);
-  EXPECT_FALSE(same_bits(before.output, layer.forward(query, c.key, c.value, c.options).output));
+  EXPECT_FALSE(same_bits(before.output, layer.forward(query, {c.key, c.value}, c.options).output));
   layer.set_precision(sdmha::Precision::float32);
   EXPECT_EQ(layer.precision(), sdmha::Precision::float32);
-  EXPECT_TRUE(same_bits(before.output, layer.forward(query, c.key, c.value, c.options).output));
+  EXPECT_TRUE(same_bits(before.output, layer.forward(query, {c.key, c.value}, c.options).output));
   Layer query_only(c.config, c.weights);
   query_only.set_precision(sdmha::Precision::bfloat16_query_kernel);
   EXPECT_EQ(query_only.precision(), sdmha::Precision::bfloat16_query_kernel);
   layer.set_precision(sdmha::Precision::bfloat16);
   layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
   EXPECT_EQ(layer.precision(), sdmha::Precision::bfloat16_query_kernel);
-  const auto query_rounded = layer.forward(query, c.key, c.value, c.options);
-  EXPECT_TRUE(
-      same_bits(query_rounded.output, query_only.forward(query, c.key, c.value, c.options).output));
+  const auto query_rounded = layer.forward(query, {c.key, c.value}, c.options);
+  EXPECT_TRUE(same_bits(query_rounded.output,
+                        query_only.forward(query, {c.key, c.value}, c.options).output));
   EXPECT_FALSE(same_bits(before.output, query_rounded.output));
 }
 
@@ -231,18 +231,18 @@ TEST_F(BFloat16LayerTest, StaleKernelsAreAConfigErrorUntilRoundedAgain) {
   layer.set_precision(sdmha::Precision::bfloat16);
   const auto query = c.query();
   layer.weights().key_kernel *= 2.0f;
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, c.options), sdmha::ConfigError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, {c.key, c.value}, c.options), sdmha::ConfigError,
                           "rounded before the weights' last write access; expected set_precision");
   SDMHA_EXPECT_THROW_WITH(layer.project_context(c.key, c.value), sdmha::ConfigError,
                           "rounded before the weights' last write access; expected set_precision");
   layer.set_precision(sdmha::Precision::bfloat16);
   Layer twin(c.config, shared);  // the doubled Wk, rounded afresh
   twin.set_precision(sdmha::Precision::bfloat16);
-  EXPECT_TRUE(same_bits(layer.forward(query, c.key, c.value, c.options).output,
-                        twin.forward(query, c.key, c.value, c.options).output));
+  EXPECT_TRUE(same_bits(layer.forward(query, {c.key, c.value}, c.options).output,
+                        twin.forward(query, {c.key, c.value}, c.options).output));
   sdmha::RowMatrix<float> replacement = shared->output_kernel;
   shared->output_kernel.swap(replacement);  // the same values in another allocation
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, c.options), sdmha::ConfigError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, {c.key, c.value}, c.options), sdmha::ConfigError,
                           "rounded before the weights' last write access");
 }
 
@@ -253,7 +253,7 @@ TEST_F(BFloat16LayerTest, RefusesBackwardAndDoubleLayers) {
   const auto query = c.query();
   Tensor3<float> d_output(c.shape.batch, c.shape.steps, c.problem.output_dim);
   d_output.setConstant(1.0f);
-  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, c.options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, {c.key, c.value}, d_output, c.options),
                           sdmha::ConfigError, "expected float32 for the backward");
   const auto c64 = make_case<double>(Shape{}, 451);
   sdmha::SparseDenseMHA<double> layer64(c64.config, c64.weights);
@@ -283,8 +283,8 @@ TEST(BFloat16GemmChoice, OffIsTheQueryKernelLayerBitForBit) {
   options.return_attention_scores = true;
   for (int threads : {1, 2}) {
     options.num_threads = threads;
-    const auto result = layer.forward(query, c.key, c.value, options);
-    const auto expected = query_only.forward(query, c.key, c.value, options);
+    const auto result = layer.forward(query, {c.key, c.value}, options);
+    const auto expected = query_only.forward(query, {c.key, c.value}, options);
     EXPECT_TRUE(same_bits(result.output, expected.output)) << threads << " threads";
     EXPECT_TRUE(same_bits(result.attention_scores.data(), expected.attention_scores.data(),
                           expected.attention_scores.size()));
@@ -292,7 +292,7 @@ TEST(BFloat16GemmChoice, OffIsTheQueryKernelLayerBitForBit) {
   // The backward still refuses: Wq is rounded.
   Tensor3<float> d_output(s.batch, s.steps, c.problem.output_dim);
   d_output.setConstant(1.0f);
-  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, c.options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, {c.key, c.value}, d_output, c.options),
                           sdmha::ConfigError, "expected float32 for the backward");
 }
 
@@ -317,13 +317,13 @@ TEST(BFloat16GemmChoice, AnUnknownValueIsAConfigErrorAndChangesNothing) {
   Layer layer(c.config, c.weights);
   layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
   const auto query = c.query();
-  const auto before = layer.forward(query, c.key, c.value, c.options).output;
+  const auto before = layer.forward(query, {c.key, c.value}, c.options).output;
   const ScopedBFloat16Gemms typo("yes");
   SDMHA_EXPECT_THROW_WITH(layer.set_precision(sdmha::Precision::bfloat16), sdmha::ConfigError,
                           "SparseDenseMHA::set_precision: SDMHA_BFLOAT16_GEMMS = 'yes'; "
                           "expected auto, on or off");
   EXPECT_EQ(layer.precision(), sdmha::Precision::bfloat16_query_kernel);
-  EXPECT_TRUE(same_bits(before, layer.forward(query, c.key, c.value, c.options).output));
+  EXPECT_TRUE(same_bits(before, layer.forward(query, {c.key, c.value}, c.options).output));
 }
 
 }  // namespace

@@ -37,8 +37,8 @@ void expect_the_float_layer_on_the_rounded_kernel(const Case<float>& c, const La
   const Layer twin_layer(twin.config, twin.weights);
   auto options = c.options;
   options.score_strategy = sdmha::ScoreStrategy::project_first;
-  const auto result = layer.forward(query, c.key, c.value, options);
-  expect_same_bits(result.output, twin_layer.forward(query, c.key, c.value, options).output,
+  const auto result = layer.forward(query, {c.key, c.value}, options);
+  expect_same_bits(result.output, twin_layer.forward(query, {c.key, c.value}, options).output,
                    "against the float32 layer on the rounded Wq");
   const auto expected = sdmha_reference::forward(twin.problem);
   EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<float>()));
@@ -77,12 +77,12 @@ TEST(BFloat16QueryKernelTest, WideQueryKernelIsBitwiseAndThreadInvariant) {
             sdmha::ScoreStrategy::project_first);
   auto options = c.options;
   options.num_threads = 1;
-  const auto single = layer.forward(query, c.key, c.value, options);
+  const auto single = layer.forward(query, {c.key, c.value}, options);
   options.score_strategy = sdmha::ScoreStrategy::project_first;
-  expect_same_bits(single.output, twin_layer.forward(query, c.key, c.value, options).output,
+  expect_same_bits(single.output, twin_layer.forward(query, {c.key, c.value}, options).output,
                    "against the float32 layer on the rounded Wq");
   options.num_threads = 2;
-  expect_same_bits(single.output, layer.forward(query, c.key, c.value, options).output,
+  expect_same_bits(single.output, layer.forward(query, {c.key, c.value}, options).output,
                    "2 threads against 1");
   const auto expected = sdmha_reference::forward(twin.problem);
   EXPECT_TRUE(all_near(single.output.data(), expected.output, relative_tolerance<float>()));
@@ -124,11 +124,11 @@ TEST(BFloat16QueryKernelTest, Float32PrecisionRestoresTheFloatLayer) {
   const auto c = make_case<float>(Shape{}, 51);
   Layer layer(c.config, c.weights);
   const auto query = c.query();
-  const auto before = layer.forward(query, c.key, c.value, c.options);
+  const auto before = layer.forward(query, {c.key, c.value}, c.options);
   layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
   layer.set_precision(sdmha::Precision::float32);
   EXPECT_EQ(layer.precision(), sdmha::Precision::float32);
-  expect_same_bits(before.output, layer.forward(query, c.key, c.value, c.options).output,
+  expect_same_bits(before.output, layer.forward(query, {c.key, c.value}, c.options).output,
                    "float32 again");
 }
 
@@ -141,7 +141,7 @@ TEST(BFloat16QueryKernelTest, StaleSnapshotIsAConfigErrorUntilRoundedAgain) {
   layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
   const auto query = c.query();
   layer.weights().query_kernel *= 2.0f;
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, c.options), sdmha::ConfigError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, {c.key, c.value}, c.options), sdmha::ConfigError,
                           "the bfloat16 query kernel was rounded before the weights' last write "
                           "access; expected set_precision again");
   layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
@@ -149,12 +149,12 @@ TEST(BFloat16QueryKernelTest, StaleSnapshotIsAConfigErrorUntilRoundedAgain) {
   twin.weights.query_kernel *= 2.0f;
   twin = with_rounded_query_kernel(twin);
   expect_same_bits(
-      layer.forward(query, c.key, c.value, c.options).output,
-      Layer(twin.config, twin.weights).forward(query, c.key, c.value, c.options).output,
+      layer.forward(query, {c.key, c.value}, c.options).output,
+      Layer(twin.config, twin.weights).forward(query, {c.key, c.value}, c.options).output,
       "after rounding the doubled Wq");
   sdmha::RowMatrix<float> replacement = shared->query_kernel;
   shared->query_kernel.swap(replacement);  // the same values in another allocation
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, c.options), sdmha::ConfigError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, {c.key, c.value}, c.options), sdmha::ConfigError,
                           "rounded before the weights' last write access");
 }
 
@@ -165,18 +165,18 @@ TEST(BFloat16QueryKernelTest, RefusesBackwardRegroupedScoresAndDoubleLayers) {
   const auto query = c.query();
   Tensor3<float> d_output(c.shape.batch, c.shape.steps, c.problem.output_dim);
   d_output.setConstant(1.0f);
-  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, c.options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, {c.key, c.value}, d_output, c.options),
                           sdmha::ConfigError, "expected float32 for the backward");
   auto options = c.options;
   options.score_strategy = sdmha::ScoreStrategy::sparse_regrouped;
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ConfigError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, {c.key, c.value}, options), sdmha::ConfigError,
                           "score_strategy is sparse_regrouped with a bfloat16 query kernel");
   // A refused training call draws no dropout seed.
   sdmha::DropoutGenerator generator(9);
   options.training = true;
   options.dropout_rate = 0.2;
   options.dropout_generator = &generator;
-  EXPECT_THROW(layer.forward(query, c.key, c.value, options), sdmha::ConfigError);
+  EXPECT_THROW(layer.forward(query, {c.key, c.value}, options), sdmha::ConfigError);
   EXPECT_EQ(generator.draws(), 0u);
   const auto c64 = make_case<double>(Shape{}, 72);
   sdmha::SparseDenseMHA<double> layer64(c64.config, c64.weights);

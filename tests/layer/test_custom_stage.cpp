@@ -267,7 +267,7 @@ void check_forward(const Case<double>& c, const Hooks& hooks) {
         options.score_strategy = strategy;
         options.return_attention_scores = return_scores;
         auto& result = by_threads[threads - 1];
-        result = layer.forward(query, c.key, c.value, options);
+        result = layer.forward(query, {c.key, c.value}, options);
         ASSERT_EQ(result.output.size(), Index(expected.output.size()));
         EXPECT_TRUE(all_near(result.output.data(), expected.output, kForwardTolerance)) << "output";
         if (!return_scores) continue;
@@ -336,7 +336,7 @@ TEST(CustomScoreStage, TileLocalStepsAreCaughtBeyondTheFirstTile) {
     auto options = c.options;
     options.score_strategy = sdmha::ScoreStrategy::project_first;
     options.num_threads = 1;
-    const auto output = layer.forward(c.query(), c.key, c.value, options).output;
+    const auto output = layer.forward(c.query(), {c.key, c.value}, options).output;
     const bool matches =
         all_near(output.data(), reference(c.problem, Hooks{kSlopes, {}}).output, kForwardTolerance);
     // The plan's forward tile: 256 rows, halved (to 64 at least) while B·H·⌈T/tile⌉ < 256.
@@ -357,11 +357,11 @@ TEST(CustomScoreStage, StageParametersAreReadOnEveryCall) {
   auto options = c.options;
   options.num_threads = 1;
   const auto query = c.query();
-  const auto flat = layer.forward(query, c.key, c.value, options).output;
+  const auto flat = layer.forward(query, {c.key, c.value}, options).output;
   EXPECT_TRUE(
       all_near(flat.data(), reference(c.problem, Hooks{{0.0, 0.0}, {}}).output, kForwardTolerance));
   layer.stages().score_kernel.slope = {0.3, 0.05};
-  const auto sloped = layer.forward(query, c.key, c.value, options).output;
+  const auto sloped = layer.forward(query, {c.key, c.value}, options).output;
   EXPECT_TRUE(all_near(sloped.data(), reference(c.problem, Hooks{{0.3, 0.05}, {}}).output,
                        kForwardTolerance));
   EXPECT_FALSE(bitwise_equal(flat, sloped));
@@ -463,12 +463,12 @@ TEST(CustomScoreStage, WorkspaceReuseGivesTheSameResults) {
     sdmha::Workspace<double> workspace;
     sdmha::AttentionResult<double> result;
     sdmha::MhaGradients<double> gradients;
-    const auto fresh = layer.forward(query, c.key, c.value, options).output;
-    const auto fresh_gradients = layer.backward(query, c.key, c.value, d_output, options);
+    const auto fresh = layer.forward(query, {c.key, c.value}, options).output;
+    const auto fresh_gradients = layer.backward(query, {c.key, c.value}, d_output, options);
     for (int call = 0; call < 2; ++call) {
-      layer.forward(query, c.key, c.value, options, workspace, result);
+      layer.forward(query, {c.key, c.value}, options, workspace, result);
       EXPECT_TRUE(bitwise_equal(fresh, result.output)) << "call " << call;
-      layer.backward(query, c.key, c.value, d_output, options, workspace, gradients);
+      layer.backward(query, {c.key, c.value}, d_output, options, workspace, gradients);
       EXPECT_TRUE(bitwise_equal(fresh_gradients.query_kernel, gradients.query_kernel))
           << "call " << call;
       EXPECT_TRUE(bitwise_equal(fresh_gradients.key, gradients.key)) << "call " << call;
@@ -533,7 +533,7 @@ TEST(CustomScoreStage, BackwardIsBitwiseTheSameForOneAndTwoThreads) {
       auto options = c.options;
       options.num_threads = threads;
       options.score_strategy = strategy;
-      by_threads[threads - 1] = layer.backward(c.query(), c.key, c.value, d_output, options);
+      by_threads[threads - 1] = layer.backward(c.query(), {c.key, c.value}, d_output, options);
     }
     SCOPED_TRACE(sdmha::to_string(strategy));
     const auto &one = by_threads[0], &two = by_threads[1];
@@ -588,7 +588,7 @@ TEST(CustomSoftmaxStage, GradientDescentThroughCustomStagesLowersTheLoss) {
   BothLayer target_layer(c.config, target_case.weights);
   configure(target_layer);
   const auto query = c.query();
-  const auto target = target_layer.forward(query, c.key, c.value, options).output;
+  const auto target = target_layer.forward(query, {c.key, c.value}, options).output;
 
   auto weights = std::make_shared<sdmha::MhaWeights<double>>(c.weights);
   BothLayer layer(c.config, weights);
@@ -596,7 +596,7 @@ TEST(CustomSoftmaxStage, GradientDescentThroughCustomStagesLowersTheLoss) {
   // The loss, and its gradient with respect to the output into d_output.
   Tensor3<double> d_output;
   auto step_loss = [&] {
-    d_output = layer.forward(query, c.key, c.value, options).output - target;
+    d_output = layer.forward(query, {c.key, c.value}, options).output - target;
     const double count = double(d_output.size());
     double total = 0;
     for (Index i = 0; i < d_output.size(); ++i) {
@@ -609,7 +609,7 @@ TEST(CustomSoftmaxStage, GradientDescentThroughCustomStagesLowersTheLoss) {
   double previous = first;
   constexpr double rate = 1.0;
   for (int step = 0; step < 30; ++step) {
-    const auto g = layer.backward(query, c.key, c.value, d_output, options);
+    const auto g = layer.backward(query, {c.key, c.value}, d_output, options);
     weights->query_kernel -= rate * g.query_kernel;
     weights->query_bias -= rate * g.query_bias;
     weights->key_kernel -= rate * g.key_kernel;
@@ -637,19 +637,19 @@ TEST(SharedWeights, InPlaceUpdatesAreSeenByTheNextCall) {
   auto options = c.options;
   options.num_threads = 2;
   const auto query = c.query();
-  const auto before = layer.forward(query, c.key, c.value, options).output;
+  const auto before = layer.forward(query, {c.key, c.value}, options).output;
 
   weights->query_kernel(0, 0) += 1.0;
   weights->key_kernel(1, 2) -= 0.5;
   weights->value_kernel *= 1.5;
   weights->output_bias.array() += 0.25;
-  const auto after = layer.forward(query, c.key, c.value, options).output;
+  const auto after = layer.forward(query, {c.key, c.value}, options).output;
   EXPECT_FALSE(bitwise_equal(before, after));
 
   // A fresh layer from a copy of the updated weights computes the same, bitwise.
   BiasLayer fresh(c.config, sdmha::MhaWeights<double>(*weights));
   configure(fresh);
-  EXPECT_TRUE(bitwise_equal(after, fresh.forward(query, c.key, c.value, options).output));
+  EXPECT_TRUE(bitwise_equal(after, fresh.forward(query, {c.key, c.value}, options).output));
   // And the reference agrees with the updated weights.
   auto problem = c.problem;
   problem.query_kernel.assign(weights->query_kernel.data(),
@@ -667,13 +667,13 @@ TEST(SharedWeights, InPlaceUpdatesAreSeenByTheNextCall) {
   BiasLayer second(c.config, weights);
   configure(second);
   weights->output_kernel(0, 0) += 2.0;
-  EXPECT_TRUE(bitwise_equal(layer.forward(query, c.key, c.value, options).output,
-                            second.forward(query, c.key, c.value, options).output));
+  EXPECT_TRUE(bitwise_equal(layer.forward(query, {c.key, c.value}, options).output,
+                            second.forward(query, {c.key, c.value}, options).output));
   const auto d_output = random_d_output(c, 801);
-  const auto gradients = layer.backward(query, c.key, c.value, d_output, options);
+  const auto gradients = layer.backward(query, {c.key, c.value}, d_output, options);
   BiasLayer copy(c.config, sdmha::MhaWeights<double>(*weights));
   configure(copy);
-  const auto expected = copy.backward(query, c.key, c.value, d_output, options);
+  const auto expected = copy.backward(query, {c.key, c.value}, d_output, options);
   EXPECT_TRUE(bitwise_equal(gradients.key, expected.key));
   EXPECT_TRUE(bitwise_equal(gradients.output_kernel, expected.output_kernel));
 
@@ -681,9 +681,10 @@ TEST(SharedWeights, InPlaceUpdatesAreSeenByTheNextCall) {
   sdmha::MhaWeights<double> owned = c.weights;
   BiasLayer by_value(c.config, owned);
   configure(by_value);
-  const auto owned_before = by_value.forward(query, c.key, c.value, options).output;
+  const auto owned_before = by_value.forward(query, {c.key, c.value}, options).output;
   owned.query_kernel.setZero();
-  EXPECT_TRUE(bitwise_equal(owned_before, by_value.forward(query, c.key, c.value, options).output));
+  EXPECT_TRUE(
+      bitwise_equal(owned_before, by_value.forward(query, {c.key, c.value}, options).output));
 }
 
 TEST(SharedWeights, ReshapingThroughTheHandleIsAShapeErrorOnTheNextCall) {
@@ -695,34 +696,34 @@ TEST(SharedWeights, ReshapingThroughTheHandleIsAShapeErrorOnTheNextCall) {
   const auto d_output = random_d_output(c, 811);
   auto options = c.options;
   options.num_threads = 1;
-  const auto expected = layer.forward(query, c.key, c.value, options).output;
+  const auto expected = layer.forward(query, {c.key, c.value}, options).output;
 
   const sdmha::RowMatrix<double> key_kernel = weights->key_kernel;
   weights->key_kernel.conservativeResize(key_kernel.rows(), key_kernel.cols() + 1);
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, {c.key, c.value}, options), sdmha::ShapeError,
                           "key_kernel");
-  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, {c.key, c.value}, d_output, options),
                           sdmha::ShapeError, "key_kernel");
   weights->key_kernel = key_kernel;
-  EXPECT_TRUE(bitwise_equal(expected, layer.forward(query, c.key, c.value, options).output));
+  EXPECT_TRUE(bitwise_equal(expected, layer.forward(query, {c.key, c.value}, options).output));
 
   // More rows in the query kernel: the query's features no longer match.
   const sdmha::RowMatrix<double> query_kernel = weights->query_kernel;
   weights->query_kernel.conservativeResize(query_kernel.rows() + 1, query_kernel.cols());
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, {c.key, c.value}, options), sdmha::ShapeError,
                           "features");
   weights->query_kernel = query_kernel;
 
   // A bias of the wrong length, and an output kernel of the wrong height.
   weights->value_bias.conservativeResize(weights->value_bias.size() - 1);
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, {c.key, c.value}, options), sdmha::ShapeError,
                           "value_bias");
   weights->value_bias = c.weights.value_bias;
   weights->output_kernel.resize(weights->output_kernel.rows() + 2, weights->output_kernel.cols());
-  SDMHA_EXPECT_THROW_WITH(layer.backward(query, c.key, c.value, d_output, options),
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, {c.key, c.value}, d_output, options),
                           sdmha::ShapeError, "output_kernel");
   weights->output_kernel = c.weights.output_kernel;
-  EXPECT_TRUE(bitwise_equal(expected, layer.forward(query, c.key, c.value, options).output));
+  EXPECT_TRUE(bitwise_equal(expected, layer.forward(query, {c.key, c.value}, options).output));
 }
 
 TEST(SharedWeights, NullSharedPointerIsAConfigError) {

@@ -27,12 +27,12 @@ TYPED_TEST(DenseMhaTest, AgreesWithTheSparseLayerOnTheDensifiedQuery) {
     const auto dense_rows = query.to_dense();
     const sdmha::TensorRef3<TypeParam> dense_query(dense_rows.data(), query.batch(), query.steps(),
                                                    query.features());
-    const auto dense = dense_layer.forward(dense_query, c.key, c.value, options);
+    const auto dense = dense_layer.forward(dense_query, {c.key, c.value}, options);
     for (auto strategy :
          {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
       SCOPED_TRACE(sdmha::to_string(strategy));
       options.score_strategy = strategy;
-      const auto sparse = sparse_layer.forward(query, c.key, c.value, options);
+      const auto sparse = sparse_layer.forward(query, {c.key, c.value}, options);
       ASSERT_EQ(sparse.output.size(), dense.output.size());
       const std::vector<double> dense_output(dense.output.data(),
                                              dense.output.data() + dense.output.size());
@@ -56,10 +56,10 @@ TYPED_TEST(DenseMhaTest, QueryAsTensorMapOrRawViewIsAccepted) {
   const auto& s = c.shape;
   Eigen::TensorMap<const Tensor3<TypeParam>> query_map(query_memory.data(), s.batch, s.steps,
                                                        s.query_dim);
-  const auto mapped = layer.forward(query_map, c.key, c.value);
+  const auto mapped = layer.forward(query_map, {c.key, c.value});
   EXPECT_TRUE(all_near(mapped.output.data(), expected.output, relative_tolerance<TypeParam>()));
   const sdmha::TensorRef3<TypeParam> raw(query_memory.data(), s.batch, s.steps, s.query_dim);
-  EXPECT_TRUE(all_near(layer.forward(raw, c.key, c.value).output.data(), expected.output,
+  EXPECT_TRUE(all_near(layer.forward(raw, {c.key, c.value}).output.data(), expected.output,
                        relative_tolerance<TypeParam>()));
 }
 
@@ -72,16 +72,16 @@ TYPED_TEST(DenseMhaTest, RejectsADenseQueryOfTheWrongShape) {
   wide_query.setZero();
   other_batch.setZero();
   SDMHA_EXPECT_THROW_WITH(
-      layer.forward(wide_query, c.key, c.value), sdmha::ShapeError,
+      layer.forward(wide_query, {c.key, c.value}), sdmha::ShapeError,
       "DenseMHA::forward: query has width 17; expected the query kernel's input width 16");
-  SDMHA_EXPECT_THROW_WITH(layer.forward(other_batch, c.key, c.value), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(other_batch, {c.key, c.value}), sdmha::ShapeError,
                           "key has batch 2; expected the query's batch 3");
   const sdmha::TensorRef3<TypeParam> no_data(nullptr, 2, 5, 16);
-  SDMHA_EXPECT_THROW_WITH(layer.forward(no_data, c.key, c.value), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(no_data, {c.key, c.value}), sdmha::ShapeError,
                           "query has no data; expected 2 x 5 x 16 values");
   // Nothing to read: a null query of zero steps is fine.
   const sdmha::TensorRef3<TypeParam> no_steps(nullptr, 2, 0, 16);
-  EXPECT_EQ(layer.forward(no_steps, c.key, c.value).output.size(), 0);
+  EXPECT_EQ(layer.forward(no_steps, {c.key, c.value}).output.size(), 0);
 }
 
 }  // namespace

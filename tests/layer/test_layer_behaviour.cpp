@@ -49,7 +49,7 @@ void check_layer(const Case<typename Kind::ScalarType>& c, const char* name) {
   for (auto strategy : every_strategy) {
     SCOPED_TRACE(sdmha::to_string(strategy));
     options.score_strategy = strategy;
-    const auto result = layer.forward(query, c.key, c.value, options);
+    const auto result = layer.forward(query, {c.key, c.value}, options);
     const std::array<Index, 3> output_shape{c.problem.batch, c.problem.steps, c.problem.output_dim};
     const std::array<Index, 4> scores_shape{c.problem.batch, c.problem.heads, c.problem.steps,
                                             c.problem.key_steps};
@@ -102,10 +102,10 @@ TYPED_TEST(LayerBehaviour, OutputIsBitwiseTheSameForAnyThreadCount) {
     auto options = c.options;
     options.score_strategy = strategy;
     options.num_threads = 1;
-    const auto single = layer.forward(query, c.key, c.value, options);
+    const auto single = layer.forward(query, {c.key, c.value}, options);
     for (int threads : {2, 3, 8}) {
       options.num_threads = threads;
-      EXPECT_TRUE(same_bits(single.output, layer.forward(query, c.key, c.value, options).output))
+      EXPECT_TRUE(same_bits(single.output, layer.forward(query, {c.key, c.value}, options).output))
           << threads << " threads";
     }
   }
@@ -123,7 +123,7 @@ TYPED_TEST(LayerBehaviour, FullyBlockedRowGivesTheOutputBias) {
   options.attention_mask = mask;
   options.return_attention_scores = true;
   const typename TypeParam::Layer layer(c.config, c.weights);
-  const auto result = layer.forward(TypeParam::query(c), c.key, c.value, options);
+  const auto result = layer.forward(TypeParam::query(c), {c.key, c.value}, options);
   for (Index o = 0; o < result.output.dimension(2); ++o)
     EXPECT_EQ(result.output(1, 2, o), c.weights.output_bias[o]);
   for (Index h = 0; h < s.heads; ++h)
@@ -151,7 +151,7 @@ TYPED_TEST(LayerBehaviour, NonFiniteKeyAndValueInBlockedPositionsDoNotReachTheOu
   for (auto strategy : every_strategy) {
     auto options = c.options;
     options.score_strategy = strategy;
-    const auto result = layer.forward(TypeParam::query(c), c.key, c.value, options);
+    const auto result = layer.forward(TypeParam::query(c), {c.key, c.value}, options);
     EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<Scalar>()));
   }
 }
@@ -164,7 +164,7 @@ TYPED_TEST(LayerBehaviour, ExtremeLogitsStayFinite) {
   const typename TypeParam::Layer layer(c.config, c.weights);
   auto options = c.options;
   options.return_attention_scores = true;
-  const auto result = layer.forward(TypeParam::query(c), c.key, c.value, options);
+  const auto result = layer.forward(TypeParam::query(c), {c.key, c.value}, options);
   for (Index i = 0; i < result.output.size(); ++i)
     ASSERT_TRUE(std::isfinite(result.output.data()[i]));
   for (Index i = 0; i < result.attention_scores.size(); ++i)
@@ -180,7 +180,7 @@ TYPED_TEST(LayerBehaviour, ZeroSizeBatchStepsAndKeysGiveEmptyOrBiasOutputs) {
     const typename TypeParam::Layer layer(c.config, c.weights);
     auto options = c.options;
     options.return_attention_scores = true;
-    const auto result = layer.forward(TypeParam::query(c), c.key, c.value, options);
+    const auto result = layer.forward(TypeParam::query(c), {c.key, c.value}, options);
     EXPECT_EQ(result.output.dimension(0), dims[0]);
     EXPECT_EQ(result.output.dimension(1), dims[1]);
     EXPECT_EQ(result.output.size(), Index(expected.output.size()));
@@ -200,21 +200,21 @@ TYPED_TEST(LayerBehaviour, ValueAsKeyAndTensorMapsAreAccepted) {
   const auto expected = sdmha_reference::forward(c.problem);
   const typename TypeParam::Layer layer(c.config, c.weights);
   const auto query = TypeParam::query(c);
-  const auto self = layer.forward(query, c.value, c.value);
+  const auto self = layer.forward(query, {c.value, c.value});
   EXPECT_TRUE(all_near(self.output.data(), expected.output, relative_tolerance<Scalar>()));
   std::vector<Scalar> caller_memory(c.value.data(), c.value.data() + c.value.size());
   Eigen::TensorMap<Tensor3<Scalar>> mutable_map(caller_memory.data(), s.batch, s.key_steps,
                                                 s.value_in_dim);
   Eigen::TensorMap<const Tensor3<Scalar>> const_map(caller_memory.data(), s.batch, s.key_steps,
                                                     s.value_in_dim);
-  const auto mapped = layer.forward(query, mutable_map, const_map);
+  const auto mapped = layer.forward(query, {mutable_map, const_map});
   EXPECT_TRUE(all_near(mapped.output.data(), expected.output, relative_tolerance<Scalar>()));
 }
 
 TYPED_TEST(LayerBehaviour, AttentionScoresStayEmptyUnlessAsked) {
   const auto c = make_case<typename TypeParam::ScalarType>(Shape{}, 16);
   const typename TypeParam::Layer layer(c.config, c.weights);
-  EXPECT_EQ(layer.forward(TypeParam::query(c), c.key, c.value, c.options).attention_scores.size(),
+  EXPECT_EQ(layer.forward(TypeParam::query(c), {c.key, c.value}, c.options).attention_scores.size(),
             0);
 }
 
@@ -229,13 +229,13 @@ TYPED_TEST(LayerBehaviour, RejectsKeysAndValuesOfTheWrongShape) {
   narrow.setZero();
   short_value.setZero();
   other_batch.setZero();
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, narrow, c.value), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, {narrow, c.value}), sdmha::ShapeError,
                           "key has width 11; expected the kernel's input width 12");
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, narrow), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, {c.key, narrow}), sdmha::ShapeError,
                           "value has width 11; expected the kernel's input width 12");
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, short_value), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, {c.key, short_value}), sdmha::ShapeError,
                           "key has 7 steps but value has 6");
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, other_batch, other_batch), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, {other_batch, other_batch}), sdmha::ShapeError,
                           "key has batch 3; expected the query's batch 2");
 }
 
@@ -249,20 +249,20 @@ TYPED_TEST(LayerBehaviour, RejectsMasksOfTheWrongShapeNegativeThreadsAndNoHeads)
   short_mask.setConstant(true);
   options.attention_mask = short_mask;
   SDMHA_EXPECT_THROW_WITH(
-      layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
+      layer.forward(query, {c.key, c.value}, options), sdmha::ShapeError,
       "attention_mask is (2, 5, 6); expected (B, T, S) = (2, 5, 7), (T, S) = (5, 7) "
       "or (B, H, T, S) = (2, 2, 5, 7) with B or H possibly 1");
   options = c.options;
   const KeyMask short_key_mask(1, 7);
   options.key_mask = short_key_mask;
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, {c.key, c.value}, options), sdmha::ShapeError,
                           "key_mask is (1, 7); expected (B, S) = (2, 7)");
   options.key_mask = sdmha::TensorRef<bool, 2>(nullptr, 2, 7);
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, {c.key, c.value}, options), sdmha::ShapeError,
                           "key_mask has no data; expected 2 x 7 booleans");
   options = c.options;
   options.num_threads = -1;
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, c.key, c.value, options), sdmha::ConfigError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, {c.key, c.value}, options), sdmha::ConfigError,
                           "num_threads = -1");
   auto config = c.config;
   config.num_heads = 0;

@@ -26,7 +26,7 @@ TYPED_TEST(SparseDenseMhaTest, WideQueryKernelOutputIsBitwiseTheSameForAnyThread
   auto options = c.options;
   options.score_strategy = sdmha::ScoreStrategy::project_first;
   options.num_threads = 1;
-  const auto single = layer.forward(query, c.key, c.value, options);
+  const auto single = layer.forward(query, {c.key, c.value}, options);
   // Another query of the same pattern, run on one thread before each call: the layer's cached
   // workspace keeps Q between calls, and a window the call left out would otherwise still hold
   // the previous call's values.
@@ -35,9 +35,9 @@ TYPED_TEST(SparseDenseMhaTest, WideQueryKernelOutputIsBitwiseTheSameForAnyThread
       sdmha::SparseQuery<TypeParam>::from_coo(s.batch, s.steps, s.query_dim, c.indices, negated);
   for (int threads : {2, 3, 16, 64}) {
     options.num_threads = 1;
-    layer.forward(other, c.key, c.value, options);
+    layer.forward(other, {c.key, c.value}, options);
     options.num_threads = threads;
-    const auto multi = layer.forward(query, c.key, c.value, options);
+    const auto multi = layer.forward(query, {c.key, c.value}, options);
     ASSERT_EQ(0, std::memcmp(single.output.data(), multi.output.data(),
                              sizeof(TypeParam) * std::size_t(single.output.size())))
         << threads << " threads";
@@ -64,11 +64,11 @@ TYPED_TEST(SparseDenseMhaTest, KeyMaskFalseKeysGetNoAttention) {
        {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
     SCOPED_TRACE(sdmha::to_string(strategy));
     options.score_strategy = strategy;
-    const auto result = layer.forward(c.query(), c.key, c.value, options);
+    const auto result = layer.forward(c.query(), {c.key, c.value}, options);
     auto unmasked = c.options;
     unmasked.score_strategy = strategy;
     unmasked.return_attention_scores = true;
-    const auto plain = layer.forward(c.query(), c.key, c.value, unmasked);
+    const auto plain = layer.forward(c.query(), {c.key, c.value}, unmasked);
     for (long h = 0; h < s.heads; ++h)
       for (long t = 0; t < s.steps; ++t) {
         double row_sum = 0.0;
@@ -101,7 +101,7 @@ TYPED_TEST(SparseDenseMhaTest, KeyMaskFalseKeysGetNoAttention) {
   p.key_mask.assign(std::size_t(s.batch * s.key_steps), 1);
   for (Index i = 0; i < key_mask.size(); ++i) p.key_mask[std::size_t(i)] = key_mask.data()[i];
   const auto expected = sdmha_reference::forward(p);
-  const auto result = layer.forward(c.query(), c.key, c.value, options);
+  const auto result = layer.forward(c.query(), {c.key, c.value}, options);
   EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<TypeParam>()));
 }
 
@@ -119,11 +119,34 @@ TYPED_TEST(SparseDenseMhaTest, ProjectedContextGivesTheSameOutputBitwise) {
        {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
     auto options = c.options;
     options.score_strategy = strategy;
-    const auto direct = layer.forward(query, c.key, c.value, options);
+    const auto direct = layer.forward(query, {c.key, c.value}, options);
     const auto cached = layer.forward(query, context, options);
     ASSERT_EQ(0, std::memcmp(direct.output.data(), cached.output.data(),
                              sizeof(TypeParam) * std::size_t(direct.output.size())));
+    // With the key and value beside it, the forward still reads the projected ones.
+    const auto both = layer.forward(query, {c.key, c.value, context}, options);
+    ASSERT_EQ(0, std::memcmp(direct.output.data(), both.output.data(),
+                             sizeof(TypeParam) * std::size_t(direct.output.size())));
   }
+}
+
+TYPED_TEST(SparseDenseMhaTest, AContextOfProjectedKeysAndValuesOnlyServesTheForwardAlone) {
+  const auto c = make_case<TypeParam>(Shape{}, 23);
+  const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
+  const auto query = c.query();
+  const auto context = layer.project_context(c.key, c.value);
+  Tensor3<TypeParam> d_output(c.shape.batch, c.shape.steps, layer.dims().output_dim);
+  d_output.setConstant(TypeParam(1));
+  SDMHA_EXPECT_THROW_WITH(layer.backward(query, context, d_output), sdmha::ShapeError,
+                          "context holds projected keys and values only; expected {key, value} "
+                          "or {key, value, projected}");
+  Tensor3<TypeParam> short_key(c.shape.batch, c.shape.key_steps - 1, c.shape.key_in_dim);
+  Tensor3<TypeParam> short_value(c.shape.batch, c.shape.key_steps - 1, c.shape.value_in_dim);
+  short_key.setZero();
+  short_value.setZero();
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, {short_key, short_value, context}),
+                          sdmha::ShapeError,
+                          "context's projected keys and values have 7 key steps but value has 6");
 }
 
 TYPED_TEST(SparseDenseMhaTest, RejectsAProjectedContextThatDoesNotFit) {
@@ -169,7 +192,7 @@ TYPED_TEST(SparseDenseMhaTest, AutomaticStrategyFollowsTheCostModel) {
             sdmha::ScoreStrategy::sparse_regrouped);
   // The regrouped form it chose gives the reference's output.
   const auto expected = sdmha_reference::forward(a.problem);
-  const auto result = layer_a.forward(a.query(), a.key, a.value, a.options);
+  const auto result = layer_a.forward(a.query(), {a.key, a.value}, a.options);
   EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<TypeParam>()));
 }
 
@@ -254,7 +277,7 @@ TYPED_TEST(SparseDenseMhaTest, RejectsAQueryOfTheWrongWidth) {
   const auto c = make_case<TypeParam>(Shape{}, 19);
   const sdmha::SparseDenseMHA<TypeParam> layer(c.config, c.weights);
   const auto wide_query = sdmha::SparseQuery<TypeParam>::from_coo(2, 5, 17, c.indices, c.values);
-  SDMHA_EXPECT_THROW_WITH(layer.forward(wide_query, c.key, c.value), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(wide_query, {c.key, c.value}), sdmha::ShapeError,
                           "query has 17 features; expected the query kernel's input width 16");
 }
 

@@ -139,8 +139,8 @@ TYPED_TEST(ContextStreamingTest, SparseLayerStreamedEqualsUnstreamedBitwise) {
                        << "T = " << steps << ", variant " << variant << ", chunks of " << tiles
                        << " key tiles, " << threads << " threads");
           options.num_threads = threads;
-          const auto expected = whole.forward(c.query(), c.key, c.value, options);
-          const auto got = streamed.forward(c.query(), c.key, c.value, options);
+          const auto expected = whole.forward(c.query(), {c.key, c.value}, options);
+          const auto got = streamed.forward(c.query(), {c.key, c.value}, options);
           EXPECT_TRUE(bitwise_equal(got.output, expected.output));
           EXPECT_EQ(got.dropout_seed, expected.dropout_seed);
         }
@@ -167,8 +167,8 @@ void dense_layer_streamed_equals_unstreamed(Shape shape) {
       SCOPED_TRACE(::testing::Message() << "T = " << shape.steps << ", variant " << variant << ", "
                                         << threads << " threads");
       options.num_threads = threads;
-      const auto expected = whole.forward(query, c.key, c.value, options);
-      const auto got = streamed.forward(query, c.key, c.value, options);
+      const auto expected = whole.forward(query, {c.key, c.value}, options);
+      const auto got = streamed.forward(query, {c.key, c.value}, options);
       EXPECT_TRUE(bitwise_equal(got.output, expected.output));
     }
   }
@@ -199,8 +199,8 @@ TYPED_TEST(ContextStreamingTest, NonFiniteValuesInOneChunkOnly) {
   ContextStreamingHook::set(streamed, chunks_of<Scalar>(shape, 1));
   auto options = c.options;
   options.score_strategy = sdmha::ScoreStrategy::project_first;
-  const auto expected = whole.forward(c.query(), c.key, c.value, options);
-  const auto got = streamed.forward(c.query(), c.key, c.value, options);
+  const auto expected = whole.forward(c.query(), {c.key, c.value}, options);
+  const auto got = streamed.forward(c.query(), {c.key, c.value}, options);
   EXPECT_TRUE(bitwise_equal(got.output, expected.output));
   for (Index i = 0; i < got.output.size(); ++i)
     ASSERT_TRUE(std::isfinite(double(got.output.data()[i]))) << "entry " << i;
@@ -225,11 +225,11 @@ TYPED_TEST(ContextStreamingTest, AgreesWithReference) {
     options.score_strategy = sdmha::ScoreStrategy::project_first;
     sdmha::SparseDenseMHA<Scalar> sparse_layer(c.config, c.weights);
     ContextStreamingHook::set(sparse_layer, chunks_of<Scalar>(shape, 1));
-    const auto sparse = sparse_layer.forward(c.query(), c.key, c.value, options);
+    const auto sparse = sparse_layer.forward(c.query(), {c.key, c.value}, options);
     EXPECT_TRUE(all_near(sparse.output.data(), expected.output, relative_tolerance<Scalar>()));
     sdmha::DenseMHA<Scalar> dense_layer(c.config, c.weights);
     ContextStreamingHook::set(dense_layer, chunks_of<Scalar>(shape, 2));
-    const auto dense = dense_layer.forward(c.dense_query(), c.key, c.value, options);
+    const auto dense = dense_layer.forward(c.dense_query(), {c.key, c.value}, options);
     EXPECT_TRUE(all_near(dense.output.data(), expected.output, relative_tolerance<Scalar>()));
   }
 }
@@ -255,9 +255,9 @@ TYPED_TEST(ContextStreamingTest, BudgetDecides) {
     call_options.return_attention_scores = return_scores;
     sdmha::Workspace<Scalar> workspace;
     sdmha::AttentionResult<Scalar> result;
-    layer.forward(c.query(), c.key, c.value, call_options, workspace, result);
+    layer.forward(c.query(), {c.key, c.value}, call_options, workspace, result);
     const std::size_t first = workspace.bytes();
-    layer.forward(c.query(), c.key, c.value, call_options, workspace, result);
+    layer.forward(c.query(), {c.key, c.value}, call_options, workspace, result);
     EXPECT_EQ(workspace.bytes(), first) << "a second call grew the workspace";
     return first;
   };

@@ -38,7 +38,7 @@ TYPED_TEST(OnlineSoftmaxTest, AgreesWithReferenceOverEveryMask) {
     auto options = c.options;
     options.score_strategy = sdmha::ScoreStrategy::project_first;
     options.num_threads = 2;
-    const auto result = layer.forward(c.query(), c.key, c.value, options);
+    const auto result = layer.forward(c.query(), {c.key, c.value}, options);
     const auto expected = sdmha_reference::forward(c.problem);
     EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<Scalar>()))
         << "variant " << variant;
@@ -59,11 +59,11 @@ TYPED_TEST(OnlineSoftmaxTest, MatchesStoredProbabilitiesAndThreadCounts) {
   options.dropout_rate = 0.25;
   options.dropout_seed = 11;
   options.num_threads = 1;
-  const auto online = layer.forward(c.query(), c.key, c.value, options);
+  const auto online = layer.forward(c.query(), {c.key, c.value}, options);
   options.num_threads = 3;
-  const auto online_threads = layer.forward(c.query(), c.key, c.value, options);
+  const auto online_threads = layer.forward(c.query(), {c.key, c.value}, options);
   options.return_attention_scores = true;
-  const auto stored = layer.forward(c.query(), c.key, c.value, options);
+  const auto stored = layer.forward(c.query(), {c.key, c.value}, options);
   for (Index i = 0; i < online.output.size(); ++i) {
     ASSERT_EQ(online.output.data()[i], online_threads.output.data()[i]) << "entry " << i;
     const double scale = 1.0 + std::abs(double(stored.output.data()[i]));
@@ -94,7 +94,7 @@ TYPED_TEST(OnlineSoftmaxTest, BlockedNonFiniteValuesStayOut) {
   const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
   auto options = c.options;
   options.score_strategy = sdmha::ScoreStrategy::project_first;
-  const auto result = layer.forward(c.query(), c.key, c.value, options);
+  const auto result = layer.forward(c.query(), {c.key, c.value}, options);
   const auto expected = sdmha_reference::forward(c.problem);
   EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<Scalar>()));
 }
@@ -121,13 +121,13 @@ TYPED_TEST(OnlineSoftmaxTest, PositionDependentScoreStageSeesAbsoluteKeys) {
   const Layer layer(c.config, c.weights);
   auto options = c.options;
   options.score_strategy = sdmha::ScoreStrategy::project_first;
-  const auto online = layer.forward(c.query(), c.key, c.value, options);
+  const auto online = layer.forward(c.query(), {c.key, c.value}, options);
   // The same stage over whole rows (the stored-probabilities path) and under the regrouped form.
   options.return_attention_scores = true;
-  const auto stored = layer.forward(c.query(), c.key, c.value, options);
+  const auto stored = layer.forward(c.query(), {c.key, c.value}, options);
   options.return_attention_scores = false;
   options.score_strategy = sdmha::ScoreStrategy::sparse_regrouped;
-  const auto regrouped = layer.forward(c.query(), c.key, c.value, options);
+  const auto regrouped = layer.forward(c.query(), {c.key, c.value}, options);
   // And against the reference with the bias written into an additive float64 mask of its own.
   double worst = 0, worst_regrouped = 0, scale = 0;
   for (Index i = 0; i < online.output.size(); ++i) {
@@ -142,7 +142,7 @@ TYPED_TEST(OnlineSoftmaxTest, PositionDependentScoreStageSeesAbsoluteKeys) {
   // The bias matters: without it the output differs.
   const sdmha::SparseDenseMHA<Scalar> plain(c.config, c.weights);
   options.score_strategy = sdmha::ScoreStrategy::project_first;
-  const auto unbiased = plain.forward(c.query(), c.key, c.value, options);
+  const auto unbiased = plain.forward(c.query(), {c.key, c.value}, options);
   double difference = 0;
   for (Index i = 0; i < online.output.size(); ++i)
     difference = std::max(
@@ -182,7 +182,7 @@ TYPED_TEST(OnlineSoftmaxTest, CustomSoftmaxGetsWholeRowsUnlessItDeclaresOnline) 
     auto options = c.options;
     options.score_strategy = sdmha::ScoreStrategy::project_first;
     options.num_threads = 1;
-    layer.forward(c.query(), c.key, c.value, options, workspace, result);
+    layer.forward(c.query(), {c.key, c.value}, options, workspace, result);
     return std::pair<std::size_t, sdmha::AttentionResult<Scalar>>(workspace.bytes(), result);
   };
   Shape shape = long_shape();

@@ -103,8 +103,9 @@ TYPED_TEST(Concurrency, OneLayerFromEightThreadsGivesTheSingleThreadedResultsBit
   const sdmha::SparseDenseMHA<Scalar> layer(work[0].problem.config, work[0].problem.weights);
   for (auto& w : work) {
     if (w.use_context) w.context = layer.project_context(w.problem.key, w.problem.value, 1);
-    w.expected = w.use_context ? layer.forward(w.query, w.context, w.options)
-                               : layer.forward(w.query, w.problem.key, w.problem.value, w.options);
+    w.expected = w.use_context
+                     ? layer.forward(w.query, w.context, w.options)
+                     : layer.forward(w.query, {w.problem.key, w.problem.value}, w.options);
   }
 
   StartingGate gate;
@@ -125,12 +126,12 @@ TYPED_TEST(Concurrency, OneLayerFromEightThreadsGivesTheSingleThreadedResultsBit
             if (w.use_context)
               layer.forward(w.query, w.context, w.options, workspace, kept);
             else
-              layer.forward(w.query, w.problem.key, w.problem.value, w.options, workspace, kept);
+              layer.forward(w.query, {w.problem.key, w.problem.value}, w.options, workspace, kept);
           }
           const auto& result =
               keep_workspace  ? kept
               : w.use_context ? layer.forward(w.query, w.context, w.options)
-                              : layer.forward(w.query, w.problem.key, w.problem.value, w.options);
+                              : layer.forward(w.query, {w.problem.key, w.problem.value}, w.options);
           const bool same =
               result.output.size() == w.expected.output.size() &&
               bitwise_equal(result.output.data(), w.expected.output.data(), result.output.size()) &&
@@ -170,8 +171,9 @@ TYPED_TEST(Concurrency, DenseBaselineFromEightThreadsGivesTheSingleThreadedResul
   const sdmha::DenseMHA<Scalar> layer(problems[0].config, problems[0].weights);
   for (int thread = 0; thread < kThreads; ++thread)
     expected.push_back(
-        layer.forward(queries[std::size_t(thread)], problems[std::size_t(thread)].key,
-                      problems[std::size_t(thread)].value, problems[std::size_t(thread)].options));
+        layer.forward(queries[std::size_t(thread)],
+                      {problems[std::size_t(thread)].key, problems[std::size_t(thread)].value},
+                      problems[std::size_t(thread)].options));
 
   StartingGate gate;
   std::atomic<int> mismatches{0}, failures{0};
@@ -184,7 +186,7 @@ TYPED_TEST(Concurrency, DenseBaselineFromEightThreadsGivesTheSingleThreadedResul
       try {
         for (int call = 0; call < kCallsPerThread / 2; ++call) {
           const auto result =
-              layer.forward(queries[std::size_t(thread)], c.key, c.value, c.options);
+              layer.forward(queries[std::size_t(thread)], {c.key, c.value}, c.options);
           if (result.output.size() != want.size() ||
               !bitwise_equal(result.output.data(), want.data(), want.size()))
             mismatches.fetch_add(1);

@@ -47,8 +47,8 @@ struct Calls {
 void forward_backward(const sdmha::SparseDenseMHA<double>& layer, const Case<double>& c,
                       const sdmha::SparseQuery<double>& query, const Tensor3<double>& d_output,
                       sdmha::Workspace<double>& workspace, Calls& out) {
-  layer.forward(query, c.key, c.value, c.options, workspace, out.result);
-  layer.backward(query, c.key, c.value, d_output, c.options, workspace, out.gradients);
+  layer.forward(query, {c.key, c.value}, c.options, workspace, out.result);
+  layer.backward(query, {c.key, c.value}, d_output, c.options, workspace, out.gradients);
 }
 
 // Heap allocations of `call`.

@@ -286,12 +286,12 @@ TEST(ThreadPoolTrace, AWorkspaceTracesItsCallsAndTheResultsStayTheSame) {
   sdmha::Workspace<float> workspace;
   EXPECT_EQ(workspace.trace(), nullptr);
   sdmha::AttentionResult<float> plain, traced;
-  layer.forward(c.query(), c.key, c.value, options, workspace, plain);
+  layer.forward(c.query(), {c.key, c.value}, options, workspace, plain);
 
   sdmha::RegionTrace trace;
   workspace.set_trace(&trace);
   EXPECT_EQ(workspace.trace(), &trace);
-  layer.forward(c.query(), c.key, c.value, options, workspace, traced);
+  layer.forward(c.query(), {c.key, c.value}, options, workspace, traced);
   workspace.set_trace(nullptr);
   ASSERT_EQ(plain.output.size(), traced.output.size());
   EXPECT_EQ(std::memcmp(plain.output.data(), traced.output.data(),
@@ -306,7 +306,7 @@ TEST(ThreadPoolTrace, AWorkspaceTracesItsCallsAndTheResultsStayTheSame) {
     EXPECT_EQ(region.item_seconds.size(), std::size_t(region.items));
   }
   const std::size_t recorded = trace.regions().size();
-  layer.forward(c.query(), c.key, c.value, options, workspace, traced);
+  layer.forward(c.query(), {c.key, c.value}, options, workspace, traced);
   EXPECT_EQ(trace.regions().size(), recorded);  // set_trace(nullptr): no more records
 }
 

@@ -81,9 +81,9 @@ TEST(Soak, ThreadsWithTheirOwnWorkspacesGiveTheSerialResultsBitwiseAndTheHeapSta
   for (int thread = 0; thread < kSoakThreads; ++thread) work.push_back(soak_work(thread));
   const sdmha::SparseDenseMHA<double> layer(work[0].problem.config, work[0].problem.weights);
   for (auto& w : work) {  // serially, each on a fresh workspace
-    w.expected = layer.forward(w.query, w.problem.key, w.problem.value, w.options);
+    w.expected = layer.forward(w.query, {w.problem.key, w.problem.value}, w.options);
     w.expected_gradients =
-        layer.backward(w.query, w.problem.key, w.problem.value, w.d_output, w.options);
+        layer.backward(w.query, {w.problem.key, w.problem.value}, w.d_output, w.options);
   }
   std::atomic<int> warm{0}, mismatches{0}, failures{0};
   std::atomic<long> calls{0};
@@ -97,9 +97,9 @@ TEST(Soak, ThreadsWithTheirOwnWorkspacesGiveTheSerialResultsBitwiseAndTheHeapSta
       sdmha::MhaGradients<double> gradients;
       try {
         for (long call = 0; !stop.load(std::memory_order_relaxed); ++call) {
-          layer.forward(w.query, w.problem.key, w.problem.value, w.options, workspace, result);
-          layer.backward(w.query, w.problem.key, w.problem.value, w.d_output, w.options, workspace,
-                         gradients);
+          layer.forward(w.query, {w.problem.key, w.problem.value}, w.options, workspace, result);
+          layer.backward(w.query, {w.problem.key, w.problem.value}, w.d_output, w.options,
+                         workspace, gradients);
           if (!same_bits(result.output, w.expected.output) ||
               !same_gradients(gradients, w.expected_gradients))
             mismatches.fetch_add(1);

@@ -56,8 +56,8 @@ TYPED_TEST(WorkspaceTest, ReusedWorkspaceGivesThePlainForwardsBitsThroughShapeCh
           options.training = scores;  // dropout (with its copy of the probabilities) on some calls
           options.dropout_rate = 0.25;
           options.dropout_seed = 9;
-          const auto expected = layer.forward(query, c.key, c.value, options);
-          layer.forward(query, c.key, c.value, options, workspace, result);
+          const auto expected = layer.forward(query, {c.key, c.value}, options);
+          layer.forward(query, {c.key, c.value}, options, workspace, result);
           expect_same_tensor<Scalar>(result.output, expected.output);
           expect_same_tensor<Scalar>(result.attention_scores, expected.attention_scores);
           // And against the reference, so that a shared bug in both paths is caught too.
@@ -90,8 +90,8 @@ TYPED_TEST(WorkspaceTest, DenseBaselineReusesAWorkspaceToo) {
                                                 shape.query_dim);
     auto options = c.options;
     options.num_threads = 2;
-    const auto expected = layer.forward(dense_query, c.key, c.value, options);
-    layer.forward(dense_query, c.key, c.value, options, workspace, result);
+    const auto expected = layer.forward(dense_query, {c.key, c.value}, options);
+    layer.forward(dense_query, {c.key, c.value}, options, workspace, result);
     expect_same_tensor<Scalar>(result.output, expected.output);
     const auto reference = sdmha_reference::forward(c.problem);
     EXPECT_TRUE(all_near(result.output.data(), reference.output, relative_tolerance<Scalar>()));
@@ -110,15 +110,15 @@ TYPED_TEST(WorkspaceTest, PlainCallsReuseTheLayersCachedWorkspace) {
   auto options = c.options;
   options.num_threads = 2;
   EXPECT_EQ(layer.workspace_cache_bytes(), 0u);
-  const auto first = layer.forward(query, c.key, c.value, options);
+  const auto first = layer.forward(query, {c.key, c.value}, options);
   const std::size_t kept = layer.workspace_cache_bytes();
   EXPECT_GT(kept, 0u);
-  const auto second = layer.forward(query, c.key, c.value, options);
+  const auto second = layer.forward(query, {c.key, c.value}, options);
   expect_same_tensor<Scalar>(second.output, first.output);
   EXPECT_EQ(layer.workspace_cache_bytes(), kept);  // the same workspace again, not a second one
   sdmha::Workspace<Scalar> workspace;
   sdmha::AttentionResult<Scalar> result;
-  layer.forward(query, c.key, c.value, options, workspace, result);
+  layer.forward(query, {c.key, c.value}, options, workspace, result);
   expect_same_tensor<Scalar>(result.output, first.output);
   const auto context = layer.project_context(c.key, c.value, 2);
   expect_same_tensor<Scalar>(layer.forward(query, context, options).output, first.output);
@@ -126,7 +126,7 @@ TYPED_TEST(WorkspaceTest, PlainCallsReuseTheLayersCachedWorkspace) {
   EXPECT_EQ(copy.workspace_cache_bytes(), 0u);
   layer.release_workspace_cache();
   EXPECT_EQ(layer.workspace_cache_bytes(), 0u);
-  expect_same_tensor<Scalar>(layer.forward(query, c.key, c.value, options).output, first.output);
+  expect_same_tensor<Scalar>(layer.forward(query, {c.key, c.value}, options).output, first.output);
   const auto reference = sdmha_reference::forward(c.problem);
   EXPECT_TRUE(all_near(first.output.data(), reference.output, relative_tolerance<Scalar>()));
 }
@@ -140,16 +140,17 @@ TYPED_TEST(WorkspaceTest, AWorkspaceInUseIsRefusedWithConfigError) {
   {
     // What a second thread meets while a call holds the workspace.
     const typename sdmha::Workspace<Scalar>::Lease held(workspace, "another call");
-    SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), c.key, c.value, c.options, workspace, result),
-                            sdmha::ConfigError, "workspace is in use by another call");
+    SDMHA_EXPECT_THROW_WITH(
+        layer.forward(c.query(), {c.key, c.value}, c.options, workspace, result),
+        sdmha::ConfigError, "workspace is in use by another call");
   }
-  layer.forward(c.query(), c.key, c.value, c.options, workspace, result);  // free again
+  layer.forward(c.query(), {c.key, c.value}, c.options, workspace, result);  // free again
   EXPECT_EQ(result.output.dimension(0), c.problem.batch);
 
   sdmha::Workspace<Scalar> moved_to(std::move(workspace));
-  SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), c.key, c.value, c.options, workspace, result),
+  SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), {c.key, c.value}, c.options, workspace, result),
                           sdmha::ConfigError, "workspace was moved from");
-  layer.forward(c.query(), c.key, c.value, c.options, moved_to, result);
+  layer.forward(c.query(), {c.key, c.value}, c.options, moved_to, result);
 }
 
 TYPED_TEST(WorkspaceTest, BadInputIsRefusedBeforeTheWorkspaceIsTouched) {
@@ -160,7 +161,7 @@ TYPED_TEST(WorkspaceTest, BadInputIsRefusedBeforeTheWorkspaceIsTouched) {
   sdmha::AttentionResult<Scalar> result;
   auto options = c.options;
   options.num_threads = -1;
-  SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), c.key, c.value, options, workspace, result),
+  SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), {c.key, c.value}, options, workspace, result),
                           sdmha::ConfigError, "num_threads = -1");
   EXPECT_EQ(workspace.bytes(), 0u);
   EXPECT_EQ(result.output.size(), 0);

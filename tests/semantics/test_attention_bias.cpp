@@ -156,7 +156,7 @@ void expect_matches_reference(Case<Scalar>& c, bool scores = true) {
   const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
   c.options.return_attention_scores = scores;
   c.options.num_threads = 2;
-  const auto result = layer.forward(c.query(), c.key, c.value, c.options);
+  const auto result = layer.forward(c.query(), {c.key, c.value}, c.options);
   const auto expected = sdmha_reference::forward(c.problem);
   EXPECT_TRUE(all_near(result.output.data(), expected.output, relative_tolerance<Scalar>()));
   if (scores) {
@@ -164,7 +164,7 @@ void expect_matches_reference(Case<Scalar>& c, bool scores = true) {
                          relative_tolerance<Scalar>()));
   }
   c.options.num_threads = 1;
-  const auto single = layer.forward(c.query(), c.key, c.value, c.options);
+  const auto single = layer.forward(c.query(), {c.key, c.value}, c.options);
   for (Index i = 0; i < result.output.size(); ++i)
     ASSERT_EQ(single.output.data()[i], result.output.data()[i]) << "thread counts differ at " << i;
 }
@@ -307,7 +307,7 @@ TYPED_TEST(AttentionBiasTest, ViewsAreReadAtCallTime) {
   Broadcast<Scalar> bias(broadcast_shapes()[1], 2, 2, 5, 7);
   attach(c, &mask, &bias, generator);
   const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
-  const auto before = layer.forward(c.query(), c.key, c.value, c.options).output;
+  const auto before = layer.forward(c.query(), {c.key, c.value}, c.options).output;
   // One finite entry per row moves (a constant over a whole row would leave the softmax as is).
   for (long row = 0; row * bias.key_steps < bias.size(); ++row) {
     const long i = row * bias.key_steps + row % bias.key_steps;
@@ -315,7 +315,7 @@ TYPED_TEST(AttentionBiasTest, ViewsAreReadAtCallTime) {
     bias.data()[i] += Scalar(1.5);
     c.problem.attention_bias[std::size_t(i)] = double(bias.data()[i]);
   }
-  const auto after_bias = layer.forward(c.query(), c.key, c.value, c.options).output;
+  const auto after_bias = layer.forward(c.query(), {c.key, c.value}, c.options).output;
   EXPECT_TRUE(all_near(after_bias.data(), sdmha_reference::forward(c.problem).output,
                        relative_tolerance<Scalar>()));
   bool changed = false;
@@ -326,7 +326,7 @@ TYPED_TEST(AttentionBiasTest, ViewsAreReadAtCallTime) {
     mask.data()[i] = !mask.data()[i];
     c.problem.broadcast_mask[std::size_t(i)] = mask.data()[i];
   }
-  const auto after_mask = layer.forward(c.query(), c.key, c.value, c.options).output;
+  const auto after_mask = layer.forward(c.query(), {c.key, c.value}, c.options).output;
   EXPECT_TRUE(all_near(after_mask.data(), sdmha_reference::forward(c.problem).output,
                        relative_tolerance<Scalar>()));
 }
@@ -355,11 +355,11 @@ TYPED_TEST(AttentionBiasTest, BroadcastEqualsExpanded) {
     c.options.score_strategy = strategy;
     c.options.return_attention_scores = true;
     const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
-    const auto broadcast = layer.forward(c.query(), c.key, c.value, c.options);
+    const auto broadcast = layer.forward(c.query(), {c.key, c.value}, c.options);
     auto options = c.options;
     options.attention_bias = bias_expanded;
     options.attention_mask = mask_expanded;
-    const auto expanded = layer.forward(c.query(), c.key, c.value, options);
+    const auto expanded = layer.forward(c.query(), {c.key, c.value}, options);
     for (Index i = 0; i < broadcast.output.size(); ++i)
       ASSERT_EQ(broadcast.output.data()[i], expanded.output.data()[i]) << i;
     for (Index i = 0; i < broadcast.attention_scores.size(); ++i)
@@ -392,7 +392,7 @@ long check_bias_gradient(const Case<double>& c, Broadcast<double>& bias, std::ui
   auto options = c.options;
   options.compute_bias_gradient = true;
   const Layer layer(c.config, c.weights);
-  const auto gradients = layer.backward(c.query(), c.key, c.value, d_output, options);
+  const auto gradients = layer.backward(c.query(), {c.key, c.value}, d_output, options);
   EXPECT_EQ(gradients.attention_bias.dimension(0), bias.batch);
   EXPECT_EQ(gradients.attention_bias.dimension(1), bias.heads);
   EXPECT_EQ(gradients.attention_bias.dimension(2), bias.steps);
@@ -471,9 +471,9 @@ TEST(AttentionBiasGradient, MatchesCentralDifferences) {
       EXPECT_EQ(gradient_check::check(c, c.options, 9300 + seed, 10), 0);
       auto options = c.options;
       options.compute_bias_gradient = true;
-      const auto gradients =
-          Layer(c.config, c.weights)
-              .backward(c.query(), c.key, c.value, gradient_check::random_d_output(c, 1), options);
+      const auto gradients = Layer(c.config, c.weights)
+                                 .backward(c.query(), {c.key, c.value},
+                                           gradient_check::random_d_output(c, 1), options);
       expect_zero_where_blocked(c, bias, gradients.attention_bias);
     }
 }
@@ -495,7 +495,7 @@ TEST(AttentionBiasGradient, ZeroAtBlockedPositions) {
     options.compute_bias_gradient = true;
     const auto gradients =
         Layer(c.config, c.weights)
-            .backward(c.query(), c.key, c.value, gradient_check::random_d_output(c, 2), options);
+            .backward(c.query(), {c.key, c.value}, gradient_check::random_d_output(c, 2), options);
     EXPECT_GT(expect_zero_where_blocked(c, bias, gradients.attention_bias), 0) << bias_shape.name;
   }
 }
@@ -543,9 +543,9 @@ TEST(AttentionBiasGradient, FixedRunsAreThreadIndependentAndSumTheExpandedGradie
       auto options = c.options;
       options.compute_bias_gradient = true;
       options.num_threads = 1;
-      const auto single = layer.backward(c.query(), c.key, c.value, d_output, options);
+      const auto single = layer.backward(c.query(), {c.key, c.value}, d_output, options);
       options.num_threads = 2;
-      const auto two = layer.backward(c.query(), c.key, c.value, d_output, options);
+      const auto two = layer.backward(c.query(), {c.key, c.value}, d_output, options);
       expect_bitwise_equal(single, two);
       // The same bias expanded to (B, H, T, S): its gradient is the per-(b, h) dS.
       Tensor4<double> expanded(shape.batch, shape.heads, 4, 5);
@@ -556,7 +556,7 @@ TEST(AttentionBiasGradient, FixedRunsAreThreadIndependentAndSumTheExpandedGradie
               expanded(b, h, t, s) = c.problem.attention_bias[std::size_t(
                   sdmha_reference::broadcast_index(bias.batch, bias.heads, c.problem, b, h, t, s))];
       options.attention_bias = expanded;
-      const auto full = layer.backward(c.query(), c.key, c.value, d_output, options);
+      const auto full = layer.backward(c.query(), {c.key, c.value}, d_output, options);
       std::vector<double> summed(std::size_t(bias.size()), 0.0);
       for (long b = 0; b < shape.batch; ++b)
         for (long h = 0; h < shape.heads; ++h)
@@ -580,25 +580,26 @@ TEST(AttentionBiasGradient, EmptyWhenNotAsked) {
   const Layer layer(c.config, c.weights);
   const auto d_output = gradient_check::random_d_output(c, 3);
   auto options = c.options;
-  const auto without = layer.backward(c.query(), c.key, c.value, d_output, options);
+  const auto without = layer.backward(c.query(), {c.key, c.value}, d_output, options);
   EXPECT_EQ(without.attention_bias.size(), 0);
   options.compute_bias_gradient = true;
-  const auto with = layer.backward(c.query(), c.key, c.value, d_output, options);
+  const auto with = layer.backward(c.query(), {c.key, c.value}, d_output, options);
   EXPECT_EQ(with.attention_bias.size(), bias.size());
   auto cleared = with;
   cleared.attention_bias = Tensor4<double>();
   expect_bitwise_equal(without, cleared);
   options.attention_bias = sdmha::BroadcastRef<double>();
-  EXPECT_EQ(layer.backward(c.query(), c.key, c.value, d_output, options).attention_bias.size(), 0);
+  EXPECT_EQ(layer.backward(c.query(), {c.key, c.value}, d_output, options).attention_bias.size(),
+            0);
   // A workspace and gradients kept from a call with the bias gradient: the next call without it
   // leaves it empty.
   sdmha::Workspace<double> workspace;
   sdmha::MhaGradients<double> kept;
   options.attention_bias = bias.ref();
-  layer.backward(c.query(), c.key, c.value, d_output, options, workspace, kept);
+  layer.backward(c.query(), {c.key, c.value}, d_output, options, workspace, kept);
   EXPECT_EQ(kept.attention_bias.size(), bias.size());
   options.compute_bias_gradient = false;
-  layer.backward(c.query(), c.key, c.value, d_output, options, workspace, kept);
+  layer.backward(c.query(), {c.key, c.value}, d_output, options, workspace, kept);
   EXPECT_EQ(kept.attention_bias.size(), 0);
 }
 
@@ -618,11 +619,11 @@ TEST(AttentionBiasErrors, BadShapesAreShapeErrors) {
       "possibly 1";
   auto options = c.options;
   auto expect_error = [&](const sdmha::AttentionOptions<double>& o, const std::string& fragment) {
-    SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), c.key, c.value, o), sdmha::ShapeError,
+    SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), {c.key, c.value}, o), sdmha::ShapeError,
                             fragment);
-    SDMHA_EXPECT_THROW_WITH(layer.backward(c.query(), c.key, c.value, d_output, o),
+    SDMHA_EXPECT_THROW_WITH(layer.backward(c.query(), {c.key, c.value}, d_output, o),
                             sdmha::ShapeError, fragment);
-    SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), c.key, c.value, o), sdmha::ShapeError,
+    SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), {c.key, c.value}, o), sdmha::ShapeError,
                             expected);
   };
   options.attention_bias = bias_wrong_s;
@@ -640,7 +641,7 @@ TEST(AttentionBiasErrors, BadShapesAreShapeErrors) {
   expect_error(options, "attention_mask is (1, 4, 5, 7); ");
   // A raw view with a size but no data.
   options.attention_mask = sdmha::BroadcastRef<bool>(nullptr, 2, 2, 5, 7);
-  SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), c.key, c.value, options), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), {c.key, c.value}, options), sdmha::ShapeError,
                           "attention_mask has no data");
 }
 
@@ -671,13 +672,13 @@ TEST(DropoutGenerator, FreshSeedPerForwardReproducibleSequence) {
   sdmha::DropoutGenerator first(42), second(42), other(43);
   std::vector<Tensor3<double>> outputs;
   for (int step = 0; step < 3; ++step) {
-    const auto a = layer.forward(c.query(), c.key, c.value, training_options(&first));
+    const auto a = layer.forward(c.query(), {c.key, c.value}, training_options(&first));
     EXPECT_EQ(a.dropout_seed, first.last());
     EXPECT_EQ(first.draws(), std::uint64_t(step + 1));
-    const auto b = layer.forward(c.query(), c.key, c.value, training_options(&second));
+    const auto b = layer.forward(c.query(), {c.key, c.value}, training_options(&second));
     EXPECT_EQ(a.dropout_seed, b.dropout_seed);
     EXPECT_TRUE(same(a.output, b.output)) << "step " << step;
-    const auto o = layer.forward(c.query(), c.key, c.value, training_options(&other));
+    const auto o = layer.forward(c.query(), {c.key, c.value}, training_options(&other));
     EXPECT_NE(o.dropout_seed, a.dropout_seed);
     for (const auto& earlier : outputs) EXPECT_FALSE(same(earlier, a.output)) << "step " << step;
     outputs.push_back(a.output);
@@ -686,15 +687,15 @@ TEST(DropoutGenerator, FreshSeedPerForwardReproducibleSequence) {
   // Not training, or rate 0: no draw, no dropout, seed 0 reported.
   auto options = training_options(&first);
   options.training = false;
-  EXPECT_EQ(layer.forward(c.query(), c.key, c.value, options).dropout_seed, 0u);
+  EXPECT_EQ(layer.forward(c.query(), {c.key, c.value}, options).dropout_seed, 0u);
   options.training = true;
   options.dropout_rate = 0.0;
-  EXPECT_EQ(layer.forward(c.query(), c.key, c.value, options).dropout_seed, 0u);
+  EXPECT_EQ(layer.forward(c.query(), {c.key, c.value}, options).dropout_seed, 0u);
   EXPECT_EQ(first.draws(), 3u);
   // Without a generator, dropout_seed is used as it is.
   options = training_options(nullptr);
   options.dropout_seed = 77;
-  EXPECT_EQ(layer.forward(c.query(), c.key, c.value, options).dropout_seed, 77u);
+  EXPECT_EQ(layer.forward(c.query(), {c.key, c.value}, options).dropout_seed, 77u);
 }
 
 // Uniform probabilities (a zero key kernel and no biases) and identity value and output
@@ -718,7 +719,7 @@ TEST(DropoutGenerator, EmpiricalRateWithinBinomialBound) {
   const double kept_value = 1.0 / (double(shape.key_steps) * (1.0 - kDropoutRate));
   long dropped = 0, entries = 0;
   for (int step = 0; step < 3; ++step) {
-    const auto output = layer.forward(c.query(), c.key, c.value, training_options(&generator));
+    const auto output = layer.forward(c.query(), {c.key, c.value}, training_options(&generator));
     for (Index i = 0; i < output.output.size(); ++i, ++entries) {
       const double value = output.output.data()[i];
       if (value == 0.0)
@@ -741,26 +742,26 @@ TEST(DropoutGenerator, BackwardReusesTheForwardsMask) {
   const auto d_output = gradient_check::random_d_output(c, 5);
   sdmha::DropoutGenerator generator(11);
   auto with_generator = training_options(&generator);
-  layer.forward(c.query(), c.key, c.value, with_generator);
-  const auto result = layer.forward(c.query(), c.key, c.value, with_generator);
+  layer.forward(c.query(), {c.key, c.value}, with_generator);
+  const auto result = layer.forward(c.query(), {c.key, c.value}, with_generator);
   ASSERT_EQ(generator.draws(), 2u);
-  const auto g = layer.backward(c.query(), c.key, c.value, d_output, with_generator);
+  const auto g = layer.backward(c.query(), {c.key, c.value}, d_output, with_generator);
   EXPECT_EQ(generator.draws(), 2u);
   EXPECT_EQ(generator.last(), result.dropout_seed);
   auto by_seed = training_options(nullptr);
   by_seed.dropout_seed = result.dropout_seed;
-  const auto expected = layer.backward(c.query(), c.key, c.value, d_output, by_seed);
+  const auto expected = layer.backward(c.query(), {c.key, c.value}, d_output, by_seed);
   expect_bitwise_equal(g, expected);
   // And the mask matters: another seed's gradients differ.
   by_seed.dropout_seed = result.dropout_seed + 1;
-  const auto other = layer.backward(c.query(), c.key, c.value, d_output, by_seed);
+  const auto other = layer.backward(c.query(), {c.key, c.value}, d_output, by_seed);
   bool differs = false;
   for (Index i = 0; i < g.value_kernel.size(); ++i)
     differs = differs || g.value_kernel.data()[i] != other.value_kernel.data()[i];
   EXPECT_TRUE(differs);
   // The forward by seed is the forward of the generator's step.
   EXPECT_TRUE(same(layer
-                       .forward(c.query(), c.key, c.value,
+                       .forward(c.query(), {c.key, c.value},
                                 [&] {
                                   auto o = training_options(nullptr);
                                   o.dropout_seed = result.dropout_seed;
@@ -776,7 +777,7 @@ TEST(DropoutGenerator, LastBeforeAnyDrawIsConfigError) {
   auto c = make_case<double>(Shape{}, 10300);
   const Layer layer(c.config, c.weights);
   SDMHA_EXPECT_THROW_WITH(
-      layer.backward(c.query(), c.key, c.value, gradient_check::random_d_output(c, 6),
+      layer.backward(c.query(), {c.key, c.value}, gradient_check::random_d_output(c, 6),
                      training_options(&generator)),
       sdmha::ConfigError, "no seed drawn yet");
   EXPECT_EQ(generator.draws(), 0u);
@@ -843,7 +844,7 @@ TYPED_TEST(AttentionBiasTest, AppendedContextEqualsWholeProjection) {
     for (Index i = 0; i < bias.size(); ++i) bias.data()[i] = Scalar(0.1 * double(i % 7));
     options.attention_bias = bias;
     const auto appended = layer.forward(c.query(), context, options).output;
-    const auto direct = layer.forward(c.query(), c.key, c.value, options).output;
+    const auto direct = layer.forward(c.query(), {c.key, c.value}, options).output;
     const auto on_whole = layer.forward(c.query(), whole, options).output;
     EXPECT_TRUE(same_projection(appended.data(), on_whole.data(), on_whole.size()))
         << "split " << split;
@@ -893,7 +894,7 @@ void expect_non_finite_bias_makes_its_row_nan() {
         c.options.attention_bias = bias;
         c.options.score_strategy = sdmha::ScoreStrategy::project_first;
         const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
-        const auto result = layer.forward(c.query(), c.key, c.value, c.options);
+        const auto result = layer.forward(c.query(), {c.key, c.value}, c.options);
         SCOPED_TRACE("S = " + std::to_string(key_steps) + ", bias " + std::to_string(poison) +
                      " at key " + std::to_string(poisoned_key));
         for (long b = 0; b < c.shape.batch; ++b)
@@ -945,13 +946,13 @@ void expect_minus_infinity_bias_blocks_non_finite_keys(sdmha::FullyMaskedRows po
       const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
       SCOPED_TRACE("S = " + std::to_string(key_steps) + ", key row " + std::to_string(poison) +
                    ", " + sdmha::to_string(policy));
-      const auto expected = layer.forward(c.query(), zeroed, c.value, c.options);
-      const auto result = layer.forward(c.query(), poisoned, c.value, c.options);
+      const auto expected = layer.forward(c.query(), {zeroed, c.value}, c.options);
+      const auto result = layer.forward(c.query(), {poisoned, c.value}, c.options);
       EXPECT_TRUE(all_near(result.output.data(),
                            entries_of(expected.output.data(), expected.output.size()), tolerance));
       const auto d_output = gradient_check::random_d_output(c, 3);
-      const auto want = layer.backward(c.query(), zeroed, c.value, d_output, c.options);
-      const auto got = layer.backward(c.query(), poisoned, c.value, d_output, c.options);
+      const auto want = layer.backward(c.query(), {zeroed, c.value}, d_output, c.options);
+      const auto got = layer.backward(c.query(), {poisoned, c.value}, d_output, c.options);
       auto expect_same = [&](const auto& got_part, const auto& want_part, const char* name) {
         EXPECT_TRUE(
             all_near(got_part.data(), entries_of(want_part.data(), want_part.size()), tolerance))
@@ -983,13 +984,13 @@ TEST(AttentionBiasErrors, RawViewRankDisagreeingWithItsDimensions) {
   std::vector<double> data(std::size_t(2 * 2 * 5 * 7), 0.5);
   auto options = c.options;
   options.attention_bias = sdmha::BroadcastRef<double>(data.data(), 2, 1, 5, 7, /*rank=*/2);
-  SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), c.key, c.value, options), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), {c.key, c.value}, options), sdmha::ShapeError,
                           "attention_bias is (5, 7); expected");
   options.attention_bias = sdmha::BroadcastRef<double>(data.data(), 2, 2, 5, 7, /*rank=*/3);
-  SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), c.key, c.value, options), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), {c.key, c.value}, options), sdmha::ShapeError,
                           "attention_bias is (2, 5, 7); expected");
   options.attention_bias = sdmha::BroadcastRef<double>(data.data(), 2, 2, 5, 7, /*rank=*/4);
-  EXPECT_NO_THROW(layer.forward(c.query(), c.key, c.value, options));
+  EXPECT_NO_THROW(layer.forward(c.query(), {c.key, c.value}, options));
 }
 
 // Appending to an empty context takes the other one; appending no key steps changes nothing;

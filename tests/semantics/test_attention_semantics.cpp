@@ -84,7 +84,7 @@ TYPED_TEST(AttentionSemanticsTest, ForwardMatchesReference) {
           c.options.return_attention_scores = return_scores;
           c.options.num_threads = 2;
           const sdmha::SparseDenseMHA<Scalar> layer(c.config, c.weights);
-          const auto result = layer.forward(c.query(), c.key, c.value, c.options);
+          const auto result = layer.forward(c.query(), {c.key, c.value}, c.options);
           const auto expected = sdmha_reference::forward(c.problem);
           SCOPED_TRACE(std::string(semantics.name) + " " + sdmha::to_string(strategy) + " T=" +
                        std::to_string(shape.steps) + " S=" + std::to_string(shape.key_steps));
@@ -95,7 +95,7 @@ TYPED_TEST(AttentionSemanticsTest, ForwardMatchesReference) {
                                  relative_tolerance<Scalar>()));
           }
           c.options.num_threads = 1;
-          const auto single = layer.forward(c.query(), c.key, c.value, c.options);
+          const auto single = layer.forward(c.query(), {c.key, c.value}, c.options);
           for (Index i = 0; i < result.output.size(); ++i)
             ASSERT_EQ(single.output.data()[i], result.output.data()[i])
                 << "thread counts differ at " << i;
@@ -139,8 +139,8 @@ TEST(AttentionSemantics, BadScaleIsRejected) {
   for (double scale :
        {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
     c.options.scale = scale;
-    SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), c.key, c.value, c.options), sdmha::ConfigError,
-                            "expected a finite number");
+    SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), {c.key, c.value}, c.options),
+                            sdmha::ConfigError, "expected a finite number");
   }
 }
 

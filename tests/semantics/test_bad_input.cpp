@@ -76,7 +76,7 @@ TEST(BadInput, TensorRefWithoutDataIsAShapeError) {
   const auto c = make_case<double>(Shape{}, 60);
   const sdmha::SparseDenseMHA<double> layer(c.config, c.weights);
   const sdmha::TensorRef3<double> no_key(nullptr, 2, 7, 12);
-  SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), no_key, c.value), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), {no_key, c.value}), sdmha::ShapeError,
                           "key has no data; expected 2 x 7 x 12 values");
 }
 
@@ -87,7 +87,7 @@ TEST(BadInput, DropoutRateOutsideZeroToOneIsAConfigError) {
     auto options = c.options;
     options.training = true;
     options.dropout_rate = rate;
-    SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), c.key, c.value, options), sdmha::ConfigError,
+    SDMHA_EXPECT_THROW_WITH(layer.forward(c.query(), {c.key, c.value}, options), sdmha::ConfigError,
                             "expected 0 <= dropout_rate < 1");
   }
 }
@@ -259,7 +259,7 @@ TEST(BadInputRegression, ZeroBatchWithStepsNearTheIndexLimit) {
          {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
       auto options = c.options;
       options.score_strategy = strategy;
-      EXPECT_EQ(layer.forward(query, empty, empty, options).output.size(), 0);
+      EXPECT_EQ(layer.forward(query, {empty, empty}, options).output.size(), 0);
     }
   } catch (const sdmha::ShapeError&) {
     // Rejecting the shape at the boundary is the other acceptable outcome.
@@ -285,7 +285,7 @@ TEST(BadInputRegression, HugeBatchWithZeroStepsAndScores) {
           sdmha::SparseQuery<double>::from_coo(huge, 0, c.shape.query_dim, no_entries, no_values);
       auto options = c.options;
       options.return_attention_scores = scores;
-      const auto result = layer.forward(query, empty, empty, options);
+      const auto result = layer.forward(query, {empty, empty}, options);
       EXPECT_EQ(result.output.size(), 0);
     } catch (const sdmha::Error&) {
       // Rejecting the shape is fine; any other exception is the bug.
@@ -306,7 +306,7 @@ TEST(BadInput, MoreThanTwoToTheFiftyNineScoresIsAShapeError) {
   std::vector<double> nothing;
   const sdmha::TensorRef3<double> query(nothing.data(), huge, 0, c.shape.query_dim);
   const sdmha::TensorRef3<double> empty(nothing.data(), huge, 0, 12);
-  SDMHA_EXPECT_THROW_WITH(layer.forward(query, empty, empty, c.options), sdmha::ShapeError,
+  SDMHA_EXPECT_THROW_WITH(layer.forward(query, {empty, empty}, c.options), sdmha::ShapeError,
                           "B x H x T x S = 576460752303423488 x 2 x 0 x 0 scores; expected at "
                           "most 2^59");
 }
@@ -325,7 +325,7 @@ TEST(BadInputRegression, NoKeyStepsWithSeveralHeadsGiveTheOutputBias) {
     sdmha::AttentionOptions<double> options;
     options.score_strategy = strategy;
     options.return_attention_scores = true;
-    const auto result = layer.forward(c.query(), no_keys, no_values, options);
+    const auto result = layer.forward(c.query(), {no_keys, no_values}, options);
     ASSERT_EQ(result.output.dimension(1), s.steps);
     for (long b = 0; b < s.batch; ++b)
       for (long t = 0; t < s.steps; ++t)

@@ -68,7 +68,7 @@ void run_golden(const std::string& name, double tolerance) {
        {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
     SCOPED_TRACE(sdmha::to_string(strategy));
     options.score_strategy = strategy;
-    const auto result = layer.forward(inputs.query, inputs.key, inputs.value, options);
+    const auto result = layer.forward(inputs.query, {inputs.key, inputs.value}, options);
     ASSERT_EQ(std::size_t(result.output.size()), expected_output.size());
     ASSERT_EQ(std::size_t(result.attention_scores.size()), expected_scores.size());
     EXPECT_TRUE(all_near(result.output.data(), expected_output, tolerance));
@@ -79,7 +79,7 @@ void run_golden(const std::string& name, double tolerance) {
   const auto dense = inputs.query.to_dense();
   Eigen::TensorMap<const Tensor3<Scalar>> dense_query(
       dense.data(), inputs.query.batch(), inputs.query.steps(), inputs.query.features());
-  const auto result = baseline.forward(dense_query, inputs.key, inputs.value, options);
+  const auto result = baseline.forward(dense_query, {inputs.key, inputs.value}, options);
   EXPECT_TRUE(all_near(result.output.data(), expected_output, tolerance));
 }
 
@@ -169,7 +169,7 @@ void run_gradient_golden(const std::string& name, double tolerance) {
        {sdmha::ScoreStrategy::project_first, sdmha::ScoreStrategy::sparse_regrouped}) {
     SCOPED_TRACE(sdmha::to_string(strategy));
     options.score_strategy = strategy;
-    const auto g = layer.backward(inputs.query, inputs.key, inputs.value, d_output, options);
+    const auto g = layer.backward(inputs.query, {inputs.key, inputs.value}, d_output, options);
     // The Keras layout of each kernel, flattened row-major, is MhaWeights' (and MhaGradients').
     auto expect_near = [&](const std::string& what, const Scalar* got, Index size) {
       const auto expected = gradients.read<double>("expected/grad/" + what);

@@ -67,7 +67,7 @@ template <typename Scalar>
 sdmha::AttentionResult<Scalar> finite_forward(const sdmha::SparseDenseMHA<Scalar>& layer,
                                               const Case<Scalar>& c,
                                               const sdmha::AttentionOptions<Scalar>& options) {
-  auto result = layer.forward(c.query(), c.key, c.value, options);
+  auto result = layer.forward(c.query(), {c.key, c.value}, options);
   for (Index i = 0; i < result.output.size(); ++i)
     EXPECT_TRUE(std::isfinite(result.output.data()[i])) << "output entry " << i;
   return result;
@@ -235,7 +235,7 @@ TYPED_TEST(Numerics, NonFiniteKeysAndValuesAtBlockedPositionsNeverReachTheOutput
         EXPECT_TRUE(all_near(layer.forward(c.query(), context, options).output.data(),
                              expected.output, relative_tolerance<Scalar>()));
       }
-      const auto dense_result = dense.forward(c.dense_query(), c.key, c.value, c.options);
+      const auto dense_result = dense.forward(c.dense_query(), {c.key, c.value}, c.options);
       EXPECT_TRUE(
           all_near(dense_result.output.data(), expected.output, relative_tolerance<Scalar>()));
     }
@@ -331,8 +331,8 @@ TEST(NumericsPrecision, FloatAgreesWithDoubleOnEveryGoldenShape) {
       auto float_options = c.options;
       float_options.score_strategy = options.score_strategy = strategy;
       float_options.return_attention_scores = true;
-      const auto single = float_layer.forward(c.query(), c.key, c.value, float_options);
-      const auto wide = double_layer.forward(query, key, value, options);
+      const auto single = float_layer.forward(c.query(), {c.key, c.value}, float_options);
+      const auto wide = double_layer.forward(query, {key, value}, options);
       std::vector<double> wide_output(wide.output.data(), wide.output.data() + wide.output.size());
       std::vector<double> wide_scores(wide.attention_scores.data(),
                                       wide.attention_scores.data() + wide.attention_scores.size());

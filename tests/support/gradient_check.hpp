@@ -79,7 +79,7 @@ template <typename Layer>
 double loss(const Case<double>& c, const Tensor3<double>& d_output,
             const sdmha::AttentionOptions<double>& options) {
   const Layer layer(c.config, c.weights);
-  return weighted_sum(d_output, layer.forward(c.query(), c.key, c.value, options).output);
+  return weighted_sum(d_output, layer.forward(c.query(), {c.key, c.value}, options).output);
 }
 
 // What a check saw.
@@ -114,9 +114,9 @@ Summary check_layer(const Layer& layer, sdmha::MhaWeights<double>& weights, Case
                     const sdmha::AttentionOptions<double>& options, std::uint64_t seed,
                     Index max_checked, bool report = true) {
   const auto d_output = random_d_output(c, seed);
-  const auto gradients = layer.backward(c.query(), c.key, c.value, d_output, options);
+  const auto gradients = layer.backward(c.query(), {c.key, c.value}, d_output, options);
   auto loss_now = [&] {
-    return weighted_sum(d_output, layer.forward(c.query(), c.key, c.value, options).output);
+    return weighted_sum(d_output, layer.forward(c.query(), {c.key, c.value}, options).output);
   };
   std::mt19937_64 generator(seed + 1);
   Summary summary;

@@ -456,7 +456,7 @@ void run(const Arguments& arguments, const sdmha::io::TensorSource* weights_sour
   options.num_threads = arguments.threads;
   options.score_strategy = arguments.strategy;
   const auto result =
-      layer.forward(layer_inputs.query, layer_inputs.key, layer_inputs.value, options);
+      layer.forward(layer_inputs.query, {layer_inputs.key, layer_inputs.value}, options);
 
   step = {"writing " + in_quotes(arguments.output_path), arguments.output_path,
           in_quotes(arguments.output_path) + ": "};

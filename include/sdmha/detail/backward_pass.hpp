@@ -72,14 +72,14 @@ struct Backward {
   }
 
   // Everything the backward checks before any work: the forward's checks with the same
-  // messages, then d_output against (B, T, O), and the plan.
+  // messages (the context must hold the key and value), then d_output against (B, T, O), and
+  // the plan.
   static AttentionPlan check_and_plan(const char* where, const Layer& layer, const Query& query,
-                                      const TensorRef3<Scalar>& key,
-                                      const TensorRef3<Scalar>& value,
+                                      const Context<Scalar>& context,
                                       const TensorRef3<Scalar>& d_output,
                                       const AttentionOptions<Scalar>& options, Buffers& buffers) {
     const LayerDims dims = layer.checked_query(where, query);
-    check_context<Scalar>(where, dims, query.batch(), key, value);
+    check_context<Scalar>(where, dims, query.batch(), context, true);
     const Index B = query.batch(), T = query.steps(), O = dims.output_dim;
     if (d_output.dimension(0) != B || d_output.dimension(1) != T || d_output.dimension(2) != O)
       fail<ShapeError>(where, "d_output is (", d_output.dimension(0), ", ", d_output.dimension(1),
@@ -87,44 +87,25 @@ struct Backward {
                        O, ")");
     if (d_output.data() == nullptr && B * T * O > 0)
       fail<ShapeError>(where, "d_output has no data; expected ", B, " x ", T, " x ", O, " values");
-    return layer.plan_call(where, dims, query, value.dimension(1), options, Pass::backward,
+    return layer.plan_call(where, dims, query, context.key_steps(), options, Pass::backward,
                            buffers);
   }
 
-  // A saved context must be project_context(key, value)'s for these key and value.
-  static void check_saved_context(const char* where, const AttentionPlan& plan,
-                                  const ProjectedContext<Scalar>& context) {
-    const Index rows = plan.batch * plan.key_steps;
-    const LayerDims& dims = plan.dims;
-    if (context.batch != plan.batch || context.key_steps != plan.key_steps ||
-        context.keys.rows() != rows || context.keys.cols() != dims.projected_key_width() ||
-        context.values.rows() != rows || context.values.cols() != dims.projected_value_width())
-      fail<ShapeError>(
-          where, "context has batch ", context.batch, ", key_steps ", context.key_steps, ", keys ",
-          context.keys.rows(), " x ", context.keys.cols(), ", values ", context.values.rows(),
-          " x ", context.values.cols(), "; expected those of project_context(key, value): batch ",
-          plan.batch, ", key_steps ", plan.key_steps, ", keys ", rows, " x ",
-          dims.projected_key_width(), ", values ", rows, " x ", dims.projected_value_width());
-  }
-
-  // One backward call: checks, plan, then the passes, in `workspace`, K and V from `saved` (a
-  // project_context of key and value) or, with none, projected now.
-  static void call(const Layer& layer, const Query& query, const TensorRef3<Scalar>& key,
-                   const TensorRef3<Scalar>& value, const ProjectedContext<Scalar>* saved,
+  // One backward call: checks, plan, then the passes, in `workspace`, K and V the context's
+  // projected ones or, with none, projected now.
+  static void call(const Layer& layer, const Query& query, const Context<Scalar>& context,
                    const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options,
                    Workspace<Scalar>& workspace, MhaGradients<Scalar>& gradients) {
     check_stages();
     constexpr const char* where = "SparseDenseMHA::backward";
     const typename Workspace<Scalar>::Lease lease(workspace, where);
     auto& buffers = lease.buffers();
-    const auto plan = check_and_plan(where, layer, query, key, value, d_output, options, buffers);
-    if (saved != nullptr) {
-      check_saved_context(where, plan, *saved);
-    } else {
-      layer.project_context_into(plan, key, value, buffers, buffers.context);
-    }
-    run(layer, plan, query, key, value, saved != nullptr ? *saved : buffers.context, d_output,
-        options, buffers, gradients);
+    const auto plan = check_and_plan(where, layer, query, context, d_output, options, buffers);
+    const ProjectedContext<Scalar>* saved = context.projected();
+    if (saved == nullptr)
+      layer.project_context_into(plan, context.key(), context.value(), buffers, buffers.context);
+    run(layer, plan, query, context.key(), context.value(),
+        saved != nullptr ? *saved : buffers.context, d_output, options, buffers, gradients);
   }
 
   // The backward on a validated call, K and V being `context`'s.
@@ -153,14 +134,17 @@ struct Backward {
     Projections::kernel_gradient(plan, layer.stages().output_projection, buffers.heads,
                                  d_output_matrix, buffers, gradients.output_kernel);
     Projections::bias_gradient(plan, use_bias, d_output_matrix, gradients.output_bias, buffers);
-    Projections::query_gradients(layer, plan, query, buffers, gradients);
+    const auto& wanted = options.input_gradients;
+    Projections::query_gradients(layer, plan, query, wanted.query_values, buffers, gradients);
     Projections::bias_gradient(plan, use_bias, scratch.d_queries, gradients.query_bias, buffers);
     Projections::context_gradients(plan, layer.stages().context_projection, key.as_matrix(),
-                                   weights.key_kernel, scratch.d_keys, use_bias, buffers,
-                                   gradients.key_kernel, gradients.key_bias, gradients.key);
+                                   weights.key_kernel, scratch.d_keys, use_bias, wanted.key,
+                                   buffers, gradients.key_kernel, gradients.key_bias,
+                                   gradients.key);
     Projections::context_gradients(plan, layer.stages().context_projection, value.as_matrix(),
-                                   weights.value_kernel, scratch.d_values, use_bias, buffers,
-                                   gradients.value_kernel, gradients.value_bias, gradients.value);
+                                   weights.value_kernel, scratch.d_values, use_bias, wanted.value,
+                                   buffers, gradients.value_kernel, gradients.value_bias,
+                                   gradients.value);
   }
 };
 
@@ -172,44 +156,21 @@ namespace sdmha {
 template <typename Scalar, typename QP, typename SK, typename SM, typename AV, typename OP,
           typename CP>
 void SparseDenseMHA<Scalar, QP, SK, SM, AV, OP, CP>::backward(
-    const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
-    const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options,
-    Workspace<Scalar>& workspace, MhaGradients<Scalar>& gradients) const {
-  detail::Backward<SparseDenseMHA>::call(*this, query, key, value, nullptr, d_output, options,
-                                         workspace, gradients);
-}
-
-template <typename Scalar, typename QP, typename SK, typename SM, typename AV, typename OP,
-          typename CP>
-void SparseDenseMHA<Scalar, QP, SK, SM, AV, OP, CP>::backward(
-    const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
-    const ProjectedContext<Scalar>& context, const TensorRef3<Scalar>& d_output,
+    const Query& query, const Context<Scalar>& context, const TensorRef3<Scalar>& d_output,
     const AttentionOptions<Scalar>& options, Workspace<Scalar>& workspace,
     MhaGradients<Scalar>& gradients) const {
-  detail::Backward<SparseDenseMHA>::call(*this, query, key, value, &context, d_output, options,
-                                         workspace, gradients);
+  detail::Backward<SparseDenseMHA>::call(*this, query, context, d_output, options, workspace,
+                                         gradients);
 }
 
 template <typename Scalar, typename QP, typename SK, typename SM, typename AV, typename OP,
           typename CP>
 MhaGradients<Scalar> SparseDenseMHA<Scalar, QP, SK, SM, AV, OP, CP>::backward(
-    const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
-    const TensorRef3<Scalar>& d_output, const AttentionOptions<Scalar>& options) const {
-  const auto borrowed = this->borrow_workspace();
-  MhaGradients<Scalar> gradients;
-  backward(query, key, value, d_output, options, borrowed.workspace(), gradients);
-  return gradients;
-}
-
-template <typename Scalar, typename QP, typename SK, typename SM, typename AV, typename OP,
-          typename CP>
-MhaGradients<Scalar> SparseDenseMHA<Scalar, QP, SK, SM, AV, OP, CP>::backward(
-    const Query& query, const TensorRef3<Scalar>& key, const TensorRef3<Scalar>& value,
-    const ProjectedContext<Scalar>& context, const TensorRef3<Scalar>& d_output,
+    const Query& query, const Context<Scalar>& context, const TensorRef3<Scalar>& d_output,
     const AttentionOptions<Scalar>& options) const {
   const auto borrowed = this->borrow_workspace();
   MhaGradients<Scalar> gradients;
-  backward(query, key, value, context, d_output, options, borrowed.workspace(), gradients);
+  backward(query, context, d_output, options, borrowed.workspace(), gradients);
   return gradients;
 }
 

@@ -171,17 +171,22 @@ struct BackwardProjections {
         &buffers.pool, "bias gradient");
   }
 
-  // dW, db and d_input of the key or the value projection.
+  // dW, db and, where `input_wanted`, d_input of the key or the value projection (else d_input
+  // is left empty).
   template <typename Projection>
   static void context_gradients(const AttentionPlan& plan, const Projection& projection,
                                 const ConstMatrixRef<Scalar>& input,
                                 const RowMatrix<Scalar>& kernel,
                                 const RowMatrix<Scalar>& d_projected, bool use_bias,
-                                Buffers& buffers, RowMatrix<Scalar>& d_kernel,
+                                bool input_wanted, Buffers& buffers, RowMatrix<Scalar>& d_kernel,
                                 Vector<Scalar>& d_bias,
                                 Eigen::Tensor<Scalar, 3, Eigen::RowMajor>& d_input) {
     kernel_gradient(plan, projection, input, d_projected, buffers, d_kernel);
     bias_gradient(plan, use_bias, d_projected, d_bias, buffers);
+    if (!input_wanted) {
+      d_input.resize(0, 0, 0);
+      return;
+    }
     d_input.resize(plan.batch, plan.key_steps, kernel.rows());
     input_gradient(
         plan, projection, d_projected, kernel,
@@ -191,21 +196,26 @@ struct BackwardProjections {
 
   // ---- the sparse query projection ---------------------------------------------------------
 
-  // dWq and dX, by feature over X's CSC when Wq is beyond L2 (bow), else by rows; then dX in
-  // from_coo's entry order when the query came from COO.
+  // dWq and, where `values_wanted`, dX (else gradients.query_values is left empty): by feature
+  // over X's CSC when Wq is beyond L2 (bow), else by rows; then dX in from_coo's entry order
+  // when the query came from COO.
   static constexpr Index kEntryBlock = Index(1) << 14;  // COO entries per item of the reorder
   static void query_gradients(const Layer& layer, const AttentionPlan& plan, const Query& query,
-                              Buffers& buffers, MhaGradients<Scalar>& gradients) {
+                              bool values_wanted, Buffers& buffers,
+                              MhaGradients<Scalar>& gradients) {
     BackwardBuffers<Scalar>& scratch = buffers.backward;
     const auto& coo_to_stored = query.coo_to_stored();
     Vector<Scalar>& d_stored = coo_to_stored.empty() ? gradients.query_values : scratch.d_stored;
-    d_stored.resize(query.csr().nonzeros());
+    d_stored.resize(values_wanted ? query.csr().nonzeros() : 0);
+    Vector<Scalar>* values = values_wanted ? &d_stored : nullptr;
     gradients.query_kernel.resize(plan.dims.query_dim, plan.dims.projected_key_width());
     if (query_gradients_by_feature(query.csr(), plan.dims.projected_key_width()))
-      query_gradients_by_features(layer, plan, query, buffers, d_stored, gradients.query_kernel);
+      query_gradients_by_features(layer, plan, query, buffers, values, gradients.query_kernel);
     else
-      query_gradients_by_rows(layer, plan, query, buffers, d_stored, gradients.query_kernel);
-    if (!coo_to_stored.empty()) {
+      query_gradients_by_rows(layer, plan, query, buffers, values, gradients.query_kernel);
+    if (!values_wanted) {
+      gradients.query_values.resize(0);
+    } else if (!coo_to_stored.empty()) {
       const Index entries = Index(coo_to_stored.size());
       gradients.query_values.resize(entries);
       parallel_for(
@@ -219,9 +229,10 @@ struct BackwardProjections {
     }
   }
 
+  // dWq, and dX into `d_stored` where it is given.
   static void query_gradients_by_features(const Layer& layer, const AttentionPlan& plan,
                                           const Query& query, Buffers& buffers,
-                                          Vector<Scalar>& d_stored, RowMatrix<Scalar>& d_kernel) {
+                                          Vector<Scalar>* d_stored, RowMatrix<Scalar>& d_kernel) {
     using Groups = typename QueryProjection::FeatureGroups;
     const auto& csr = query.csr();
     ScratchBuffer& memory = buffers.backward.feature_groups;
@@ -239,8 +250,9 @@ struct BackwardProjections {
               csr, d_queries, d_kernel.middleRows(block.begin, block.rows), &groups, block.begin};
           QueryProjection::can_implement(kernel_args);
           layer.stages().query_projection.backward(kernel_args);
+          if (d_stored == nullptr) return;
           typename QueryProjection::ValuesGradientArguments values_args{
-              csr,       layer.weights().query_kernel, d_queries, d_stored, &groups, block.begin,
+              csr,       layer.weights().query_kernel, d_queries, *d_stored, &groups, block.begin,
               block.rows};
           QueryProjection::can_implement(values_args);
           layer.stages().query_projection.backward(values_args);
@@ -254,7 +266,7 @@ struct BackwardProjections {
   static constexpr Index kQueryKernelPanel = 64;
   static void query_gradients_by_rows(const Layer& layer, const AttentionPlan& plan,
                                       const Query& query, Buffers& buffers,
-                                      Vector<Scalar>& d_stored, RowMatrix<Scalar>& d_kernel) {
+                                      Vector<Scalar>* d_stored, RowMatrix<Scalar>& d_kernel) {
     const auto& csr = query.csr();
     const RowMatrix<Scalar>& d_queries = buffers.backward.d_queries;
     const Index width = plan.dims.projected_key_width();
@@ -271,6 +283,14 @@ struct BackwardProjections {
           layer.stages().query_projection.backward(args);
         },
         &buffers.pool, "query kernel gradient");
+    if (d_stored != nullptr) query_values_by_rows(layer, plan, query, buffers, *d_stored);
+  }
+
+  // dX in the projection's row blocks.
+  static void query_values_by_rows(const Layer& layer, const AttentionPlan& plan,
+                                   const Query& query, Buffers& buffers, Vector<Scalar>& d_stored) {
+    const auto& csr = query.csr();
+    const RowMatrix<Scalar>& d_queries = buffers.backward.d_queries;
     constexpr Index block_rows = kQueryProjectionRowBlock;
     const Index blocks = AttentionPlan::block_count(csr.rows, block_rows);
     std::vector<Index>& block_start = buffers.backward.block_start;

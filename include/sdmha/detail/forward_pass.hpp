@@ -33,6 +33,7 @@
 
 #include "sdmha/attention_result.hpp"
 #include "sdmha/config.hpp"
+#include "sdmha/context.hpp"
 #include "sdmha/detail/attention_plan.hpp"
 #include "sdmha/detail/attention_tile.hpp"
 #include "sdmha/detail/parallel.hpp"
@@ -405,33 +406,25 @@ void project_query_source(const AttentionPlan& plan, Source& source, CallBuffers
   run_query_projection(plan, source, buffers);
 }
 
-// The forward of a validated call given key and value: K and V projected whole with the query,
-// or streamed in chunks inside the attention (plan.context_chunk > 0).
+// The forward of a validated call: against the context's projected keys and values where it
+// holds them; else K and V projected whole with the query, or streamed in chunks inside the
+// attention (plan.context_chunk > 0).
 template <typename Core, typename Source>
 void run_forward(const Core& core, const AttentionPlan& plan, Source& source,
-                 const TensorRef3<typename Core::ScalarType>& key,
-                 const TensorRef3<typename Core::ScalarType>& value,
+                 const Context<typename Core::ScalarType>& context,
                  const AttentionOptions<typename Core::ScalarType>& options,
                  CallBuffers<typename Core::ScalarType>& buffers,
                  AttentionResult<typename Core::ScalarType>& result) {
-  if (plan.context_chunk > 0) {
+  if (context.projected() != nullptr) {
     project_query_source(plan, source, buffers);
-    attend_streamed(core, plan, key, value, options, source, buffers, result);
-    return;
+    attend(core, plan, *context.projected(), options, source, buffers, result);
+  } else if (plan.context_chunk > 0) {
+    project_query_source(plan, source, buffers);
+    attend_streamed(core, plan, context.key(), context.value(), options, source, buffers, result);
+  } else {
+    project_inputs(core, plan, source, context.key(), context.value(), buffers);
+    attend(core, plan, buffers.context, options, source, buffers, result);
   }
-  project_inputs(core, plan, source, key, value, buffers);
-  attend(core, plan, buffers.context, options, source, buffers, result);
-}
-
-// The same against keys and values projected once by project_context.
-template <typename Core, typename Source>
-void run_forward(const Core& core, const AttentionPlan& plan, Source& source,
-                 const ProjectedContext<typename Core::ScalarType>& context,
-                 const AttentionOptions<typename Core::ScalarType>& options,
-                 CallBuffers<typename Core::ScalarType>& buffers,
-                 AttentionResult<typename Core::ScalarType>& result) {
-  project_query_source(plan, source, buffers);
-  attend(core, plan, context, options, source, buffers, result);
 }
 
 }  // namespace sdmha::detail

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "sdmha/config.hpp"
+#include "sdmha/context.hpp"
 #include "sdmha/detail/attention_plan.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/options.hpp"
@@ -88,6 +89,26 @@ void check_context(const char* where, const LayerDims& dims, Index batch,
                      context.values.cols(),
                      "; expected batch * key_steps x num_heads * value_dim = ", context.keys.rows(),
                      " x ", dims.projected_value_width());
+}
+
+// Checks a call's context: the key and value where given, the projected keys and values where
+// given, and that both describe the same S. `needs_key_value`: the backward's (dWk = keyᵀ·dK).
+template <typename Scalar>
+void check_context(const char* where, const LayerDims& dims, Index batch,
+                   const Context<Scalar>& context, bool needs_key_value) {
+  if (needs_key_value && !context.has_key_value())
+    fail<ShapeError>(where,
+                     "context holds projected keys and values only; expected {key, value} or "
+                     "{key, value, projected}: the backward needs the key and value (dWk = "
+                     "keyᵀ·dK, dWv = valueᵀ·dV)");
+  if (context.has_key_value()) check_context(where, dims, batch, context.key(), context.value());
+  const ProjectedContext<Scalar>* projected = context.projected();
+  if (projected == nullptr) return;
+  check_context(where, dims, batch, *projected);
+  if (context.has_key_value() && projected->key_steps != context.value().dimension(1))
+    fail<ShapeError>(where, "context's projected keys and values have ", projected->key_steps,
+                     " key steps but value has ", context.value().dimension(1),
+                     "; expected project_context(key, value) of this key and value");
 }
 
 // Checks the options against (B, T, S): masks, bias, dropout rate, threads, scale, sizes.
