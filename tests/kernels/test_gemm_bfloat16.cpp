@@ -531,7 +531,8 @@ TEST(OneDnnBFloat16Gemm, ServesTheProjectionsWithinTheBFloat16Bounds) {
     const BFloat16Kernel kernel = onednn_kernel(w);
     if (c.accumulate) {
       EXPECT_EQ(differing_bits(run_gemm(a, kernel, start, true),
-                               run_gemm(a, BFloat16Kernel(w), start, true)), 0);
+                               run_gemm(a, BFloat16Kernel(w), start, true)),
+                0);
       continue;
     }
     std::mt19937 rng(seed);
@@ -544,7 +545,8 @@ TEST(OneDnnBFloat16Gemm, ServesTheProjectionsWithinTheBFloat16Bounds) {
     EXPECT_EQ(entries_outside(result, reference_product(a, w, &c0, true), summation, &worst), 0)
         << "worst error against the rounded operands' product: " << worst;
     EXPECT_EQ(entries_outside(result, reference_product(a, w, &c0, false),
-                              kProductRounding + summation, &worst), 0)
+                              kProductRounding + summation, &worst),
+              0)
         << "worst |C - A.W - b| / (sum |A.W| + |b|) = " << worst;
     FloatMatrix through_gemm = nan_matrix(c.m, c.n);
     gemm_bfloat16(a, kernel, through_gemm, false, sdmha::StageScratch{}, bias.data());
@@ -565,7 +567,8 @@ TEST(OneDnnBFloat16Gemm, StridedOperandsStayWithinTheBounds) {
   const FloatMatrix a = wide_a.middleCols(3, k), result = wide_c.middleCols(2, n);
   double worst = 0.0;
   EXPECT_EQ(entries_outside(result, reference_product(a, w, nullptr, true),
-                            double(k + 1) * kSumRounding, &worst), 0)
+                            double(k + 1) * kSumRounding, &worst),
+            0)
       << worst;
 }
 

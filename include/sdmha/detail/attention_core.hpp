@@ -215,8 +215,7 @@ class AttentionCore {
   // mode on the pairs engine (with oneDNN they stay float32: cpu_features.hpp says why), when the
   // score and attend-values stages both can.
   bool attends_in_bfloat16() const {
-    return dense_gemm_engine() == BFloat16GemmEngine::pairs &&
-           std::is_same<Scalar, float>::value &&
+    return dense_gemm_engine() == BFloat16GemmEngine::pairs && std::is_same<Scalar, float>::value &&
            reads_bfloat16_operands<ScoreKernel>::value &&
            reads_bfloat16_operands<AttendValues>::value;
   }

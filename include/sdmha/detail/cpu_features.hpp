@@ -159,10 +159,14 @@ struct BFloat16GemmMachine {
 inline BFloat16GemmEngine bfloat16_gemm_engine(BFloat16Gemms choice,
                                                const BFloat16GemmMachine& machine) {
   switch (choice) {
-    case BFloat16Gemms::on: return BFloat16GemmEngine::pairs;
-    case BFloat16Gemms::off: return BFloat16GemmEngine::float32;
-    case BFloat16Gemms::onednn: return BFloat16GemmEngine::onednn;
-    case BFloat16Gemms::automatic: break;
+    case BFloat16Gemms::on:
+      return BFloat16GemmEngine::pairs;
+    case BFloat16Gemms::off:
+      return BFloat16GemmEngine::float32;
+    case BFloat16Gemms::onednn:
+      return BFloat16GemmEngine::onednn;
+    case BFloat16Gemms::automatic:
+      break;
   }
   if (machine.onednn_built && machine.engines_allowed && machine.amx_usable)
     return BFloat16GemmEngine::onednn;

@@ -386,7 +386,9 @@ inline void run(const float* a, Index lda, const std::uint32_t* w, Index ldw, fl
 
 }  // namespace bf16_gemm
 
-inline std::size_t pairs_workspace_size(Index m, Index k) { return bf16_gemm::workspace_bytes(m, k); }
+inline std::size_t pairs_workspace_size(Index m, Index k) {
+  return bf16_gemm::workspace_bytes(m, k);
+}
 
 #else
 

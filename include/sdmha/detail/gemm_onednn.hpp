@@ -27,9 +27,10 @@
 // W̃ is handed over once in the layout the matmul asks for `typical_rows` rows (blocked in pairs
 // of rows for its kernels); every primitive is made for that layout. Only brgemm primitives are
 // taken: the last of oneDNN's list, its reference matmul, takes any layout at a fraction of the
-// speed (its brgemm implementations are named "brg:" and the ISA). A shape that none serves is left to gemm_bfloat16.hpp's engine (run returns false).
-// A is rounded as that engine's packing rounds it (vcvtneps2bf16 where it uses it, Eigen's ties
-// to even elsewhere), W̃ is the BFloat16Kernel's bits: only the order of the sums differs.
+// speed (its brgemm implementations are named "brg:" and the ISA). A shape that none serves is left
+// to gemm_bfloat16.hpp's engine (run returns false). A is rounded as that engine's packing rounds
+// it (vcvtneps2bf16 where it uses it, Eigen's ties to even elsewhere), W̃ is the BFloat16Kernel's
+// bits: only the order of the sums differs.
 #pragma once
 
 #include <cstdint>
@@ -148,7 +149,8 @@ inline void round_rows(const ConstMatrixRef<float>& a, std::uint16_t* out) {
     for (Index i = 0; i < m; ++i)
       for (Index p = 0; p < k; p += 16) {
         const __mmask16 mask = avx512_gemm::lanes(k - p);
-        const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, a.data() + i * a.outerStride() + p));
+        const __m256bh rounded =
+            _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, a.data() + i * a.outerStride() + p));
         _mm256_mask_storeu_epi16(out + i * k + p, mask, (__m256i)rounded);
       }
     return;
@@ -192,7 +194,8 @@ class OneDnnBFloat16Gemm final : public ExternalBFloat16Gemm {
            StageScratch scratch) const override {
     using namespace onednn;
     const Index m = c.rows();
-    const std::optional<dnnl::matmul> matmul = primitive({m, c.outerStride(), column_bias != nullptr});
+    const std::optional<dnnl::matmul> matmul =
+        primitive({m, c.outerStride(), column_bias != nullptr});
     if (!matmul) return false;
     const ScratchOrOwn memory(scratch, array_bytes<std::uint16_t>(m * k_));
     std::uint16_t* rounded = ScratchCarver(memory.view()).take<std::uint16_t>(m * k_);
@@ -203,8 +206,8 @@ class OneDnnBFloat16Gemm final : public ExternalBFloat16Gemm {
         {DNNL_ARG_WEIGHTS, weights_},
         {DNNL_ARG_DST, dnnl::memory(output_desc(m, c.outerStride()), cpu_engine(), c.data())}};
     if (column_bias != nullptr)  // read only: oneDNN takes a handle without const
-      arguments.emplace(DNNL_ARG_BIAS, dnnl::memory(bias_desc(), cpu_engine(),
-                                                    const_cast<float*>(column_bias)));
+      arguments.emplace(DNNL_ARG_BIAS,
+                        dnnl::memory(bias_desc(), cpu_engine(), const_cast<float*>(column_bias)));
     dnnl::stream stream(cpu_engine());
     matmul->execute(stream, arguments);
     return true;
@@ -243,11 +246,10 @@ class OneDnnBFloat16Gemm final : public ExternalBFloat16Gemm {
   std::optional<dnnl::matmul::primitive_desc> describe(const Shape& shape) const {
     const dnnl::memory::desc output = output_desc(shape.rows, shape.ldc);
     try {
-      const auto operation = shape.bias ? dnnl::matmul::desc(source_desc(shape.rows),
-                                                             weights_.get_desc(), bias_desc(),
-                                                             output)
-                                        : dnnl::matmul::desc(source_desc(shape.rows),
-                                                             weights_.get_desc(), output);
+      const auto operation =
+          shape.bias ? dnnl::matmul::desc(source_desc(shape.rows), weights_.get_desc(), bias_desc(),
+                                          output)
+                     : dnnl::matmul::desc(source_desc(shape.rows), weights_.get_desc(), output);
       return dnnl::matmul::primitive_desc(operation, onednn::cpu_engine());
     } catch (const dnnl::error&) {
       return std::nullopt;
