@@ -280,9 +280,16 @@ class OneDnnBFloat16Gemm final : public ExternalBFloat16Gemm {
 };
 
 // Hands `kernel` to oneDNN as well: gemm_bfloat16 on it then runs through OneDnnBFloat16Gemm.
+// oneDNN's own failure (an engine or a reorder it cannot make) is a ConfigError naming it.
 inline void hand_to_onednn(BFloat16Kernel& kernel, Index typical_rows) {
   if (kernel.rows() == 0 || kernel.cols() == 0) return;  // empty products never reach it
-  kernel.set_external(std::make_shared<const OneDnnBFloat16Gemm>(kernel, typical_rows));
+  try {
+    kernel.set_external(std::make_shared<const OneDnnBFloat16Gemm>(kernel, typical_rows));
+  } catch (const dnnl::error& error) {
+    fail<ConfigError>("oneDNN bfloat16 GEMM", "oneDNN refused a ", kernel.rows(), " x ",
+                      kernel.cols(), " kernel (", error.what(),
+                      "); expected SDMHA_BFLOAT16_GEMMS other than onednn");
+  }
 }
 
 #endif  // SDMHA_WITH_ONEDNN
