@@ -7,7 +7,8 @@
 //   pre:   A (m × k) float, row-major; W a BFloat16Kernel of a k × n float matrix; C (m × n,
 //          row-major) aliases neither; scratch of gemm_bfloat16_workspace_size(m, n, k) bytes
 //   cost:  m·n·k multiply-adds, 32 per vdpbf16ps (AVX512_BF16: twice float32's FMA rate), one
-//          rounding copy of A per (row block, depth block); a portable loop elsewhere
+//          rounding copy of A per (row block, depth block); a portable loop elsewhere; a kernel
+//          handed to another engine (ExternalBFloat16Gemm: gemm_onednn.hpp's) goes there first
 //
 // Rounding is to nearest, ties to even: bfloat16 has 8 significant bits, so each operand moves
 // by at most 2⁻⁸ of itself and each term a·w of a float32 result by at most 2⁻⁷ + 2⁻¹⁶, on top of
