@@ -374,6 +374,25 @@ TEST_F(BFloat16OneDnnLayerTest, AgreesWithTheReferenceAndIsThreadInvariant) {
   }
 }
 
+// Many row blocks of K, V and the output (3·300 rows: 15 blocks each) on 1, 2 and 3 workers,
+// which share each kernel's primitives: the same bits, within tolerance of the reference.
+TEST_F(BFloat16OneDnnLayerTest, WorkersSharingTheKernelsGiveTheSameBits) {
+  const auto c = make_case<float>(Shape{}.sized(3, 300, 300).widths(40, 48, 36), 485);
+  Layer layer(c.config, c.weights);
+  layer.set_precision(sdmha::Precision::bfloat16);
+  const auto query = c.query();
+  auto options = c.options;
+  options.num_threads = 1;
+  const auto single = layer.forward(query, c.key, c.value, options);
+  EXPECT_TRUE(all_near(single.output.data(), sdmha_reference::forward(c.problem).output,
+                       kBFloat16LayerTolerance));
+  for (int threads : {2, 3}) {
+    options.num_threads = threads;
+    EXPECT_TRUE(same_bits(single.output, layer.forward(query, c.key, c.value, options).output))
+        << threads << " threads";
+  }
+}
+
 // The forward is the float64 model with the projections rounded (kernels and their inputs) and
 // the scores and P·V in float32: 8 times closer to it at least than that model is to the
 // unrounded one. A forward that rounded nothing, or also the scores' operands, would not be.

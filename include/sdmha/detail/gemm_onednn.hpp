@@ -190,26 +190,31 @@ class OneDnnBFloat16Gemm final : public ExternalBFloat16Gemm {
     stream.wait();
   }
 
+  // The scratch holds A rounded, then the primitive's scratchpad (with less, memory of its own).
   bool run(const ConstMatrixRef<float>& a, MatrixRef<float> c, const float* column_bias,
            StageScratch scratch) const override {
     using namespace onednn;
     const Index m = c.rows();
-    const std::optional<dnnl::matmul> matmul =
-        primitive({m, c.outerStride(), column_bias != nullptr});
-    if (!matmul) return false;
-    const ScratchOrOwn memory(scratch, array_bytes<std::uint16_t>(m * k_));
-    std::uint16_t* rounded = ScratchCarver(memory.view()).take<std::uint16_t>(m * k_);
+    const Primitive made = primitive({m, c.outerStride(), column_bias != nullptr});
+    if (!made.matmul) return false;
+    const std::size_t scratchpad_bytes = made.scratchpad.get_size();
+    const ScratchOrOwn memory(scratch,
+                              array_bytes<std::uint16_t>(m * k_) + aligned_bytes(scratchpad_bytes));
+    ScratchCarver carver(memory.view());
+    std::uint16_t* rounded = carver.take<std::uint16_t>(m * k_);
+    std::byte* scratchpad = carver.take<std::byte>(Index(scratchpad_bytes));
     round_rows(a, rounded);
     const CallingThreadOnly calling_thread;
     std::unordered_map<int, dnnl::memory> arguments{
         {DNNL_ARG_SRC, dnnl::memory(source_desc(m), cpu_engine(), rounded)},
         {DNNL_ARG_WEIGHTS, weights_},
-        {DNNL_ARG_DST, dnnl::memory(output_desc(m, c.outerStride()), cpu_engine(), c.data())}};
+        {DNNL_ARG_DST, dnnl::memory(output_desc(m, c.outerStride()), cpu_engine(), c.data())},
+        {DNNL_ARG_SCRATCHPAD, dnnl::memory(made.scratchpad, cpu_engine(), scratchpad)}};
     if (column_bias != nullptr)  // read only: oneDNN takes a handle without const
       arguments.emplace(DNNL_ARG_BIAS,
                         dnnl::memory(bias_desc(), cpu_engine(), const_cast<float*>(column_bias)));
     dnnl::stream stream(cpu_engine());
-    matmul->execute(stream, arguments);
+    made.matmul->execute(stream, arguments);
     return true;
   }
 
@@ -242,32 +247,47 @@ class OneDnnBFloat16Gemm final : public ExternalBFloat16Gemm {
   }
 
   // The matmul's description for `shape` on W̃'s layout, or none where oneDNN has no
-  // implementation of it (made with the calling thread's OpenMP count at 1).
+  // implementation of it (made with the calling thread's OpenMP count at 1). Its scratchpad is
+  // the caller's: oneDNN 2.6's own (its default, without DNNL_ENABLE_CONCURRENT_EXEC, as Debian
+  // builds it) is a per-thread buffer sized when a primitive is made, on the thread that makes
+  // it, so a primitive run by another worker reads that worker's buffer, which may be too small
+  // or in use (measured: wrong products with two workers).
   std::optional<dnnl::matmul::primitive_desc> describe(const Shape& shape) const {
     const dnnl::memory::desc output = output_desc(shape.rows, shape.ldc);
+    dnnl::primitive_attr attributes;
+    attributes.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     try {
       const auto operation =
           shape.bias ? dnnl::matmul::desc(source_desc(shape.rows), weights_.get_desc(), bias_desc(),
                                           output)
                      : dnnl::matmul::desc(source_desc(shape.rows), weights_.get_desc(), output);
-      return dnnl::matmul::primitive_desc(operation, onednn::cpu_engine());
+      return dnnl::matmul::primitive_desc(operation, attributes, onednn::cpu_engine());
     } catch (const dnnl::error&) {
       return std::nullopt;
     }
   }
 
-  // The brgemm primitive for `shape`, made at its first call (under the lock: a JIT compilation
-  // once per shape), or none; a handle (shared) to the cached one.
-  std::optional<dnnl::matmul> primitive(const Shape& shape) const {
+  // A brgemm primitive (a shared handle) and its scratchpad's description; no matmul where
+  // oneDNN has none for the shape.
+  struct Primitive {
+    std::optional<dnnl::matmul> matmul;
+    dnnl::memory::desc scratchpad;
+  };
+
+  // The primitive for `shape`, made at its first call (under the lock: a JIT compilation once
+  // per shape), or none.
+  Primitive primitive(const Shape& shape) const {
     const std::lock_guard<std::mutex> lock(mutex_);
-    for (const auto& [key, matmul] : primitives_)
-      if (key == shape) return matmul;
-    std::optional<dnnl::matmul> made;
+    for (const auto& [key, made] : primitives_)
+      if (key == shape) return made;
+    Primitive made;
     {
       const onednn::CallingThreadOnly calling_thread;
       const auto description = describe(shape);
-      if (description && std::string(description->impl_info_str()).rfind("brg:", 0) == 0)
-        made = dnnl::matmul(*description);
+      if (description && std::string(description->impl_info_str()).rfind("brg:", 0) == 0) {
+        made.matmul = dnnl::matmul(*description);
+        made.scratchpad = description->scratchpad_desc();
+      }
     }
     primitives_.emplace_back(shape, made);
     return made;
@@ -276,7 +296,7 @@ class OneDnnBFloat16Gemm final : public ExternalBFloat16Gemm {
   Index k_ = 0, n_ = 0;
   dnnl::memory weights_;  // W̃ in the layout the matmul chose, owned by oneDNN
   mutable std::mutex mutex_;
-  mutable std::vector<std::pair<Shape, std::optional<dnnl::matmul>>> primitives_;
+  mutable std::vector<std::pair<Shape, Primitive>> primitives_;
 };
 
 // Hands `kernel` to oneDNN as well: gemm_bfloat16 on it then runs through OneDnnBFloat16Gemm.
