@@ -11,7 +11,8 @@
 // a wheel falls back to on a CPU without AVX-512, on the same machine and binary. With
 // SDMHA_KERNELS=portable every float32 product goes to Eigen's GEMM and every bfloat16 product
 // to the portable loop, the paths of a build without those flags; the rest of the code (Eigen's
-// vectorised expressions, the softmax's exp) stays as compiled. Any other value, or none, keeps
+// vectorised expressions, the softmax's exp) stays as compiled, and the bfloat16 mode does not
+// choose oneDNN's engine by itself (detail/cpu_features.hpp). Any other value, or none, keeps
 // the compiled engines: the Python package, which picks its extension by the same variable,
 // refuses values it does not know.
 #pragma once

@@ -100,16 +100,18 @@ class SparseDenseMHA
   //  bfloat16_query_kernel  Wq is rounded to the nearest bfloat16 now, and every forward is the
   //      layer whose Wq is that rounding (products and sums in float32), for half of Wq's memory
   //      traffic.
-  //  bfloat16  Wq as above; and where bfloat16 dot products beat the float32 engine on this CPU
-  //      (bfloat16_gemms() says; detail/cpu_features.hpp has the rule: AMD Zen 4 and 5, not
-  //      Intel's AVX512_BF16), Wk, Wv and Wo rounded and packed once, now; the key, the value
-  //      and the concatenated heads are rounded as their projections read them, and those
-  //      projections run on bfloat16 dot products with float32 sums (vdpbf16ps). Each term x·w
-  //      of a projection then carries a relative error of at most 2⁻⁷ (2⁻⁸ from each operand).
-  //      The scores and P·V round their operands too (scale·Q and K, P and V; stages'
-  //      bfloat16_operands) and run on the same dot products; the softmax stays float32. Where
-  //      they do not pay, those stages stay float32: the layer is bfloat16_query_kernel's, bit
-  //      for bit. SDMHA_BFLOAT16_GEMMS=on or off in the environment forces the choice.
+  //  bfloat16  Wq as above; and where bfloat16 products beat the float32 engine on this CPU
+  //      (bfloat16_gemms() says; detail/cpu_features.hpp has the rule: AMD Zen 4 and 5, and AMX
+  //      in a build with oneDNN, not Intel's AVX512_BF16 alone), Wk, Wv and Wo rounded and
+  //      packed once, now; the key, the value and the concatenated heads are rounded as their
+  //      projections read them, and those projections run on bfloat16 products with float32
+  //      sums (vdpbf16ps; with AMX, oneDNN's matmul on its tiles). Each term x·w of a projection
+  //      then carries a relative error of at most 2⁻⁷ (2⁻⁸ from each operand). On vdpbf16ps
+  //      the scores and P·V round their operands too (scale·Q and K, P and V; stages'
+  //      bfloat16_operands) and run on the same dot products; with oneDNN they stay float32;
+  //      the softmax stays float32. Where no engine pays, those stages stay float32: the layer
+  //      is bfloat16_query_kernel's, bit for bit. SDMHA_BFLOAT16_GEMMS=on, off or onednn in the
+  //      environment forces the choice.
   //  float32  drops every copy.
   // The copies are snapshots: after a write access through weights(), or with a kernel of
   // another size or place, a forward is a ConfigError until this is called again (weights
@@ -139,6 +141,11 @@ class SparseDenseMHA
   // Whether the GEMM stages run on bfloat16 dot products: under Precision::bfloat16, on a CPU
   // where they pay (or as SDMHA_BFLOAT16_GEMMS forced them when the precision was set).
   bool bfloat16_gemms() const { return this->dense_kernels_bfloat16(); }
+  // Whether those GEMMs are the projections on oneDNN's matmul (AMX where usable; a build with
+  // oneDNN), the scores and P·V then float32.
+  bool bfloat16_gemms_through_onednn() const {
+    return this->dense_gemm_engine() == detail::BFloat16GemmEngine::onednn;
+  }
 
   // query (B, T, Eq) sparse, attending to `context` (sdmha/context.hpp): {key, value} with key
   // (B, S, Ek) and value (B, S, Ev), or keys and values projected once by project_context, or

@@ -9,13 +9,18 @@
 // the bfloat16 kernel, and can_implement refuses a wrong one. With both operands rounded
 // (gemm_bfloat16_operands, the scores and P·V of the bfloat16 mode), the pair packers agree with
 // their portable forms and the kernel's layout, and the product is the kernel product of the
-// rounded operands.
+// rounded operands. In a build with oneDNN, a kernel handed to it: the same bounds, on the
+// calling thread alone, AMX where usable.
 #include "test_support.hpp"
 
 #include <cstring>
+#include <filesystem>
+#include <thread>
 
+#include <sdmha/detail/attention_plan.hpp>
 #include <sdmha/detail/gemm.hpp>
 #include <sdmha/detail/gemm_bfloat16.hpp>
+#include <sdmha/detail/gemm_onednn.hpp>
 #include <sdmha/detail/scratch.hpp>
 #include <sdmha/stages/dense_projection.hpp>
 #include <sdmha/stages/output_projection.hpp>
@@ -498,6 +503,148 @@ TEST(DenseProjectionBFloat16, DoubleStageRefusesABFloat16Kernel) {
 TEST(OutputProjectionBFloat16, DoubleStageRefusesABFloat16Kernel) {
   check_double_stage_refuses_a_bfloat16_kernel<sdmha::OutputProjection<double>>();
 }
+
+#if defined(SDMHA_WITH_ONEDNN)
+// ---- a kernel handed to oneDNN (detail/gemm_onednn.hpp): its AMX brgemm where usable, its
+// AVX512_BF16 one on the machines without AMX that run these tests ----------------------------
+
+using sdmha::detail::OneDnnBFloat16Gemm;
+
+BFloat16Kernel onednn_kernel(const FloatMatrix& w) {
+  BFloat16Kernel kernel(w);
+  sdmha::detail::hand_to_onednn(kernel, sdmha::detail::kProjectionRowBlock);
+  return kernel;
+}
+const OneDnnBFloat16Gemm& onednn_of(const BFloat16Kernel& kernel) {
+  return dynamic_cast<const OneDnnBFloat16Gemm&>(*kernel.external());
+}
+
+// oneDNN serves every shape here that is not accumulated (its brgemm, no fallback), within the
+// same bounds as the pairs engine: float32's summation error of the rounded operands' float64
+// product, the bfloat16 bound of the float one; the bias is added once (checked by the same
+// bounds with C0 = the bias). Accumulated products go to the pairs engine, bit for bit.
+TEST(OneDnnBFloat16Gemm, ServesTheProjectionsWithinTheBFloat16Bounds) {
+  std::uint32_t seed = 7600;
+  for (const GemmCase& c : gemm_cases()) {
+    SCOPED_TRACE(describe(c));
+    const auto [a, w, start] = random_operands(c, seed++);
+    const BFloat16Kernel kernel = onednn_kernel(w);
+    if (c.accumulate) {
+      EXPECT_EQ(differing_bits(run_gemm(a, kernel, start, true),
+                               run_gemm(a, BFloat16Kernel(w), start, true)),
+                0);
+      continue;
+    }
+    std::mt19937 rng(seed);
+    const FloatMatrix bias = normal_matrix(1, c.n, rng);
+    const FloatMatrix c0 = bias.replicate(c.m, 1);
+    FloatMatrix result = nan_matrix(c.m, c.n);
+    EXPECT_TRUE(onednn_of(kernel).run(a, result, bias.data(), sdmha::StageScratch{}));
+    const double summation = double(c.k + 2) * kSumRounding;  // the bias is one more term
+    double worst = 0.0;
+    EXPECT_EQ(entries_outside(result, reference_product(a, w, &c0, true), summation, &worst), 0)
+        << "worst error against the rounded operands' product: " << worst;
+    EXPECT_EQ(entries_outside(result, reference_product(a, w, &c0, false),
+                              kProductRounding + summation, &worst),
+              0)
+        << "worst |C - A.W - b| / (sum |A.W| + |b|) = " << worst;
+    FloatMatrix through_gemm = nan_matrix(c.m, c.n);
+    gemm_bfloat16(a, kernel, through_gemm, false, sdmha::StageScratch{}, bias.data());
+    EXPECT_EQ(differing_bits(through_gemm, result), 0) << "gemm_bfloat16 did not go to oneDNN";
+  }
+}
+
+// A strided A and C (C's leading dimension past n, a layout oneDNN's brgemm may not take): the
+// same bounds whichever engine serves it.
+TEST(OneDnnBFloat16Gemm, StridedOperandsStayWithinTheBounds) {
+  std::mt19937 rng(7700);
+  const Index m = 70, n = 40, k = 90;
+  const FloatMatrix wide_a = normal_matrix(m, k + 9, rng), w = normal_matrix(k, n, rng);
+  const BFloat16Kernel kernel = onednn_kernel(w);
+  FloatMatrix wide_c = nan_matrix(m, n + 5);
+  gemm_bfloat16(wide_a.middleCols(3, k), kernel, wide_c.middleCols(2, n), false,
+                sdmha::StageScratch{});
+  const FloatMatrix a = wide_a.middleCols(3, k), result = wide_c.middleCols(2, n);
+  double worst = 0.0;
+  EXPECT_EQ(entries_outside(result, reference_product(a, w, nullptr, true),
+                            double(k + 1) * kSumRounding, &worst),
+            0)
+      << worst;
+}
+
+// Products run on the calling thread: none of oneDNN's OpenMP threads start, even where its
+// runtime would take two, and the calling thread's OpenMP thread count is restored.
+TEST(OneDnnBFloat16Gemm, RunsOnTheCallingThread) {
+  std::mt19937 rng(7800);
+  const FloatMatrix a = normal_matrix(200, 96, rng), w = normal_matrix(96, 80, rng);
+  const BFloat16Kernel kernel = onednn_kernel(w);
+#if DNNL_CPU_THREADING_RUNTIME == DNNL_RUNTIME_OMP
+  const auto& omp = sdmha::detail::onednn::openmp_threads();
+  ASSERT_NE(omp.set_threads, nullptr);
+  const int before = omp.max_threads();
+  omp.set_threads(2);
+#endif
+  const auto threads_now = [] {
+    return std::distance(std::filesystem::directory_iterator("/proc/self/task"),
+                         std::filesystem::directory_iterator{});
+  };
+  const auto threads_before = threads_now();
+  FloatMatrix c = nan_matrix(200, 80);
+  gemm_bfloat16(a, kernel, c, false, sdmha::StageScratch{});
+  EXPECT_EQ(threads_now(), threads_before) << "oneDNN started threads of its own";
+#if DNNL_CPU_THREADING_RUNTIME == DNNL_RUNTIME_OMP
+  EXPECT_EQ(omp.max_threads(), 2);
+  omp.set_threads(before);
+#endif
+}
+
+// Several threads call one kernel at once, as the layer's workers do (row blocks of 64 taken in
+// turn, a shorter last one; the primitives made by whichever thread comes first, or by another
+// thread before), and get the bits of one thread alone, round after round. With oneDNN's own
+// scratchpad this failed from the second round on.
+TEST(OneDnnBFloat16Gemm, WorkersShareAKernel) {
+  std::mt19937 rng(7850);
+  const Index m = 16 * 64 + 37, k = 256, n = 256;
+  const FloatMatrix a = normal_matrix(m, k, rng), w = normal_matrix(k, n, rng);
+  const FloatMatrix bias = normal_matrix(1, n, rng);
+  const BFloat16Kernel kernel = onednn_kernel(w);
+  const auto by_blocks = [&](FloatMatrix& c, int thread, int threads) {
+    for (Index row = 64 * thread; row < m; row += 64 * threads) {
+      const Index rows = std::min<Index>(64, m - row);
+      gemm_bfloat16(a.middleRows(row, rows), kernel, c.middleRows(row, rows), false, {},
+                    bias.data());
+    }
+  };
+  FloatMatrix alone = nan_matrix(m, n);
+  by_blocks(alone, 0, 1);
+  for (int round = 0; round < 4; ++round) {
+    FloatMatrix shared = nan_matrix(m, n);
+    std::vector<std::thread> workers;
+    for (int t = 0; t < 3; ++t) workers.emplace_back([&, t] { by_blocks(shared, t, 3); });
+    for (std::thread& worker : workers) worker.join();
+    EXPECT_EQ(differing_bits(shared, alone), 0) << "round " << round;
+  }
+}
+
+// Where the CPU has AMX and Linux grants the tile data, oneDNN runs the projections on its AMX
+// brgemm; elsewhere on its AVX512_BF16 one (or none, where the CPU lacks AVX512_BF16: the pairs
+// engine then serves).
+TEST(OneDnnBFloat16Gemm, TakesAmxWhereUsable) {
+  std::mt19937 rng(7900);
+  const BFloat16Kernel kernel = onednn_kernel(normal_matrix(256, 256, rng));
+  const std::string implementation =
+      onednn_of(kernel).implementation(sdmha::detail::kProjectionRowBlock);
+  std::cout << "[          ] oneDNN " << dnnl_version()->major << "." << dnnl_version()->minor
+            << "." << dnnl_version()->patch << ": " << implementation << "\n";
+  if (sdmha::detail::amx_bfloat16_usable()) {
+    EXPECT_EQ(implementation, "brg:avx512_core_amx_bf16");
+  } else if (sdmha::detail::cpu_features().avx512_bf16) {
+    EXPECT_EQ(implementation, "brg:avx512_core_bf16");
+  } else {
+    EXPECT_EQ(implementation.find("amx"), std::string::npos);
+  }
+}
+#endif  // SDMHA_WITH_ONEDNN
 
 }  // namespace
 }  // namespace sdmha_test

@@ -6,7 +6,8 @@
 // V, and equals its own forward over a ProjectedContext; the snapshot's staleness, the backward and
 // double layers are refused with clear errors, and float32 restores the float layer. These tests
 // force the bfloat16 GEMMs on (SDMHA_BFLOAT16_GEMMS=on), whatever this CPU would choose; the
-// choice itself is tested at the end.
+// choice itself is tested at the end, and in a build with oneDNN the projections on it (forced:
+// onednn), which a CPU without AMX runs on oneDNN's AVX512_BF16 kernels.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -298,14 +299,16 @@ TEST(BFloat16GemmChoice, OffIsTheQueryKernelLayerBitForBit) {
 
 // Unset, empty or auto: this CPU's choice, which the rule of cpu_features.hpp gives.
 TEST(BFloat16GemmChoice, AutomaticFollowsThisCpu) {
+  using sdmha::detail::BFloat16GemmEngine;
   const auto c = make_case<float>(Shape{}, 461);
-  const bool expected = sdmha::detail::bfloat16_gemms_pay(
-      sdmha::detail::cpu_features(), sdmha::active_kernels().avx512_bfloat16_gemm);
+  const BFloat16GemmEngine expected = sdmha::detail::bfloat16_gemm_engine(
+      sdmha::detail::BFloat16Gemms::automatic, sdmha::detail::bfloat16_gemm_machine());
   for (const char* value : {"auto", ""}) {
     const ScopedBFloat16Gemms automatic(value);
     Layer layer(c.config, c.weights);
     layer.set_precision(sdmha::Precision::bfloat16);
-    EXPECT_EQ(layer.bfloat16_gemms(), expected) << "'" << value << "'";
+    EXPECT_EQ(layer.bfloat16_gemms(), expected != BFloat16GemmEngine::float32) << "'" << value;
+    EXPECT_EQ(layer.bfloat16_gemms_through_onednn(), expected == BFloat16GemmEngine::onednn);
     layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
     EXPECT_FALSE(layer.bfloat16_gemms());
   }
@@ -319,12 +322,118 @@ TEST(BFloat16GemmChoice, AnUnknownValueIsAConfigErrorAndChangesNothing) {
   const auto query = c.query();
   const auto before = layer.forward(query, {c.key, c.value}, c.options).output;
   const ScopedBFloat16Gemms typo("yes");
+  const std::string expected =
+      std::string("SparseDenseMHA::set_precision: SDMHA_BFLOAT16_GEMMS = 'yes'; expected ") +
+      (sdmha::detail::kHaveOneDnnGemm ? "auto, on, off or onednn" : "auto, on or off");
   SDMHA_EXPECT_THROW_WITH(layer.set_precision(sdmha::Precision::bfloat16), sdmha::ConfigError,
-                          "SparseDenseMHA::set_precision: SDMHA_BFLOAT16_GEMMS = 'yes'; "
-                          "expected auto, on or off");
+                          expected);
   EXPECT_EQ(layer.precision(), sdmha::Precision::bfloat16_query_kernel);
   EXPECT_TRUE(same_bits(before, layer.forward(query, {c.key, c.value}, c.options).output));
 }
+
+// onednn in a build without oneDNN is refused the same way, naming what is missing.
+TEST(BFloat16GemmChoice, OneDnnWithoutOneDnnIsAConfigError) {
+  if (sdmha::detail::kHaveOneDnnGemm) GTEST_SKIP() << "this build has oneDNN";
+  const auto c = make_case<float>(Shape{}, 463);
+  Layer layer(c.config, c.weights);
+  const ScopedBFloat16Gemms onednn("onednn");
+  SDMHA_EXPECT_THROW_WITH(layer.set_precision(sdmha::Precision::bfloat16), sdmha::ConfigError,
+                          "SDMHA_BFLOAT16_GEMMS = 'onednn' but this build has no oneDNN");
+  EXPECT_EQ(layer.precision(), sdmha::Precision::float32);
+}
+
+#if defined(SDMHA_WITH_ONEDNN)
+// ---- the projections on oneDNN (SDMHA_BFLOAT16_GEMMS=onednn): AMX tiles where usable, its
+// AVX512_BF16 kernels elsewhere, as on the machines without AMX that run these tests ----
+
+class BFloat16OneDnnLayerTest : public ::testing::Test {
+  ScopedBFloat16Gemms gemms_onednn_{"onednn"};
+};
+
+// Over the named shapes: within bfloat16's tolerance of the float64 reference, bitwise for 1 and
+// 2 threads (each row block is one call on its worker's thread, whichever worker), and bitwise
+// the forward over its own ProjectedContext.
+TEST_F(BFloat16OneDnnLayerTest, AgreesWithTheReferenceAndIsThreadInvariant) {
+  std::uint64_t seed = 480;
+  for (const auto& variant : variants()) {
+    SCOPED_TRACE(variant.name);
+    const auto c = make_case<float>(variant.shape, seed++);
+    Layer layer(c.config, c.weights);
+    layer.set_precision(sdmha::Precision::bfloat16);
+    EXPECT_TRUE(layer.bfloat16_gemms() && layer.bfloat16_gemms_through_onednn());
+    const auto query = c.query();
+    auto options = c.options;
+    options.num_threads = 1;
+    const auto single = layer.forward(query, c.key, c.value, options);
+    const auto expected = sdmha_reference::forward(c.problem);
+    EXPECT_TRUE(all_near(single.output.data(), expected.output, kBFloat16LayerTolerance));
+    options.num_threads = 2;
+    EXPECT_TRUE(same_bits(single.output, layer.forward(query, c.key, c.value, options).output));
+    const auto context = layer.project_context(c.key, c.value);
+    EXPECT_TRUE(same_bits(single.output, layer.forward(query, context, options).output));
+  }
+}
+
+// Many row blocks of K, V and the output (3·300 rows: 15 blocks each) on 1, 2 and 3 workers,
+// which share each kernel's primitives: the same bits, within tolerance of the reference.
+TEST_F(BFloat16OneDnnLayerTest, WorkersSharingTheKernelsGiveTheSameBits) {
+  const auto c = make_case<float>(Shape{}.sized(3, 300, 300).widths(40, 48, 36), 485);
+  Layer layer(c.config, c.weights);
+  layer.set_precision(sdmha::Precision::bfloat16);
+  const auto query = c.query();
+  auto options = c.options;
+  options.num_threads = 1;
+  const auto single = layer.forward(query, c.key, c.value, options);
+  EXPECT_TRUE(all_near(single.output.data(), sdmha_reference::forward(c.problem).output,
+                       kBFloat16LayerTolerance));
+  for (int threads : {2, 3}) {
+    options.num_threads = threads;
+    EXPECT_TRUE(same_bits(single.output, layer.forward(query, c.key, c.value, options).output))
+        << threads << " threads";
+  }
+}
+
+// The forward is the float64 model with the projections rounded (kernels and their inputs) and
+// the scores and P·V in float32: 8 times closer to it at least than that model is to the
+// unrounded one. A forward that rounded nothing, or also the scores' operands, would not be.
+TEST_F(BFloat16OneDnnLayerTest, ComputesTheModelWithRoundedProjections) {
+  Shape wide = Shape{}.sized(2, 24, 70).widths(64, 32, 24).with_heads(2, 16, 8, 12);
+  wide.random_mask = true;
+  std::uint64_t seed = 490;
+  for (const Shape& shape : {Shape{}, wide}) {
+    const auto c = make_case<float>(shape, seed++);
+    Layer layer(c.config, c.weights);
+    layer.set_precision(sdmha::Precision::bfloat16);
+    const auto result = layer.forward(c.query(), c.key, c.value, c.options);
+    auto model = c.problem;
+    model.bfloat16_projections = true;
+    const auto expected = sdmha_reference::forward(model).output;
+    const double error = largest_difference(result.output.data(), expected);
+    const double separation =
+        largest_difference(expected, sdmha_reference::forward(c.problem).output);
+    EXPECT_LT(error, separation / 8) << "error " << error << ", separation " << separation;
+  }
+}
+
+// K and V streamed in chunks of one key tile give the bits of the unstreamed forward.
+TEST_F(BFloat16OneDnnLayerTest, StreamedContextIsBitwiseTheWholeOne) {
+  Shape s =
+      Shape{}.sized(2, 9, 2 * sdmha::detail::kKeyTile + 37).widths(24, 10, 9).with_heads(2, 4, 3);
+  s.density = 0.2;
+  const auto c = make_case<float>(s, 495);
+  Layer whole(c.config, c.weights), streamed(c.config, c.weights);
+  whole.set_precision(sdmha::Precision::bfloat16);
+  streamed.set_precision(sdmha::Precision::bfloat16);
+  sdmha::detail::ContextStreaming streaming;
+  streaming.budget_bytes = 0;
+  streaming.chunk_bytes = std::size_t(s.heads * (s.key_dim + s.value_dim)) * sizeof(float) *
+                          std::size_t(sdmha::detail::kKeyTile);
+  sdmha_test::ContextStreamingHook::set(streamed, streaming);
+  const auto query = c.query();
+  EXPECT_TRUE(same_bits(whole.forward(query, c.key, c.value, c.options).output,
+                        streamed.forward(query, c.key, c.value, c.options).output));
+}
+#endif  // SDMHA_WITH_ONEDNN
 
 }  // namespace
 }  // namespace sdmha_test

@@ -24,6 +24,7 @@
 #include "sdmha/detail/finite.hpp"
 #include "sdmha/detail/gemm.hpp"
 #include "sdmha/detail/gemm_bfloat16.hpp"
+#include "sdmha/detail/gemm_onednn.hpp"
 #include "sdmha/detail/parallel.hpp"
 #include "sdmha/detail/softmax_exp.hpp"
 #include "sdmha/errors.hpp"
@@ -149,24 +150,27 @@ class AttentionCore {
 
   // ---- bfloat16 kernels ---------------------------------------------------------------------
 
-  // Wk, Wv and Wo rounded to bfloat16 and packed for the bfloat16 GEMM, with what they were
-  // rounded from: the float kernels' places and the count of write accesses at the time.
+  // Wk, Wv and Wo rounded to bfloat16 and packed for the bfloat16 GEMM (and handed to oneDNN
+  // when it is the engine), with the engine and what they were rounded from: the float kernels'
+  // places and the count of write accesses at the time.
   struct DenseKernelsBFloat16 {
     BFloat16Kernel key, value, output;
+    BFloat16GemmEngine engine = BFloat16GemmEngine::pairs;
     const Scalar *key_source = nullptr, *value_source = nullptr, *output_source = nullptr;
     std::uint64_t weight_accesses = 0;
   };
 
-  // Rounds Wk, Wv and Wo now (Precision::bfloat16, where bfloat16 GEMMs pay on this CPU or
-  // SDMHA_BFLOAT16_GEMMS says on: cpu_features.hpp), or drops the copies (float32, or bfloat16
-  // where they do not pay). `where` names the public call in errors: a double layer, or a
+  // Rounds Wk, Wv and Wo now (Precision::bfloat16, where cpu_features.hpp's rule or
+  // SDMHA_BFLOAT16_GEMMS gives a bfloat16 engine), or drops the copies (float32, or bfloat16
+  // where no engine beats float32). `where` names the public call in errors: a double layer, or a
   // context or output projection stage that takes no kernel_bfloat16, is a ConfigError whatever
-  // the CPU, as is an SDMHA_BFLOAT16_GEMMS other than auto, on or off.
+  // the CPU, as is an SDMHA_BFLOAT16_GEMMS other than auto, on, off or (with oneDNN) onednn.
   void set_dense_kernel_precision(const char* where, Precision precision) {
-    const bool bfloat16_gemms =
-        precision == Precision::bfloat16 &&
-        use_bfloat16_gemms(bfloat16_gemms_from_environment(where), cpu_features(),
-                           active_kernels().avx512_bfloat16_gemm);
+    const BFloat16GemmEngine engine =
+        precision == Precision::bfloat16
+            ? bfloat16_gemm_engine(bfloat16_gemms_from_environment(where, kHaveOneDnnGemm),
+                                   bfloat16_gemm_machine())
+            : BFloat16GemmEngine::float32;
     if (precision == Precision::float32) {
       dense_bfloat16_.reset();
       return;
@@ -180,7 +184,7 @@ class AttentionCore {
       fail<ConfigError>(where,
                         "precision is bfloat16 but the context or output projection "
                         "stage takes no kernel_bfloat16; expected float32");
-    } else if (!bfloat16_gemms) {
+    } else if (engine == BFloat16GemmEngine::float32) {
       dense_bfloat16_.reset();
     } else {
       const MhaWeights<Scalar>& weights = *weights_;
@@ -188,6 +192,13 @@ class AttentionCore {
       kernels->key = BFloat16Kernel(weights.key_kernel);
       kernels->value = BFloat16Kernel(weights.value_kernel);
       kernels->output = BFloat16Kernel(weights.output_kernel);
+      kernels->engine = engine;
+#if defined(SDMHA_WITH_ONEDNN)
+      // The projections call it a fixed row block at a time (row_projection.hpp).
+      if (engine == BFloat16GemmEngine::onednn)
+        for (BFloat16Kernel* kernel : {&kernels->key, &kernels->value, &kernels->output})
+          hand_to_onednn(*kernel, kProjectionRowBlock);
+#endif
       kernels->key_source = weights.key_kernel.data();
       kernels->value_source = weights.value_kernel.data();
       kernels->output_source = weights.output_kernel.data();
@@ -196,10 +207,15 @@ class AttentionCore {
     }
   }
   bool dense_kernels_bfloat16() const { return dense_bfloat16_ != nullptr; }
+  // The engine of the bfloat16 GEMMs (float32 where there are none).
+  BFloat16GemmEngine dense_gemm_engine() const {
+    return dense_bfloat16_ != nullptr ? dense_bfloat16_->engine : BFloat16GemmEngine::float32;
+  }
   // Whether the scores and P·V round their operands (Q, K, P, V) to bfloat16: in the bfloat16
-  // mode, when the score and attend-values stages both can.
+  // mode on the pairs engine (with oneDNN they stay float32: cpu_features.hpp says why), when the
+  // score and attend-values stages both can.
   bool attends_in_bfloat16() const {
-    return dense_bfloat16_ != nullptr && std::is_same<Scalar, float>::value &&
+    return dense_gemm_engine() == BFloat16GemmEngine::pairs && std::is_same<Scalar, float>::value &&
            reads_bfloat16_operands<ScoreKernel>::value &&
            reads_bfloat16_operands<AttendValues>::value;
   }

@@ -1,16 +1,23 @@
 // sdmha/detail/cpu_features.hpp — what the CPU running the process can do, where a kernel's
-// choice depends on more than what the compiler was allowed to use, and the choice the bfloat16
-// mode makes from it.
+// choice depends on more than what the compiler was allowed to use, and the engine the bfloat16
+// mode chooses from it.
 //
 //   math:  none; CPUID leaves 0 (vendor), 7.0 (AMX-BF16: EDX bit 22) and 7.1 (AVX512_BF16: EAX
-//          bit 5), read once per process
-//   pre:   none (every answer is false on a CPU or compiler without CPUID)
-//   cost:  a few CPUID instructions, once; a getenv per set_precision
+//          bit 5), read once per process; Linux's permission for AMX tile data, asked for once
+//   pre:   none (every answer is false on a CPU or compiler without CPUID, or off Linux)
+//   cost:  a few CPUID instructions and at most three arch_prctl calls, once; a getenv per
+//          set_precision
 #pragma once
 
 #include <cstdlib>
 #include <cstring>
 #include <string>
+
+#if defined(__linux__) && (defined(__x86_64__) || defined(__i386__))
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SDMHA_HAVE_ARCH_PRCTL 1
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #if defined(__GNUC__) || defined(__clang__)
@@ -55,21 +62,64 @@ inline const CpuFeatures& cpu_features() {
   return features;
 }
 
-// How Precision::bfloat16 runs its GEMM stages (the key, value and output projections, the
-// scores and P·V): `automatic` takes bfloat16 dot products where they beat the float32 engine on
-// this CPU; `on` and `off` force them (the environment variable SDMHA_BFLOAT16_GEMMS, for
-// measuring either on any machine).
-enum class BFloat16Gemms { automatic, on, off };
+// Linux keeps AMX's tile data (8 KB of register state a thread) out of a process until the
+// process asks for it with arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) (Linux 5.16 and
+// later); a tile instruction without the permission faults. Whether this process has it: already
+// granted, or granted now. False where the kernel is older, refuses (no AMX, or a signal stack too
+// small for the state), or is not Linux. The permission is the process's, and asking again once
+// it is granted changes nothing.
+inline bool request_amx_tile_data() {
+#ifdef SDMHA_HAVE_ARCH_PRCTL
+  constexpr long kGetPermission = 0x1022, kRequestPermission = 0x1023;  // ARCH_{GET,REQ}_XCOMP_PERM
+  constexpr unsigned long kTileData = 18;  // XFEATURE_XTILEDATA: bit 18 of the feature mask
+  unsigned long granted = 0;
+  if (syscall(SYS_arch_prctl, kGetPermission, &granted) != 0) return false;
+  if ((granted >> kTileData) & 1u) return true;
+  if (syscall(SYS_arch_prctl, kRequestPermission, kTileData) != 0) return false;
+  return syscall(SYS_arch_prctl, kGetPermission, &granted) == 0 && ((granted >> kTileData) & 1u);
+#else
+  return false;
+#endif
+}
 
-// The variable's value: unset or empty and "auto" are automatic; anything else but "on" and "off"
-// is a ConfigError naming it, before the layer changes.
-inline BFloat16Gemms bfloat16_gemms_from_environment(const char* where) {
+// Whether AMX's bfloat16 tiles can run in this process: the CPU has them and Linux granted the
+// tile data, asked for at the first call on a CPU with AMX-BF16 (never elsewhere).
+inline bool amx_bfloat16_usable() {
+  static const bool usable = cpu_features().amx_bf16 && request_amx_tile_data();
+  return usable;
+}
+
+// How Precision::bfloat16 runs its GEMM stages (the key, value and output projections, the
+// scores and P·V): `automatic` takes the engine that beats float32 on this CPU; `on`, `off` and
+// `onednn` force one (the environment variable SDMHA_BFLOAT16_GEMMS, for measuring any of them on
+// any machine).
+enum class BFloat16Gemms { automatic, on, off, onednn };
+
+// The engines the bfloat16 mode can run its GEMM stages on.
+enum class BFloat16GemmEngine {
+  float32,  // none: every GEMM stage stays float32
+  pairs,    // gemm_bfloat16.hpp's (vdpbf16ps, or its portable loop) for the projections, the
+            // scores and P·V
+  onednn,   // oneDNN's matmul (gemm_onednn.hpp; AMX tiles where usable) for the projections;
+            // the scores and P·V stay float32
+};
+
+// The variable's value: unset or empty and "auto" are automatic; "onednn" only in a build with
+// oneDNN (`onednn_built`); anything else but "on" and "off" is a ConfigError naming it, before
+// the layer changes.
+inline BFloat16Gemms bfloat16_gemms_from_environment(const char* where, bool onednn_built) {
   const char* text = std::getenv("SDMHA_BFLOAT16_GEMMS");
   const std::string value = text == nullptr ? "" : text;
   if (value.empty() || value == "auto") return BFloat16Gemms::automatic;
   if (value == "on") return BFloat16Gemms::on;
   if (value == "off") return BFloat16Gemms::off;
-  fail<ConfigError>(where, "SDMHA_BFLOAT16_GEMMS = '", value, "'; expected auto, on or off");
+  if (value == "onednn" && onednn_built) return BFloat16Gemms::onednn;
+  if (value == "onednn")
+    fail<ConfigError>(where,
+                      "SDMHA_BFLOAT16_GEMMS = 'onednn' but this build has no oneDNN "
+                      "(SDMHA_WITH_ONEDNN); expected auto, on or off");
+  fail<ConfigError>(where, "SDMHA_BFLOAT16_GEMMS = '", value, "'; expected ",
+                    onednn_built ? "auto, on, off or onednn" : "auto, on or off");
 }
 
 // Whether bfloat16 dot products pay for the GEMM stages. They halve the kernels' memory traffic
@@ -78,8 +128,8 @@ inline BFloat16Gemms bfloat16_gemms_from_environment(const char* where) {
 //    twice float32's;
 //  - Intel's AVX512_BF16 (Cooper Lake, Sapphire Rapids and later cores): the 512-bit vdpbf16ps
 //    retires at half the FMA's rate, the same multiply-adds a cycle as float32 plus the rounding
-//    of the operands, so float32 wins; AMX, Intel's bfloat16 engine, has no kernel here yet, so
-//    these GEMMs stay float32;
+//    of the operands, so float32 wins (AMX, Intel's bfloat16 engine, is the oneDNN engine's:
+//    bfloat16_gemm_engine below);
 //  - no AVX512_BF16 kernels running (`compiled` false: not in the CPU, not in the build, or
 //    switched off by SDMHA_KERNELS=portable, sdmha/kernels.hpp's active_kernels()): the portable
 //    loop, far slower than the float32 engine.
@@ -89,9 +139,39 @@ inline bool bfloat16_gemms_pay(const CpuFeatures& cpu, bool compiled) {
   return compiled && cpu.avx512_bf16 && cpu.amd;
 }
 
-inline bool use_bfloat16_gemms(BFloat16Gemms choice, const CpuFeatures& cpu, bool compiled) {
-  if (choice == BFloat16Gemms::automatic) return bfloat16_gemms_pay(cpu, compiled);
-  return choice == BFloat16Gemms::on;
+// What the engine choice depends on besides the CPU.
+struct BFloat16GemmMachine {
+  CpuFeatures cpu;
+  bool pairs_compiled = false;   // active_kernels().avx512_bfloat16_gemm
+  bool engines_allowed = false;  // SDMHA_KERNELS allows compiled engines (not "portable")
+  bool onednn_built = false;     // SDMHA_WITH_ONEDNN (gemm_onednn.hpp)
+  bool amx_usable = false;       // amx_bfloat16_usable(): AMX-BF16 and the tile data granted
+};
+
+// The engine for the bfloat16 mode's GEMM stages. Automatic: oneDNN where AMX is usable (its
+// tiles multiply bfloat16 several times faster than float32 FMA; nothing of ours drives them), in
+// a build with oneDNN and unless SDMHA_KERNELS=portable; else the pairs engine where its dot
+// products pay (bfloat16_gemms_pay); else float32. Forced: `on` the pairs engine, `off` float32,
+// `onednn` oneDNN (on a CPU without AMX it runs oneDNN's AVX-512 kernels: how it is tested there).
+// The scores and P·V are small per-head products of shapes that vary with the tile, where
+// oneDNN's cost per call (a primitive per shape, memory objects per call) would weigh as much as
+// the product: with oneDNN they stay on the float32 engine.
+inline BFloat16GemmEngine bfloat16_gemm_engine(BFloat16Gemms choice,
+                                               const BFloat16GemmMachine& machine) {
+  switch (choice) {
+    case BFloat16Gemms::on:
+      return BFloat16GemmEngine::pairs;
+    case BFloat16Gemms::off:
+      return BFloat16GemmEngine::float32;
+    case BFloat16Gemms::onednn:
+      return BFloat16GemmEngine::onednn;
+    case BFloat16Gemms::automatic:
+      break;
+  }
+  if (machine.onednn_built && machine.engines_allowed && machine.amx_usable)
+    return BFloat16GemmEngine::onednn;
+  if (bfloat16_gemms_pay(machine.cpu, machine.pairs_compiled)) return BFloat16GemmEngine::pairs;
+  return BFloat16GemmEngine::float32;
 }
 
 }  // namespace sdmha::detail

@@ -7,7 +7,8 @@
 //   pre:   A (m × k) float, row-major; W a BFloat16Kernel of a k × n float matrix; C (m × n,
 //          row-major) aliases neither; scratch of gemm_bfloat16_workspace_size(m, n, k) bytes
 //   cost:  m·n·k multiply-adds, 32 per vdpbf16ps (AVX512_BF16: twice float32's FMA rate), one
-//          rounding copy of A per (row block, depth block); a portable loop elsewhere
+//          rounding copy of A per (row block, depth block); a portable loop elsewhere; a kernel
+//          handed to another engine (ExternalBFloat16Gemm: gemm_onednn.hpp's) goes there first
 //
 // Rounding is to nearest, ties to even: bfloat16 has 8 significant bits, so each operand moves
 // by at most 2⁻⁸ of itself and each term a·w of a float32 result by at most 2⁻⁷ + 2⁻¹⁶, on top of
@@ -35,6 +36,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include <Eigen/Core>
@@ -92,6 +94,17 @@ inline void pack_column_pairs_portable(const float* m, Index ld, Index rows, Ind
     }
 }
 
+// An engine outside this file that a BFloat16Kernel is also handed to (gemm_onednn.hpp's): C =
+// bf16(A)·W̃ (+ 1·bᵀ given a column bias b) for the kernel's W̃, with the same bound as this
+// file's engine (each product exact, the sums in float32, in an order of its own). `run` says
+// whether it served the shape; where it did not, gemm_bfloat16 runs this file's engine.
+class ExternalBFloat16Gemm {
+ public:
+  virtual ~ExternalBFloat16Gemm() = default;
+  virtual bool run(const ConstMatrixRef<float>& a, MatrixRef<float> c, const float* column_bias,
+                   StageScratch scratch) const = 0;
+};
+
 // A k × n float kernel rounded to bfloat16 and packed in pairs of rows (see the top of the file).
 class BFloat16Kernel {
  public:
@@ -112,10 +125,16 @@ class BFloat16Kernel {
   float operator()(Index i, Index j) const {
     return widen_bfloat16(pairs_(i / 2, j) >> (i % 2 == 0 ? 0 : 16) & 0xFFFFu);
   }
+  // The engine the products with this kernel go to first (null: this file's).
+  const ExternalBFloat16Gemm* external() const { return external_.get(); }
+  void set_external(std::shared_ptr<const ExternalBFloat16Gemm> engine) {
+    external_ = std::move(engine);
+  }
 
  private:
   Index rows_ = 0;
   Pairs pairs_;
+  std::shared_ptr<const ExternalBFloat16Gemm> external_;  // shared by the kernel's copies
 };
 
 namespace bf16_gemm {
@@ -368,7 +387,7 @@ inline void run(const float* a, Index lda, const std::uint32_t* w, Index ldw, fl
 
 }  // namespace bf16_gemm
 
-inline std::size_t gemm_bfloat16_workspace_size(Index m, Index /*n*/, Index k) {
+inline std::size_t pairs_workspace_size(Index m, Index k) {
   return bf16_gemm::workspace_bytes(m, k);
 }
 
@@ -376,9 +395,19 @@ inline std::size_t gemm_bfloat16_workspace_size(Index m, Index /*n*/, Index k) {
 
 inline constexpr bool kHaveBFloat16Gemm = false;
 
-inline std::size_t gemm_bfloat16_workspace_size(Index, Index, Index) { return 0; }
+inline std::size_t pairs_workspace_size(Index, Index) { return 0; }
 
 #endif  // __AVX512BF16__
+
+// The scratch of gemm_bfloat16 for an m × n product of depth k, whichever engine serves it: in a
+// build with oneDNN, also A rounded to bfloat16 (m·k 2-byte entries, gemm_onednn.hpp).
+inline std::size_t gemm_bfloat16_workspace_size(Index m, Index /*n*/, Index k) {
+#if defined(SDMHA_WITH_ONEDNN)
+  if (m > 0 && k > 0)
+    return std::max(pairs_workspace_size(m, k), array_bytes<std::uint16_t>(m * k));
+#endif
+  return pairs_workspace_size(m, k);
+}
 
 // M (rows × cols, leading dimension ld) rounded and packed in pairs of rows, and Mᵀ packed the
 // same way (see the portable forms): the vdpbf16ps form where the build has AVX512_BF16 and
@@ -442,7 +471,7 @@ inline void gemm_bfloat16(const ConstMatrixRef<float>& a, const BFloat16Pairs& w
 // (k × n) or, `transpose_b`, Bᵀ (B n × k). B is rounded and packed in pairs into `scratch` first
 // (at least gemm_bfloat16_operands_workspace_size(m, n, k) bytes; with less, memory of its own).
 inline std::size_t gemm_bfloat16_operands_workspace_size(Index m, Index n, Index k) {
-  return array_bytes<std::uint32_t>((k + 1) / 2 * n) + gemm_bfloat16_workspace_size(m, n, k);
+  return array_bytes<std::uint32_t>((k + 1) / 2 * n) + pairs_workspace_size(m, k);
 }
 inline void gemm_bfloat16_operands(const ConstMatrixRef<float>& a, const ConstMatrixRef<float>& b,
                                    bool transpose_b, MatrixRef<float> c, bool accumulate,
@@ -460,9 +489,13 @@ inline void gemm_bfloat16_operands(const ConstMatrixRef<float>& a, const ConstMa
   gemm_bfloat16(a, BFloat16Pairs{pairs, k, n, n}, c, accumulate, carver.rest(), nullptr, a_scale);
 }
 
+// The same on a kernel, through its external engine first when it has one (a product that is
+// not accumulated and not empty).
 inline void gemm_bfloat16(const ConstMatrixRef<float>& a, const BFloat16Kernel& w,
                           MatrixRef<float> c, bool accumulate, StageScratch scratch,
                           const float* column_bias = nullptr) {
+  const bool external = w.external() != nullptr && !accumulate && c.size() != 0 && a.cols() != 0;
+  if (external && w.external()->run(a, c, column_bias, scratch)) return;
   gemm_bfloat16(a, w.view(), c, accumulate, scratch, column_bias);
 }
 inline void gemm_bfloat16_portable(const ConstMatrixRef<float>& a, const BFloat16Kernel& w,

@@ -7,7 +7,8 @@
 //
 // With `kernel_bfloat16` (Scalar = float): Y = bf16(X)·bf16(W) + b, W rounded once by the caller
 // and X as it is packed, products exact and sums in float32 (detail/gemm_bfloat16.hpp gives the
-// bound) — vdpbf16ps at twice the float32 rate where the CPU has AVX512_BF16.
+// bound) — vdpbf16ps at twice the float32 rate where the CPU has AVX512_BF16, or oneDNN's matmul
+// (AMX) for a kernel handed to it (detail/gemm_onednn.hpp).
 //
 // Backward, given dY:
 //   dW = Xᵀ·dY over all rows, one fixed tile of dW per call (KernelGradientArguments)
