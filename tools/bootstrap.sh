@@ -2,10 +2,11 @@
 # Installs what building, testing and benchmarking the C++ library needs on Debian 12 (plus any
 # packages named as arguments), and nothing when it is all there already. Runs apt-get through
 # sudo when not root. The Python package (python/, docs/python.md) has its own:
-# tools/bootstrap-python.sh.
+# tools/bootstrap-python.sh. libdnnl-dev (oneDNN) is optional to the build: with it the bfloat16
+# mode gains its AMX engine (detail/gemm_onednn.hpp), and the tests exercise that engine.
 set -euo pipefail
 packages=(cmake g++ make pkg-config libeigen3-dev libgtest-dev libbenchmark-dev
-          nlohmann-json3-dev libzip-dev libhdf5-dev
+          nlohmann-json3-dev libzip-dev libhdf5-dev libdnnl-dev
           "$@")
 missing=()
 for package in "${packages[@]}"; do

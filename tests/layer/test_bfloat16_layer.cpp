@@ -364,11 +364,11 @@ TEST_F(BFloat16OneDnnLayerTest, AgreesWithTheReferenceAndIsThreadInvariant) {
     const auto query = c.query();
     auto options = c.options;
     options.num_threads = 1;
-    const auto single = layer.forward(query, c.key, c.value, options);
+    const auto single = layer.forward(query, {c.key, c.value}, options);
     const auto expected = sdmha_reference::forward(c.problem);
     EXPECT_TRUE(all_near(single.output.data(), expected.output, kBFloat16LayerTolerance));
     options.num_threads = 2;
-    EXPECT_TRUE(same_bits(single.output, layer.forward(query, c.key, c.value, options).output));
+    EXPECT_TRUE(same_bits(single.output, layer.forward(query, {c.key, c.value}, options).output));
     const auto context = layer.project_context(c.key, c.value);
     EXPECT_TRUE(same_bits(single.output, layer.forward(query, context, options).output));
   }
@@ -383,12 +383,12 @@ TEST_F(BFloat16OneDnnLayerTest, WorkersSharingTheKernelsGiveTheSameBits) {
   const auto query = c.query();
   auto options = c.options;
   options.num_threads = 1;
-  const auto single = layer.forward(query, c.key, c.value, options);
+  const auto single = layer.forward(query, {c.key, c.value}, options);
   EXPECT_TRUE(all_near(single.output.data(), sdmha_reference::forward(c.problem).output,
                        kBFloat16LayerTolerance));
   for (int threads : {2, 3}) {
     options.num_threads = threads;
-    EXPECT_TRUE(same_bits(single.output, layer.forward(query, c.key, c.value, options).output))
+    EXPECT_TRUE(same_bits(single.output, layer.forward(query, {c.key, c.value}, options).output))
         << threads << " threads";
   }
 }
@@ -404,7 +404,7 @@ TEST_F(BFloat16OneDnnLayerTest, ComputesTheModelWithRoundedProjections) {
     const auto c = make_case<float>(shape, seed++);
     Layer layer(c.config, c.weights);
     layer.set_precision(sdmha::Precision::bfloat16);
-    const auto result = layer.forward(c.query(), c.key, c.value, c.options);
+    const auto result = layer.forward(c.query(), {c.key, c.value}, c.options);
     auto model = c.problem;
     model.bfloat16_projections = true;
     const auto expected = sdmha_reference::forward(model).output;
@@ -430,8 +430,8 @@ TEST_F(BFloat16OneDnnLayerTest, StreamedContextIsBitwiseTheWholeOne) {
                           std::size_t(sdmha::detail::kKeyTile);
   sdmha_test::ContextStreamingHook::set(streamed, streaming);
   const auto query = c.query();
-  EXPECT_TRUE(same_bits(whole.forward(query, c.key, c.value, c.options).output,
-                        streamed.forward(query, c.key, c.value, c.options).output));
+  EXPECT_TRUE(same_bits(whole.forward(query, {c.key, c.value}, c.options).output,
+                        streamed.forward(query, {c.key, c.value}, c.options).output));
 }
 #endif  // SDMHA_WITH_ONEDNN
 
