@@ -10,6 +10,7 @@
 // onednn), which a CPU without AMX runs on oneDNN's AVX512_BF16 kernels.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -102,14 +103,14 @@ TEST_F(BFloat16LayerTest, ProjectedContextIsTheBFloat16GemmOfTheInputs) {
 
 // Over the named shapes (every mask, empty and fully blocked rows, no bias, T ≠ S, …): within
 // bfloat16's tolerance of the float64 reference, bitwise for 1 and 2 threads, and bitwise the
-// forward over its own ProjectedContext.
-TEST_F(BFloat16LayerTest, AgreesWithTheReferenceAndIsThreadInvariant) {
-  std::uint64_t seed = 410;
+// forward over its own ProjectedContext; the GEMMs through oneDNN or not, as `through_onednn`.
+void expect_agreement_and_thread_invariance(std::uint64_t seed, bool through_onednn) {
   for (const auto& variant : variants()) {
     SCOPED_TRACE(variant.name);
     const auto c = make_case<float>(variant.shape, seed++);
     Layer layer(c.config, c.weights);
     layer.set_precision(sdmha::Precision::bfloat16);
+    EXPECT_EQ(layer.bfloat16_gemms_through_onednn(), through_onednn);
     const auto query = c.query();
     auto options = c.options;
     options.num_threads = 1;
@@ -121,6 +122,10 @@ TEST_F(BFloat16LayerTest, AgreesWithTheReferenceAndIsThreadInvariant) {
     const auto context = layer.project_context(c.key, c.value);
     EXPECT_TRUE(same_bits(single.output, layer.forward(query, context, options).output));
   }
+}
+
+TEST_F(BFloat16LayerTest, AgreesWithTheReferenceAndIsThreadInvariant) {
+  expect_agreement_and_thread_invariance(410, false);
 }
 
 double largest_difference(const float* got, const std::vector<double>& expected) {
@@ -178,12 +183,13 @@ TEST_F(BFloat16LayerTest, ComputesTheRoundedModelUnderTheOnlineSoftmax) {
   expect_the_rounded_model(make_case<float>(s, 470), sdmha::detail::kKeyTile);
 }
 
-// K and V streamed in chunks of one key tile give the bits of the unstreamed bfloat16 forward.
-TEST_F(BFloat16LayerTest, StreamedContextIsBitwiseTheWholeOne) {
+// K and V streamed in chunks of one key tile give the bits of the unstreamed bfloat16 forward,
+// whichever bfloat16 engine the environment chose.
+void expect_streamed_context_is_bitwise_the_whole_one(std::uint64_t seed) {
   Shape s =
       Shape{}.sized(2, 9, 2 * sdmha::detail::kKeyTile + 37).widths(24, 10, 9).with_heads(2, 4, 3);
   s.density = 0.2;
-  const auto c = make_case<float>(s, 420);
+  const auto c = make_case<float>(s, seed);
   Layer whole(c.config, c.weights), streamed(c.config, c.weights);
   whole.set_precision(sdmha::Precision::bfloat16);
   streamed.set_precision(sdmha::Precision::bfloat16);
@@ -195,6 +201,10 @@ TEST_F(BFloat16LayerTest, StreamedContextIsBitwiseTheWholeOne) {
   const auto query = c.query();
   EXPECT_TRUE(same_bits(whole.forward(query, {c.key, c.value}, c.options).output,
                         streamed.forward(query, {c.key, c.value}, c.options).output));
+}
+
+TEST_F(BFloat16LayerTest, StreamedContextIsBitwiseTheWholeOne) {
+  expect_streamed_context_is_bitwise_the_whole_one(420);
 }
 
 // Back to float32, the layer is the float32 layer again; precision() is the mode last set, and
@@ -350,28 +360,10 @@ class BFloat16OneDnnLayerTest : public ::testing::Test {
   ScopedBFloat16Gemms gemms_onednn_{"onednn"};
 };
 
-// Over the named shapes: within bfloat16's tolerance of the float64 reference, bitwise for 1 and
-// 2 threads (each row block is one call on its worker's thread, whichever worker), and bitwise
-// the forward over its own ProjectedContext.
+// The same through oneDNN: bitwise for 1 and 2 threads too, each row block being one call on its
+// worker's thread, whichever worker.
 TEST_F(BFloat16OneDnnLayerTest, AgreesWithTheReferenceAndIsThreadInvariant) {
-  std::uint64_t seed = 480;
-  for (const auto& variant : variants()) {
-    SCOPED_TRACE(variant.name);
-    const auto c = make_case<float>(variant.shape, seed++);
-    Layer layer(c.config, c.weights);
-    layer.set_precision(sdmha::Precision::bfloat16);
-    EXPECT_TRUE(layer.bfloat16_gemms() && layer.bfloat16_gemms_through_onednn());
-    const auto query = c.query();
-    auto options = c.options;
-    options.num_threads = 1;
-    const auto single = layer.forward(query, {c.key, c.value}, options);
-    const auto expected = sdmha_reference::forward(c.problem);
-    EXPECT_TRUE(all_near(single.output.data(), expected.output, kBFloat16LayerTolerance));
-    options.num_threads = 2;
-    EXPECT_TRUE(same_bits(single.output, layer.forward(query, {c.key, c.value}, options).output));
-    const auto context = layer.project_context(c.key, c.value);
-    EXPECT_TRUE(same_bits(single.output, layer.forward(query, context, options).output));
-  }
+  expect_agreement_and_thread_invariance(480, true);
 }
 
 // Many row blocks of K, V and the output (3·300 rows: 15 blocks each) on 1, 2 and 3 workers,
@@ -415,23 +407,8 @@ TEST_F(BFloat16OneDnnLayerTest, ComputesTheModelWithRoundedProjections) {
   }
 }
 
-// K and V streamed in chunks of one key tile give the bits of the unstreamed forward.
 TEST_F(BFloat16OneDnnLayerTest, StreamedContextIsBitwiseTheWholeOne) {
-  Shape s =
-      Shape{}.sized(2, 9, 2 * sdmha::detail::kKeyTile + 37).widths(24, 10, 9).with_heads(2, 4, 3);
-  s.density = 0.2;
-  const auto c = make_case<float>(s, 495);
-  Layer whole(c.config, c.weights), streamed(c.config, c.weights);
-  whole.set_precision(sdmha::Precision::bfloat16);
-  streamed.set_precision(sdmha::Precision::bfloat16);
-  sdmha::detail::ContextStreaming streaming;
-  streaming.budget_bytes = 0;
-  streaming.chunk_bytes = std::size_t(s.heads * (s.key_dim + s.value_dim)) * sizeof(float) *
-                          std::size_t(sdmha::detail::kKeyTile);
-  sdmha_test::ContextStreamingHook::set(streamed, streaming);
-  const auto query = c.query();
-  EXPECT_TRUE(same_bits(whole.forward(query, {c.key, c.value}, c.options).output,
-                        streamed.forward(query, {c.key, c.value}, c.options).output));
+  expect_streamed_context_is_bitwise_the_whole_one(495);
 }
 #endif  // SDMHA_WITH_ONEDNN
 
