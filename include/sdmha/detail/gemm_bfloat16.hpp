@@ -7,8 +7,7 @@
 //   pre:   A (m × k) float, row-major; W a BFloat16Kernel of a k × n float matrix; C (m × n,
 //          row-major) aliases neither; scratch of gemm_bfloat16_workspace_size(m, n, k) bytes
 //   cost:  m·n·k multiply-adds, 32 per vdpbf16ps (AVX512_BF16: twice float32's FMA rate), one
-//          rounding copy of A per (row block, depth block); a portable loop elsewhere; a kernel
-//          handed to another engine (ExternalBFloat16Gemm: gemm_onednn.hpp's) goes there first
+//          rounding copy of A per (row block, depth block); a portable loop elsewhere
 //
 // Rounding is to nearest, ties to even: bfloat16 has 8 significant bits, so each operand moves
 // by at most 2⁻⁸ of itself and each term a·w of a float32 result by at most 2⁻⁷ + 2⁻¹⁶, on top of
@@ -94,10 +93,9 @@ inline void pack_column_pairs_portable(const float* m, Index ld, Index rows, Ind
     }
 }
 
-// An engine outside this file that a BFloat16Kernel is also handed to (gemm_onednn.hpp's): C =
-// bf16(A)·W̃ (+ 1·bᵀ given a column bias b) for the kernel's W̃, with the same bound as this
-// file's engine (each product exact, the sums in float32, in an order of its own). `run` says
-// whether it served the shape; where it did not, gemm_bfloat16 runs this file's engine.
+// Another engine a BFloat16Kernel may be handed to (gemm_onednn.hpp's): C = bf16(A)·W̃ (+ 1·bᵀ),
+// within this file's bound (exact products, float32 sums in an order of its own); `run` returns
+// false for a shape it does not serve, which this file's engine then runs.
 class ExternalBFloat16Gemm {
  public:
   virtual ~ExternalBFloat16Gemm() = default;
@@ -127,9 +125,7 @@ class BFloat16Kernel {
   }
   // The engine the products with this kernel go to first (null: this file's).
   const ExternalBFloat16Gemm* external() const { return external_.get(); }
-  void set_external(std::shared_ptr<const ExternalBFloat16Gemm> engine) {
-    external_ = std::move(engine);
-  }
+  void set_external(std::shared_ptr<const ExternalBFloat16Gemm> e) { external_ = std::move(e); }
 
  private:
   Index rows_ = 0;
@@ -399,14 +395,13 @@ inline std::size_t pairs_workspace_size(Index, Index) { return 0; }
 
 #endif  // __AVX512BF16__
 
-// The scratch of gemm_bfloat16 for an m × n product of depth k, whichever engine serves it: in a
-// build with oneDNN, also A rounded to bfloat16 (m·k 2-byte entries, gemm_onednn.hpp).
+// gemm_bfloat16's scratch for m × n × k, whichever engine serves it (oneDNN's: A in bfloat16).
 inline std::size_t gemm_bfloat16_workspace_size(Index m, Index /*n*/, Index k) {
+  const std::size_t pairs = pairs_workspace_size(m, k);
 #if defined(SDMHA_WITH_ONEDNN)
-  if (m > 0 && k > 0)
-    return std::max(pairs_workspace_size(m, k), array_bytes<std::uint16_t>(m * k));
+  if (m > 0 && k > 0) return std::max(pairs, array_bytes<std::uint16_t>(m * k));
 #endif
-  return pairs_workspace_size(m, k);
+  return pairs;
 }
 
 // M (rows × cols, leading dimension ld) rounded and packed in pairs of rows, and Mᵀ packed the
@@ -489,8 +484,7 @@ inline void gemm_bfloat16_operands(const ConstMatrixRef<float>& a, const ConstMa
   gemm_bfloat16(a, BFloat16Pairs{pairs, k, n, n}, c, accumulate, carver.rest(), nullptr, a_scale);
 }
 
-// The same on a kernel, through its external engine first when it has one (a product that is
-// not accumulated and not empty).
+// The same on a kernel, through its external engine first (a product not accumulated, not empty).
 inline void gemm_bfloat16(const ConstMatrixRef<float>& a, const BFloat16Kernel& w,
                           MatrixRef<float> c, bool accumulate, StageScratch scratch,
                           const float* column_bias = nullptr) {
