@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -26,6 +27,17 @@ namespace sdmha_bench {
 // Keys in the order they are written (bench/plot.py looks them up by name; the order is for a
 // reader and for diffs between runs).
 using Json = nlohmann::ordered_json;
+
+// What Precision::bfloat16 runs its GEMM stages on in this process (the bf16 column), named by
+// the SDMHA_BFLOAT16_GEMMS value that forces it.
+inline std::string bfloat16_engine() {
+  namespace detail = sdmha::detail;
+  const detail::BFloat16GemmMachine machine = detail::bfloat16_gemm_machine();
+  return detail::to_string(
+      detail::bfloat16_gemm_engine(detail::bfloat16_gemms_from_environment(
+                                       "sdmha_bench", detail::kHaveOneDnnGemm, machine.amx_usable),
+                                   machine));
+}
 
 inline std::string format(const char* pattern, double value) {
   char buffer[64];
@@ -98,6 +110,8 @@ inline void print_summary(std::ostream& out, const std::vector<ConfigResult>& re
       << ": float32, median of " << repetitions
       << " interleaved runs per figure, each after an untimed call of its own\n";
   out << machine.line() << "\n";
+  out << "bf16's GEMM stages: SDMHA_BFLOAT16_GEMMS=" << bfloat16_engine() << " ("
+      << (std::getenv("SDMHA_BFLOAT16_GEMMS") != nullptr ? "as set" : "this CPU's choice") << ")\n";
   out << "load average (1, 5, 15 min) before: " << load_before << "; after: " << load_after
       << " (other work on the machine slows both paths; compare ratios, not times)\n";
   if (allocation.counted)
@@ -291,6 +305,7 @@ inline void write_json(const std::string& path, const std::vector<ConfigResult>&
   document["machine"] = {{"cpu", machine.cpu},           {"cores", machine.cores},
                          {"compiler", machine.compiler}, {"flags", machine.flags},
                          {"eigen", machine.eigen},       {"line", machine.line()}};
+  document["bfloat16_gemms"] = bfloat16_engine();
   document["load_average_before"] = load_before;
   document["load_average_after"] = load_after;
   document["quick"] = quick;

@@ -12,7 +12,7 @@
 // SDMHA_KERNELS=portable every float32 product goes to Eigen's GEMM and every bfloat16 product
 // to the portable loop, the paths of a build without those flags; the rest of the code (Eigen's
 // vectorised expressions, the softmax's exp) stays as compiled, and the bfloat16 mode does not
-// choose oneDNN's engine by itself (detail/cpu_features.hpp). Any other value, or none, keeps
+// choose the AMX tiles by itself (detail/cpu_features.hpp). Any other value, or none, keeps
 // the compiled engines: the Python package, which picks its extension by the same variable,
 // refuses values it does not know.
 #pragma once

@@ -800,14 +800,15 @@ void check_within(const float* got, const std::vector<double>& expected,
 // SparseDenseMHA<float> with every kernel in bfloat16: the output within the model's interval,
 // the returned probabilities (float32, before any rounding) within their bound, the same bits on
 // one thread and over its own ProjectedContext; sparse_regrouped, which reads the float32 Wq, a
-// ConfigError (then project_first, which automatic picks in this mode anyway).
-void run_bfloat16(const Setup& setup) {
+// ConfigError (then project_first, which automatic picks in this mode anyway). `engine` is the
+// SDMHA_BFLOAT16_GEMMS value: the model is that of the bfloat16 GEMMs, which this CPU might not
+// choose on its own, on the vdpbf16ps engine (on) or the AMX tiles' emulation (amx-emulated).
+void run_bfloat16(const Setup& setup, const char* engine) {
   const auto& p = setup.problem;
   const BFloat16Model model = bfloat16_model(setup);
   const Inputs<float> inputs(setup);
   sdmha::SparseDenseMHA<float> rounding(config_of(setup), weights_of<float>(p));
-  // The model is that of the bfloat16 GEMMs, which this CPU might not choose on its own.
-  ::setenv("SDMHA_BFLOAT16_GEMMS", "on", 1);
+  ::setenv("SDMHA_BFLOAT16_GEMMS", engine, 1);
   rounding.set_precision(sdmha::Precision::bfloat16);
   const auto& layer = rounding;  // const from here on: weights() would be a write access
   SDMHA_FUZZ_CHECK(layer.precision() == sdmha::Precision::bfloat16);
@@ -861,7 +862,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   try {
     run<double>(setup, expected);
     run<float>(setup, expected);
-    if (setup.bfloat16) run_bfloat16(setup);
+    if (setup.bfloat16)
+      for (const char* engine : {"on", "amx-emulated"}) run_bfloat16(setup, engine);
   } catch (const std::exception& error) {
     sdmha_fuzz::report_escape(error.what());
   }

@@ -106,6 +106,23 @@ enum class BFloat16GemmEngine {
   amx_emulated,  // the same on its emulated tiles: slow, for tests on any CPU
 };
 
+// The engine by the SDMHA_BFLOAT16_GEMMS value that forces it ("off" for float32).
+inline const char* to_string(BFloat16GemmEngine engine) {
+  switch (engine) {
+    case BFloat16GemmEngine::pairs:
+      return "on";
+    case BFloat16GemmEngine::onednn:
+      return "onednn";
+    case BFloat16GemmEngine::amx:
+      return "amx";
+    case BFloat16GemmEngine::amx_emulated:
+      return "amx-emulated";
+    case BFloat16GemmEngine::float32:
+      break;
+  }
+  return "off";
+}
+
 // The variable's value: unset or empty and "auto" are automatic; "onednn" only in a build with
 // oneDNN (`onednn_built`), "amx" only where AMX is usable (`amx_usable`); anything else but
 // "on", "off" and "amx-emulated" is a ConfigError naming it, before the layer changes.

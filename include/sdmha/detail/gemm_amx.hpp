@@ -24,7 +24,7 @@
 //
 // Two ways to run the tiles: HardwareTiles (the instructions, by inline assembly, so no compiler
 // flag is needed and the choice is made at run time) and EmulatedTiles (the instructions'
-// documented arithmetic in C++, on a thread's own tile state: TDPBF16PS adds the even product,
+// documented arithmetic in C++, on the product's own tile state: TDPBF16PS adds the even product,
 // then the odd one, reading subnormal inputs as zero and flushing subnormal results): the same
 // code around them, tested on every machine through the emulation.
 #pragma once
@@ -88,34 +88,34 @@ static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 // The instructions (AT&T operand order: sources first). Only for a CPU where amx_bfloat16_usable().
 struct HardwareTiles {
-  static void configure() {
+  void configure() {
     static const TileConfig config;
     asm volatile("ldtilecfg %0" ::"m"(config));
   }
-  static void release() { asm volatile("tilerelease" ::: "memory"); }
-  static void zero_sums() {
+  void release() { asm volatile("tilerelease" ::: "memory"); }
+  void zero_sums() {
     asm volatile("tilezero %%tmm0\n\ttilezero %%tmm1\n\ttilezero %%tmm2\n\ttilezero %%tmm3" ::);
   }
-  static void load_a(int which, const void* base, Index stride) {
+  void load_a(int which, const void* base, Index stride) {
     if (which == 0)
       asm volatile("tileloadd (%0,%1,1), %%tmm4" ::"r"(base), "r"(stride) : "memory");
     else
       asm volatile("tileloadd (%0,%1,1), %%tmm5" ::"r"(base), "r"(stride) : "memory");
   }
-  static void load_w(int which, const void* base, Index stride) {
+  void load_w(int which, const void* base, Index stride) {
     if (which == 0)
       asm volatile("tileloadd (%0,%1,1), %%tmm6" ::"r"(base), "r"(stride) : "memory");
     else
       asm volatile("tileloadd (%0,%1,1), %%tmm7" ::"r"(base), "r"(stride) : "memory");
   }
-  static void multiply(bool two_rows, bool two_columns) {
+  void multiply(bool two_rows, bool two_columns) {
     asm volatile("tdpbf16ps %%tmm6, %%tmm4, %%tmm0" ::);
     if (two_columns) asm volatile("tdpbf16ps %%tmm7, %%tmm4, %%tmm1" ::);
     if (two_rows) asm volatile("tdpbf16ps %%tmm6, %%tmm5, %%tmm2" ::);
     if (two_rows && two_columns) asm volatile("tdpbf16ps %%tmm7, %%tmm5, %%tmm3" ::);
   }
   // The four sums to out (32 × 32 floats, row stride `stride` bytes).
-  static void store_sums(float* out, Index stride) {
+  void store_sums(float* out, Index stride) {
     float* right = out + 16;
     float* below = out + 16 * (stride / Index(sizeof(float)));
     asm volatile("tilestored %%tmm0, (%0,%1,1)" ::"r"(out), "r"(stride) : "memory");
@@ -126,46 +126,40 @@ struct HardwareTiles {
 };
 #endif
 
-// The same operations on a thread's tile state in memory, by the instructions' definitions.
-struct EmulatedTiles {
-  struct State {
-    std::uint8_t tile[8][kTileRows * kTileBytes] = {};
-    bool configured = false;
-  };
-  static State& state() {
-    thread_local State tiles;
-    return tiles;
-  }
+// The same operations on tile state of its own (one object per product), by the instructions'
+// definitions.
+class EmulatedTiles {
+ public:
   // Tile products run so far in this process (tests check that a stage reached the tiles).
   static std::atomic<std::uint64_t>& products() {
     static std::atomic<std::uint64_t> count{0};
     return count;
   }
-  static void configure() { state().configured = true; }
-  static void release() { state() = State{}; }
-  static void zero_sums() {
-    for (int t = 0; t < 4; ++t) std::memset(state().tile[t], 0, sizeof(state().tile[t]));
+  void configure() { configured_ = true; }
+  void release() { configured_ = false; }
+  void zero_sums() {
+    for (int t = 0; t < 4; ++t) std::memset(tile_[t], 0, sizeof(tile_[t]));
   }
-  static void load(int tile, const void* base, Index stride) {
-    SDMHA_ASSERT(state().configured);
+  void load(int tile, const void* base, Index stride) {
+    SDMHA_ASSERT(configured_);
     for (Index row = 0; row < kTileRows; ++row)
-      std::memcpy(state().tile[tile] + row * kTileBytes,
+      std::memcpy(tile_[tile] + row * kTileBytes,
                   static_cast<const std::uint8_t*>(base) + row * stride, kTileBytes);
   }
-  static void load_a(int which, const void* base, Index stride) { load(4 + which, base, stride); }
-  static void load_w(int which, const void* base, Index stride) { load(6 + which, base, stride); }
+  void load_a(int which, const void* base, Index stride) { load(4 + which, base, stride); }
+  void load_w(int which, const void* base, Index stride) { load(6 + which, base, stride); }
   static float input(std::uint16_t bits) {  // subnormals read as zero
     return (bits & 0x7F80u) == 0 ? widen_bfloat16(bits & 0x8000u) : widen_bfloat16(bits);
   }
   static float flushed(float x) {
     return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.f, x) : x;
   }
-  static void dot(int c, int a, int w) {
+  void dot(int c, int a, int w) {
     float sums[kTileRows][kTileRows];
     std::uint16_t left[kTileRows][kTileDepth], right[kTileRows][kTileDepth];
-    std::memcpy(sums, state().tile[c], sizeof(sums));
-    std::memcpy(left, state().tile[a], sizeof(left));
-    std::memcpy(right, state().tile[w], sizeof(right));
+    std::memcpy(sums, tile_[c], sizeof(sums));
+    std::memcpy(left, tile_[a], sizeof(left));
+    std::memcpy(right, tile_[w], sizeof(right));
     for (Index i = 0; i < kTileRows; ++i) {
       for (Index p = 0; p < kTileRows; ++p)
         for (Index j = 0; j < kTileRows; ++j) {
@@ -174,22 +168,26 @@ struct EmulatedTiles {
         }
       for (Index j = 0; j < kTileRows; ++j) sums[i][j] = flushed(sums[i][j]);
     }
-    std::memcpy(state().tile[c], sums, sizeof(sums));
+    std::memcpy(tile_[c], sums, sizeof(sums));
     products().fetch_add(1, std::memory_order_relaxed);
   }
-  static void multiply(bool two_rows, bool two_columns) {
+  void multiply(bool two_rows, bool two_columns) {
     dot(0, 4, 6);
     if (two_columns) dot(1, 4, 7);
     if (two_rows) dot(2, 5, 6);
     if (two_rows && two_columns) dot(3, 5, 7);
   }
-  static void store_sums(float* out, Index stride) {
+  void store_sums(float* out, Index stride) {
     const Index floats = stride / Index(sizeof(float));
     for (int t = 0; t < 4; ++t)
       for (Index row = 0; row < kTileRows; ++row)
         std::memcpy(out + (t / 2 * kTileRows + row) * floats + t % 2 * kTileRows,
-                    state().tile[t] + row * kTileBytes, kTileBytes);
+                    tile_[t] + row * kTileBytes, kTileBytes);
   }
+
+ private:
+  std::uint8_t tile_[8][kTileRows * kTileBytes] = {};
+  bool configured_ = false;
 };
 
 // A's rows [i0, i0 + rows) × depth [p0, p0 + depth), times `scale`, rounded to bfloat16 into
@@ -239,9 +237,9 @@ inline void add_block(const float* sums, Index rows, Index columns, float* c, In
 
 // One row block × depth block of A (rounded in `tiles`) times W's pair rows from `w_rows` on.
 template <class Tiles>
-void multiply_panel(const std::uint16_t* tiles, Index rows, Index chunks, const BFloat16Pairs& w,
-                    const std::uint32_t* w_rows, Index n, float* c, Index ldc, bool add,
-                    const float* bias) {
+void multiply_panel(Tiles& tile_unit, const std::uint16_t* tiles, Index rows, Index chunks,
+                    const BFloat16Pairs& w, const std::uint32_t* w_rows, Index n, float* c,
+                    Index ldc, bool add, const float* bias) {
   alignas(64) float sums[kBlock * kBlock];
   const Index tile_elements = kTileRows * kTileDepth, w_stride = w.stride * 4;
   for (Index jr = 0; jr < n; jr += kBlock) {
@@ -250,21 +248,21 @@ void multiply_panel(const std::uint16_t* tiles, Index rows, Index chunks, const 
       const Index height = std::min(kBlock, rows - ir);
       const bool two_rows = height > kTileRows, two_columns = columns > kTileRows;
       const std::uint16_t* a = tiles + (ir / kTileRows) * chunks * tile_elements;
-      Tiles::zero_sums();
+      tile_unit.zero_sums();
       for (Index ch = 0; ch < chunks; ++ch) {
-        Tiles::load_a(0, a + ch * tile_elements, kTileBytes);
-        if (two_rows) Tiles::load_a(1, a + (chunks + ch) * tile_elements, kTileBytes);
+        tile_unit.load_a(0, a + ch * tile_elements, kTileBytes);
+        if (two_rows) tile_unit.load_a(1, a + (chunks + ch) * tile_elements, kTileBytes);
         const std::uint32_t* w_tile = w_rows + ch * kTileRows * w.stride + jr;
-        Tiles::load_w(0, w_tile, w_stride);
-        if (two_columns) Tiles::load_w(1, w_tile + kTileRows, w_stride);
-        Tiles::multiply(two_rows, two_columns);
+        tile_unit.load_w(0, w_tile, w_stride);
+        if (two_columns) tile_unit.load_w(1, w_tile + kTileRows, w_stride);
+        tile_unit.multiply(two_rows, two_columns);
       }
       float* out = c + ir * ldc + jr;
       if (!add && bias == nullptr && height == kBlock && columns == kBlock) {
-        Tiles::store_sums(out, ldc * Index(sizeof(float)));  // C = the sums: straight to C
+        tile_unit.store_sums(out, ldc * Index(sizeof(float)));  // C = the sums: straight to C
         continue;
       }
-      Tiles::store_sums(sums, kBlock * Index(sizeof(float)));
+      tile_unit.store_sums(sums, kBlock * Index(sizeof(float)));
       add_block(sums, height, columns, out, ldc, add, bias == nullptr ? nullptr : bias + jr);
     }
   }
@@ -295,20 +293,21 @@ void gemm_amx(const ConstMatrixRef<float>& a, const AmxPairs& w, MatrixRef<float
     return;
   }
   const Index kc = bf16_gemm::depth_block(k);
-  Tiles::configure();
+  Tiles tile_unit;
+  tile_unit.configure();
   for (Index ic = 0; ic < m; ic += amx::kMaxRows) {
     const Index rows = std::min(amx::kMaxRows, m - ic);
     for (Index pc = 0; pc < k; pc += kc) {
       const Index depth = std::min(kc, k - pc);
       const bool add = accumulate || pc > 0;
       amx::pack_tiles(a.data(), a.outerStride(), ic, rows, pc, depth, a_scale, panel);
-      amx::multiply_panel<Tiles>(panel, rows, (depth + amx::kTileDepth - 1) / amx::kTileDepth,
-                                 w.pairs, w.pairs.data + (pc / 2) * w.pairs.stride, n,
-                                 c.data() + ic * c.outerStride(), c.outerStride(), add,
-                                 add ? nullptr : column_bias);
+      amx::multiply_panel<Tiles>(
+          tile_unit, panel, rows, (depth + amx::kTileDepth - 1) / amx::kTileDepth, w.pairs,
+          w.pairs.data + (pc / 2) * w.pairs.stride, n, c.data() + ic * c.outerStride(),
+          c.outerStride(), add, add ? nullptr : column_bias);
     }
   }
-  Tiles::release();
+  tile_unit.release();
 }
 
 // The bfloat16 mode's engines for products of two float operands (the scores, P·V).
