@@ -88,7 +88,12 @@ end() {
 
 say "amx_check.sh on $(uname -n): $cores cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-)"
 say "CPU flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx512_bf16|amx_bf16|amx_tile|amx_int8)$' | paste -sd' ')"
-say "$($cxx --version | head -n 1); commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"
+if commit=$(git rev-parse --short HEAD 2>/dev/null); then
+  git diff --quiet HEAD 2>/dev/null || commit+=" (with uncommitted changes)"
+else
+  commit="unknown (no git repository here)"
+fi
+say "$($cxx --version | head -n 1); commit $commit"
 say "threads $threads, engines $gemms, repetitions $repetitions${QUICK:+, quick shapes}, jobs $jobs, budget $budget s"
 say "carried: $carry ($(du -sh "$carry" | cut -f1)); $(head -n 1 "$carry/MANIFEST.txt" 2>/dev/null)"
 
