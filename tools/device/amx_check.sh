@@ -174,82 +174,82 @@ build_programs() {
     "-DSDMHA_TEST_DATA_DIR=\"$repo/tests/data\"" -Iinclude -Itests -Itests/support
     "${carried_includes[@]}" -include test_support.hpp ${EXTRA_CXXFLAGS:-})
   scaling_flags="-std=c++17 -O3 -march=native -DNDEBUG -pthread"
+  rm -rf "$build/obj" "$build/sdmha_scaling" "$build/bfloat16_tests"
   mkdir -p "$build/obj"
-  rm -f "$build"/obj/*.o "$build"/obj/*.status "$build/sdmha_scaling" "$build/bfloat16_tests"
   compile() {  # compile NAME COMMAND...: its log and exit status in obj/NAME.{log,status}
     local name=$1
     shift
     timeout "$(left)" "$@" >"$build/obj/$name.log" 2>&1
     echo $? >"$build/obj/$name.status"
-}
-# The longest first: sdmha_scaling (-O3), then the test files by size.
-compiling=()  # their process ids (a bare `wait` would wait for the log's tee too)
-compile scaling "$cxx" $scaling_flags -DSDMHA_WITH_ONEDNN=1 -MD -MF "$build/obj/scaling.d" \
-  -DSDMHA_SCALING_COMPILE_FLAGS="\"$scaling_flags, $($cxx --version | head -n 1)\"" \
-  -Iinclude "${carried_includes[@]}" ${EXTRA_CXXFLAGS:-} bench/scaling/scaling_host.cpp \
-  -o "$build/sdmha_scaling" -L"$lib" -Wl,-rpath,"$lib" -ldnnl -ldl &
-compiling+=($!)
-for file in $(ls -S "${test_files[@]}"); do
-  while (($(jobs -rp | wc -l) >= jobs)); do sleep 0.2; done
-  name=$(basename "$file" .cpp)
-  compile "$name" "$cxx" "${test_flags[@]}" -MD -MF "$build/obj/$name.d" -c "$file" \
-    -o "$build/obj/$name.o" &
+  }
+  # The longest first: sdmha_scaling (-O3), then the test files by size.
+  compiling=()  # their process ids (a bare `wait` would wait for the log's tee too)
+  compile scaling "$cxx" $scaling_flags -DSDMHA_WITH_ONEDNN=1 -MD -MF "$build/obj/scaling.d" \
+    -DSDMHA_SCALING_COMPILE_FLAGS="\"$scaling_flags, $($cxx --version | head -n 1)\"" \
+    -Iinclude "${carried_includes[@]}" ${EXTRA_CXXFLAGS:-} bench/scaling/scaling_host.cpp \
+    -o "$build/sdmha_scaling" -L"$lib" -Wl,-rpath,"$lib" -ldnnl -ldl &
   compiling+=($!)
-done
-wait "${compiling[@]}"
-objects=()
-failed_files=()
-for file in "${test_files[@]}"; do
-  name=$(basename "$file" .cpp)
-  if [[ $(cat "$build/obj/$name.status" 2>/dev/null) == 0 ]]; then
-    objects+=("$build/obj/$name.o")
-  else
-    failed_files+=("$file")
-    say "COMPILE FAILED (left out of the tests): $file"
-    grep -m 20 -E 'error|Error' "$build/obj/$name.log"
+  for file in $(ls -S "${test_files[@]}"); do
+    while (($(jobs -rp | wc -l) >= jobs)); do sleep 0.2; done
+    name=$(basename "$file" .cpp)
+    compile "$name" "$cxx" "${test_flags[@]}" -MD -MF "$build/obj/$name.d" -c "$file" \
+      -o "$build/obj/$name.o" &
+    compiling+=($!)
+  done
+  wait "${compiling[@]}"
+  objects=()
+  failed_files=()
+  for file in "${test_files[@]}"; do
+    name=$(basename "$file" .cpp)
+    if [[ $(cat "$build/obj/$name.status" 2>/dev/null) == 0 ]]; then
+      objects+=("$build/obj/$name.o")
+    else
+      failed_files+=("$file")
+      say "COMPILE FAILED (left out of the tests): $file"
+      grep -m 20 -E 'error|Error' "$build/obj/$name.log"
+      status=1
+    fi
+  done
+  if [[ $(cat "$build/obj/scaling.status" 2>/dev/null) != 0 ]]; then
+    say "COMPILE FAILED: bench/scaling/scaling_host.cpp"
+    grep -m 20 -E 'error|Error' "$build/obj/scaling.log"
     status=1
   fi
-done
-if [[ $(cat "$build/obj/scaling.status" 2>/dev/null) != 0 ]]; then
-  say "COMPILE FAILED: bench/scaling/scaling_host.cpp"
-  grep -m 20 -E 'error|Error' "$build/obj/scaling.log"
-  status=1
-fi
-# Warnings in the project's files (GCC 12 reports false ones inside its own avx512fintrin.h).
-warnings=$(cat "$build"/obj/*.log | grep 'warning:' | grep -vc '^/usr/')
-((warnings > 0)) && { say "$warnings compiler warnings, the first:"; cat "$build"/obj/*.log | grep 'warning:' | grep -v '^/usr/' | head -n 10; }
-# Every header outside the system's own must come from the checkout or the carried folder.
-foreign=$(cat "$build"/obj/*.d 2>/dev/null | tr ' \\' '\n\n' | grep -E '^/' | sort -u |
-  grep -vE "^($repo|$carry)/" | grep -E '/(eigen3|Eigen|unsupported|gtest|gmock|oneapi|dnnl)' || true)
-if [[ -n $foreign ]]; then
-  say "WARNING: headers from outside the carried folder:"
-  echo "$foreign" | head -n 10
-else
-  say "headers: Eigen, GoogleTest and oneDNN all from $carry"
-fi
-link() {
-  timeout "$(left)" "$cxx" -pthread "${objects[@]}" -o "$build/bfloat16_tests" "$@" \
-    -L"$lib" -Wl,-rpath,"$lib" -ldnnl -ldl >"$build/link.log" 2>&1
-}
-if ((${#objects[@]} > 0)); then
-  if [[ -n ${GTEST_FROM_SOURCE:-} ]] || ! link "$carry/lib/libgtest_main.a" "$carry/lib/libgtest.a"; then
-    say "building GoogleTest from its carried sources ($([[ -n ${GTEST_FROM_SOURCE:-} ]] &&
-      echo GTEST_FROM_SOURCE is set || echo 'linking with the carried libgtest failed'))"
-    tail -n 5 "$build/link.log" 2>/dev/null
-    gtest=$carry/src/googletest
-    compiling=()
-    for part in gtest-all gtest_main; do
-      timeout "$(left)" "$cxx" -std=c++17 -O2 -pthread -I"$gtest/include" -I"$gtest" \
-        -c "$gtest/src/$part.cc" -o "$build/obj/$part.gtest.o" &
-      compiling+=($!)
-    done
-    wait "${compiling[@]}"
-    rm -f "$build/libgtest_built.a"
-    ar rcs "$build/libgtest_built.a" "$build/obj/gtest-all.gtest.o" "$build/obj/gtest_main.gtest.o"
-    link "$build/libgtest_built.a" || { cat "$build/link.log"; status=1; }
+  # Warnings in the project's files (GCC 12 reports false ones inside its own avx512fintrin.h).
+  warnings=$(cat "$build"/obj/*.log | grep 'warning:' | grep -vc '^/usr/')
+  ((warnings > 0)) && { say "$warnings compiler warnings, the first:"; cat "$build"/obj/*.log | grep 'warning:' | grep -v '^/usr/' | head -n 10; }
+  # Every header outside the system's own must come from the checkout or the carried folder.
+  foreign=$(cat "$build"/obj/*.d 2>/dev/null | tr ' \\' '\n\n' | grep -E '^/' | sort -u |
+    grep -vE "^($repo|$carry)/" | grep -E '/(eigen3|Eigen|unsupported|gtest|gmock|oneapi|dnnl)' || true)
+  if [[ -n $foreign ]]; then
+    say "WARNING: headers from outside the carried folder:"
+    echo "$foreign" | head -n 10
+  else
+    say "headers: Eigen, GoogleTest and oneDNN all from $carry"
   fi
-fi
-end "${#objects[@]} of ${#test_files[@]} test files; sdmha_scaling $([[ -x $build/sdmha_scaling ]] && echo built || echo MISSING)"
+  link() {
+    timeout "$(left)" "$cxx" -pthread "${objects[@]}" -o "$build/bfloat16_tests" "$@" \
+      -L"$lib" -Wl,-rpath,"$lib" -ldnnl -ldl >"$build/link.log" 2>&1
+  }
+  if ((${#objects[@]} > 0)); then
+    if [[ -n ${GTEST_FROM_SOURCE:-} ]] || ! link "$carry/lib/libgtest_main.a" "$carry/lib/libgtest.a"; then
+      say "building GoogleTest from its carried sources ($([[ -n ${GTEST_FROM_SOURCE:-} ]] &&
+        echo GTEST_FROM_SOURCE is set || echo 'linking with the carried libgtest failed'))"
+      tail -n 5 "$build/link.log" 2>/dev/null
+      gtest=$carry/src/googletest
+      compiling=()
+      for part in gtest-all gtest_main; do
+        timeout "$(left)" "$cxx" -std=c++17 -O2 -pthread -I"$gtest/include" -I"$gtest" \
+          -c "$gtest/src/$part.cc" -o "$build/obj/$part.gtest.o" &
+        compiling+=($!)
+      done
+      wait "${compiling[@]}"
+      rm -f "$build/libgtest_built.a"
+      ar rcs "$build/libgtest_built.a" "$build/obj/gtest-all.gtest.o" "$build/obj/gtest_main.gtest.o"
+      link "$build/libgtest_built.a" || { cat "$build/link.log"; status=1; }
+    fi
+  fi
+  end "${#objects[@]} of ${#test_files[@]} test files; sdmha_scaling $([[ -x $build/sdmha_scaling ]] && echo built || echo MISSING)"
 }
 test_files=()
 objects=()
