@@ -38,7 +38,7 @@ set -uo pipefail
 
 start=$SECONDS
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-cd "$repo"
+cd "$repo" || exit 2
 carry=$(cd "${CARRY:-$repo/.carry}" 2>/dev/null && pwd) || {
   echo "amx_check.sh: no carried folder ${CARRY:-$repo/.carry} (tools/device/prepare_carry.sh fills it)" >&2
   exit 2
@@ -350,5 +350,5 @@ timeout "$(left)" "${python:-python3}" bench/scaling/precision_report.py --sdmha
   say "precision_report.py failed"
 cat "$out/bfloat16_table.md" 2>/dev/null
 end
-say "amx_check.sh: $([[ $status == 0 ]] && echo done || echo 'FAILED (see above)') in $((SECONDS - start)) s; wrote $(ls "$out" | paste -sd' ') to $out"
+say "amx_check.sh: $([[ $status == 0 ]] && echo "done" || echo 'FAILED (see above)') in $((SECONDS - start)) s; wrote $(ls "$out" | paste -sd' ') to $out"
 exit $status
