@@ -117,8 +117,8 @@ class DenseMHA : public DenseLayerCore<Scalar> {
       projection().run_item(index, buffers.workers[std::size_t(worker)].stage.view());
     }
     void operator()(const detail::AttentionTile& item, const BatchMask& mask,
-                    const ConstMatrixRef<Scalar>& key, bool bfloat16_operands, StageScratch scratch,
-                    MatrixRef<Scalar> scores) const {
+                    const ConstMatrixRef<Scalar>& key, BFloat16Operands bfloat16_operands,
+                    StageScratch scratch, MatrixRef<Scalar> scores) const {
       detail::project_first_scores(layer.core(), plan, item, projected_query, mask, key,
                                    bfloat16_operands, scratch, scores);
     }

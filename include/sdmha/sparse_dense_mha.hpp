@@ -101,17 +101,18 @@ class SparseDenseMHA
   //      layer whose Wq is that rounding (products and sums in float32), for half of Wq's memory
   //      traffic.
   //  bfloat16  Wq as above; and where bfloat16 products beat the float32 engine on this CPU
-  //      (bfloat16_gemms() says; detail/cpu_features.hpp has the rule: AMD Zen 4 and 5, and AMX
-  //      in a build with oneDNN, not Intel's AVX512_BF16 alone), Wk, Wv and Wo rounded and
-  //      packed once, now; the key, the value and the concatenated heads are rounded as their
-  //      projections read them, and those projections run on bfloat16 products with float32
-  //      sums (vdpbf16ps; with AMX, oneDNN's matmul on its tiles). Each term x·w of a projection
-  //      then carries a relative error of at most 2⁻⁷ (2⁻⁸ from each operand). On vdpbf16ps
-  //      the scores and P·V round their operands too (scale·Q and K, P and V; stages'
-  //      bfloat16_operands) and run on the same dot products; with oneDNN they stay float32;
-  //      the softmax stays float32. Where no engine pays, those stages stay float32: the layer
-  //      is bfloat16_query_kernel's, bit for bit. SDMHA_BFLOAT16_GEMMS=on, off or onednn in the
-  //      environment forces the choice.
+  //      (bfloat16_gemms() says; detail/cpu_features.hpp has the rule: AMD Zen 4 and 5, and CPUs
+  //      with AMX, not Intel's AVX512_BF16 alone), Wk, Wv and Wo rounded and packed once, now;
+  //      the key, the value and the concatenated heads are rounded as their projections read
+  //      them, and those projections run on bfloat16 products with float32 sums (vdpbf16ps, or
+  //      AMX tiles: detail/gemm_amx.hpp). Each term x·w of a projection then carries a relative
+  //      error of at most 2⁻⁷ (2⁻⁸ from each operand). The scores and P·V round their operands
+  //      too (scale·Q and K, P and V; stages' bfloat16_operands) and run on the same engine; the
+  //      softmax stays float32. Where no engine pays, those stages stay float32: the layer is
+  //      bfloat16_query_kernel's, bit for bit. SDMHA_BFLOAT16_GEMMS in the environment forces
+  //      the choice: on (vdpbf16ps), off, amx, amx-emulated (the tiles' arithmetic in software,
+  //      slow: for tests), onednn (a build with oneDNN: its matmul for the projections, AMX
+  //      where usable; the scores and P·V then stay float32).
   //  float32  drops every copy.
   // The copies are snapshots: after a write access through weights(), or with a kernel of
   // another size or place, a forward is a ConfigError until this is called again (weights
@@ -145,6 +146,12 @@ class SparseDenseMHA
   // oneDNN), the scores and P·V then float32.
   bool bfloat16_gemms_through_onednn() const {
     return this->dense_gemm_engine() == detail::BFloat16GemmEngine::onednn;
+  }
+  // Whether they run on AMX tiles (all of them: projections, scores, P·V), the CPU's or, forced
+  // by SDMHA_BFLOAT16_GEMMS=amx-emulated, their emulation.
+  bool bfloat16_gemms_on_amx() const {
+    return this->dense_gemm_engine() == detail::BFloat16GemmEngine::amx ||
+           this->dense_gemm_engine() == detail::BFloat16GemmEngine::amx_emulated;
   }
 
   // query (B, T, Eq) sparse, attending to `context` (sdmha/context.hpp): {key, value} with key
@@ -308,8 +315,9 @@ class SparseDenseMHA
   // rounded to bfloat16 when `bfloat16_operands` (the bfloat16 mode, which projects first).
   void tile_scores(const detail::AttentionPlan& plan, const detail::AttentionTile& item,
                    const Query& query, const RowMatrix<Scalar>& projected_query,
-                   const BatchMask& mask, const ConstMatrixRef<Scalar>& key, bool bfloat16_operands,
-                   StageScratch scratch, MatrixRef<Scalar> scores) const {
+                   const BatchMask& mask, const ConstMatrixRef<Scalar>& key,
+                   BFloat16Operands bfloat16_operands, StageScratch scratch,
+                   MatrixRef<Scalar> scores) const {
     const Index T = plan.steps, Dk = plan.dims.key_dim;
     const Scalar scale = Scalar(plan.scale);
     if (plan.regrouped()) {

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 
 #include "sdmha/config.hpp"
@@ -57,6 +58,29 @@ struct StageScratch {
 };
 
 inline constexpr std::size_t kScratchAlignment = 64;
+
+// How a tile's products take their operands (the score and attend-values stages'
+// `bfloat16_operands`): as they are (false), or rounded to bfloat16 with exact products and float32
+// sums, on one of the bfloat16 mode's engines. Made from a bool (true: the vdpbf16ps pairs
+// engine) and read as one in a condition; it turns into a bool only explicitly, so that no call
+// on the way from the layer to a stage can drop the engine.
+class BFloat16Operands {
+ public:
+  enum class Engine : std::uint8_t {
+    none,
+    pairs,        // detail/gemm_bfloat16.hpp: vdpbf16ps, or its portable loop
+    amx,          // detail/gemm_amx.hpp on the CPU's tiles
+    amx_emulated  // detail/gemm_amx.hpp on its emulated tiles (tests on any CPU)
+  };
+  constexpr BFloat16Operands(bool rounded = false)
+      : engine_(rounded ? Engine::pairs : Engine::none) {}
+  constexpr BFloat16Operands(Engine engine) : engine_(engine) {}
+  constexpr explicit operator bool() const { return engine_ != Engine::none; }
+  constexpr Engine engine() const { return engine_; }
+
+ private:
+  Engine engine_;
+};
 
 // The largest tile a stage will see in one call, for its workspace_size(). The plan fills what
 // applies to the stage: rows and widths always, the sparse fields for stages that read the CSR.
@@ -137,7 +161,7 @@ void check_kernel_bfloat16(const char* where, const RoundedKernel* kernel_bfloat
 
 // A stage asked to round its operands to bfloat16 (`bfloat16_operands`) must be a float stage.
 template <typename Scalar>
-void check_bfloat16_operands(const char* where, bool bfloat16_operands) {
+void check_bfloat16_operands(const char* where, BFloat16Operands bfloat16_operands) {
   if (bfloat16_operands && !std::is_same<Scalar, float>::value)
     fail<ConfigError>(where,
                       "bfloat16_operands is set for a double stage; expected false (bfloat16 "

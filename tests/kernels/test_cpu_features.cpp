@@ -69,10 +69,11 @@ TEST(CpuFeatures, BFloat16GemmsPayWhereTheDotProductsOutrunFloat32) {
 }
 
 // The engine over CPU kind × AMX permission × build (AVX512_BF16 kernels, oneDNN) ×
-// SDMHA_KERNELS: oneDNN exactly where AMX is usable in a build with it and compiled engines are
-// allowed (whatever sdmha's own flags: oneDNN compiles its kernels at run time), else the pairs
-// engine where its dot products pay, else float32; forced, the machine does not matter.
-TEST(CpuFeatures, BFloat16GemmEngineTakesAmxThroughOneDnnWhereUsable) {
+// SDMHA_KERNELS: the AMX tiles exactly where AMX is usable and compiled engines are allowed
+// (whatever sdmha's AVX-512 flags: the tiles are inline assembly chosen at run time, with or
+// without oneDNN), else the pairs engine where its dot products pay, else float32; forced, the
+// machine does not matter.
+TEST(CpuFeatures, BFloat16GemmEngineTakesTheAmxTilesWhereUsable) {
   using sdmha::detail::BFloat16GemmEngine;
   using sdmha::detail::BFloat16GemmMachine;
   const CpuFeatures zen4{true, false, true}, sapphire_rapids{true, true, false},
@@ -87,16 +88,14 @@ TEST(CpuFeatures, BFloat16GemmEngineTakesAmxThroughOneDnnWhereUsable) {
       {{zen4, true, true, true, false}, BFloat16GemmEngine::pairs, "Zen 4, oneDNN built"},
       {{zen4, true, true, false, false}, BFloat16GemmEngine::pairs, "Zen 4"},
       {{zen4, false, false, true, false}, BFloat16GemmEngine::float32, "Zen 4, portable"},
-      {{sapphire_rapids, true, true, true, true}, BFloat16GemmEngine::onednn, "AMX granted"},
+      {{sapphire_rapids, true, true, true, true}, BFloat16GemmEngine::amx, "AMX granted"},
       {{sapphire_rapids, false, true, true, true},
-       BFloat16GemmEngine::onednn,
+       BFloat16GemmEngine::amx,
        "AMX granted, sdmha built without AVX512_BF16"},
       {{sapphire_rapids, true, true, true, false},
        BFloat16GemmEngine::float32,
        "AMX, tile data refused"},
-      {{sapphire_rapids, true, true, false, true},
-       BFloat16GemmEngine::float32,
-       "AMX granted, no oneDNN"},
+      {{sapphire_rapids, true, true, false, true}, BFloat16GemmEngine::amx, "AMX, no oneDNN"},
       {{sapphire_rapids, false, false, true, true},
        BFloat16GemmEngine::float32,
        "AMX granted, portable"},
@@ -114,12 +113,16 @@ TEST(CpuFeatures, BFloat16GemmEngineTakesAmxThroughOneDnnWhereUsable) {
               BFloat16GemmEngine::float32);
     EXPECT_EQ(sdmha::detail::bfloat16_gemm_engine(BFloat16Gemms::onednn, row.machine),
               BFloat16GemmEngine::onednn);
+    EXPECT_EQ(sdmha::detail::bfloat16_gemm_engine(BFloat16Gemms::amx, row.machine),
+              BFloat16GemmEngine::amx);
+    EXPECT_EQ(sdmha::detail::bfloat16_gemm_engine(BFloat16Gemms::amx_emulated, row.machine),
+              BFloat16GemmEngine::amx_emulated);
   }
 }
 
 // Linux's permission for AMX tile data, asked for on this machine: an answer on every CPU (false
 // on one without AMX: no kernel grants a feature the CPU lacks), the same when asked again, and
-// the one bfloat16_gemm_machine reports in a build with oneDNN.
+// the one bfloat16_gemm_machine reports where the tiles are built (x86-64).
 TEST(CpuFeatures, AmxTileDataRequestIsAnsweredAndStable) {
   const CpuFeatures& cpu = sdmha::detail::cpu_features();
   const bool granted = sdmha::detail::request_amx_tile_data();
@@ -129,7 +132,7 @@ TEST(CpuFeatures, AmxTileDataRequestIsAnsweredAndStable) {
   }
   EXPECT_EQ(sdmha::detail::amx_bfloat16_usable(), cpu.amx_bf16 && granted);
   EXPECT_EQ(sdmha::detail::bfloat16_gemm_machine().amx_usable,
-            sdmha::detail::kHaveOneDnnGemm && cpu.amx_bf16 && granted);
+            sdmha::detail::kHaveAmxTiles && cpu.amx_bf16 && granted);
   std::cout << "[          ] AMX-BF16 " << cpu.amx_bf16 << ", tile data granted " << granted
             << ", oneDNN built " << sdmha::detail::kHaveOneDnnGemm << "\n";
 }

@@ -9,8 +9,11 @@
 // the bfloat16 kernel, and can_implement refuses a wrong one. With both operands rounded
 // (gemm_bfloat16_operands, the scores and P·V of the bfloat16 mode), the pair packers agree with
 // their portable forms and the kernel's layout, and the product is the kernel product of the
-// rounded operands. In a build with oneDNN, a kernel handed to it: the same bounds, on the
-// calling thread alone, AMX where usable.
+// rounded operands. On the AMX tiles (gemm_amx.hpp): the emulation takes the model's sums in
+// TDPBF16PS's order bit for bit, the CPU's tiles (where usable) stay within the same bounds, and
+// both keep the bias, row-block and stride invariants; kernels handed to them serve the
+// projections, and the operands' form the scores and P·V. In a build with oneDNN, a kernel handed
+// to it: the same bounds, on the calling thread alone, AMX where usable.
 #include "test_support.hpp"
 
 #include <cstring>
@@ -19,6 +22,7 @@
 
 #include <sdmha/detail/attention_plan.hpp>
 #include <sdmha/detail/gemm.hpp>
+#include <sdmha/detail/gemm_amx.hpp>
 #include <sdmha/detail/gemm_bfloat16.hpp>
 #include <sdmha/detail/gemm_onednn.hpp>
 #include <sdmha/detail/scratch.hpp>
@@ -280,10 +284,11 @@ TEST(BFloat16Gemm, ColumnBiasIsBitwiseTheBiasAccumulatedOnto) {
 
 // The sums the vdpbf16ps path takes: k cut into depth blocks of `depth` (k alone decides it),
 // each summed from zero pair by pair (the odd row's product first, then the even row's: the SDM's
-// order within one vdpbf16ps lane) and then added to C, or stored for the first block without
-// accumulation. Each product of two bfloat16 values is exact in float.
+// order within one vdpbf16ps lane; the even one first with `even_first`, TDPBF16PS's order) and
+// then added to C, or stored for the first block without accumulation. Each product of two
+// bfloat16 values is exact in float.
 FloatMatrix blocked_sums(const FloatMatrix& a, const BFloat16Kernel& w, const FloatMatrix& start,
-                         bool accumulate, Index depth) {
+                         bool accumulate, Index depth, bool even_first = false) {
   const Index m = a.rows(), n = w.cols(), k = a.cols();
   FloatMatrix c = start;
   std::vector<float> acc(static_cast<std::size_t>(n));
@@ -294,8 +299,10 @@ FloatMatrix blocked_sums(const FloatMatrix& a, const BFloat16Kernel& w, const Fl
         const float odd = 2 * p + 1 < k ? to_bfloat16(a(i, 2 * p + 1)) : 0.0f;
         const float even = to_bfloat16(a(i, 2 * p));
         for (Index j = 0; j < n; ++j) {
-          acc[std::size_t(j)] += odd * (2 * p + 1 < k ? w(2 * p + 1, j) : 0.0f);
-          acc[std::size_t(j)] += even * w(2 * p, j);
+          const float odd_term = odd * (2 * p + 1 < k ? w(2 * p + 1, j) : 0.0f);
+          if (even_first) acc[std::size_t(j)] += even * w(2 * p, j);
+          acc[std::size_t(j)] += odd_term;
+          if (!even_first) acc[std::size_t(j)] += even * w(2 * p, j);
         }
       }
       for (Index j = 0; j < n; ++j)
@@ -502,6 +509,175 @@ TEST(DenseProjectionBFloat16, DoubleStageRefusesABFloat16Kernel) {
 }
 TEST(OutputProjectionBFloat16, DoubleStageRefusesABFloat16Kernel) {
   check_double_stage_refuses_a_bfloat16_kernel<sdmha::OutputProjection<double>>();
+}
+
+// ---- the AMX tiles (detail/gemm_amx.hpp): their emulation on every machine, the CPU's own where
+// AMX is usable ----------------------------------------------------------------------------------
+
+using sdmha::detail::amx::EmulatedTiles;
+
+// C (+)= bf16(A)·W̃ (+ bias) on Tiles, with W̃ = BFloat16Kernel(w) padded for the tiles and a
+// panel of the planned size.
+template <class Tiles>
+FloatMatrix run_tiles(const sdmha::ConstMatrixRef<float>& a, const FloatMatrix& w,
+                      const FloatMatrix& start, bool accumulate, const float* bias = nullptr) {
+  using namespace sdmha::detail;
+  const BFloat16Kernel kernel(w);
+  BFloat16Kernel::Pairs padded = BFloat16Kernel::Pairs::Zero(amx::padded_pair_rows(kernel.rows()),
+                                                             amx::padded_columns(kernel.cols()));
+  padded.topLeftCorner(kernel.pairs().rows(), kernel.cols()) = kernel.pairs();
+  std::vector<std::uint16_t> panel(amx::panel_bytes(a.rows(), a.cols()) / 2);
+  FloatMatrix c = start;
+  gemm_amx<Tiles>(a, AmxPairs{BFloat16Pairs{padded.data(), w.rows(), w.cols(), padded.cols()}}, c,
+                  accumulate, bias, 1.f, panel.data());
+  return c;
+}
+
+// The CPU's tiles where Linux grants them; the reason to skip elsewhere.
+#define SDMHA_SKIP_WITHOUT_AMX()                                                         \
+  if (!sdmha::detail::amx_bfloat16_usable())                                             \
+  GTEST_SKIP() << "no AMX here (CPU AMX-BF16 " << sdmha::detail::cpu_features().amx_bf16 \
+               << "): the emulated tiles' tests cover the code around the instructions"
+
+// The emulated TDPBF16PS reads a subnormal bfloat16 as zero and flushes a subnormal sum to zero:
+// (2⁻¹³⁰ · 1) contributes nothing, and 2⁻⁶⁴ · 2⁻⁶⁴ = 2⁻¹²⁸ (normal operands) is flushed.
+TEST(AmxTiles, EmulationReadsAndWritesSubnormalsAsZero) {
+  const float subnormal = std::ldexp(1.0f, -130), tiny = std::ldexp(1.0f, -64);
+  for (const auto& [x, y] : {std::pair<float, float>{subnormal, 1.0f}, {tiny, tiny}}) {
+    const FloatMatrix a = FloatMatrix::Constant(1, 1, x), w = FloatMatrix::Constant(1, 1, y);
+    const FloatMatrix c = run_tiles<EmulatedTiles>(a, w, nan_matrix(1, 1), false);
+    EXPECT_EQ(bits_of(c(0, 0)), 0u) << x << " x " << y;
+  }
+}
+
+// On every edge case: the emulation's sums are the model's with TDPBF16PS's order (per depth
+// block, pair by pair, the even row's product first), bit for bit; the CPU's tiles are within
+// the bounds of the pairs engine (summation of the rounded operands' product; bfloat16's bound of
+// the float one), with the bias added once where there is one.
+template <class Tiles>
+void expect_tiles_within_the_bounds(std::uint32_t seed, bool bitwise_model) {
+  for (const GemmCase& c : gemm_cases()) {
+    SCOPED_TRACE(describe(c));
+    const auto [a, w, start] = random_operands(c, seed++);
+    const FloatMatrix result = run_tiles<Tiles>(a, w, start, c.accumulate);
+    if (bitwise_model) {
+      const FloatMatrix expected = blocked_sums(a, BFloat16Kernel(w), start, c.accumulate,
+                                                sdmha::detail::bf16_gemm::depth_block(c.k), true);
+      EXPECT_EQ(differing_bits(result, expected), 0);
+    }
+    const FloatMatrix* c0 = c.accumulate ? &start : nullptr;
+    const double summation = double(c.k + 1) * kSumRounding;
+    double worst = 0.0;
+    EXPECT_EQ(entries_outside(result, reference_product(a, w, c0, true), summation, &worst), 0)
+        << "worst error against the rounded operands' product: " << worst;
+    EXPECT_EQ(entries_outside(result, reference_product(a, w, c0, false),
+                              kProductRounding + summation, &worst),
+              0)
+        << "worst |C - A.W| / sum |A.W| = " << worst;
+  }
+}
+TEST(AmxGemm, EmulatedTilesTakeTheModelsSums) {
+  expect_tiles_within_the_bounds<EmulatedTiles>(8100, true);
+}
+TEST(AmxGemm, HardwareTilesStayWithinTheBounds) {
+  SDMHA_SKIP_WITHOUT_AMX();
+  expect_tiles_within_the_bounds<sdmha::detail::amx::HardwareTiles>(8100, false);
+}
+
+// The bias is added in the first depth block's stores, bitwise the bias with the product
+// accumulated onto it; a row block of C is bitwise the same rows of the whole product; strided A
+// and C give the same bits and leave C's margin alone.
+template <class Tiles>
+void expect_bias_row_blocks_and_strides_keep_the_bits(std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  const Index m = 700, n = 45, k = 1100;
+  const FloatMatrix a = normal_matrix(m, k, rng), w = normal_matrix(k, n, rng);
+  const FloatMatrix bias = normal_matrix(1, n, rng);
+  const FloatMatrix whole = run_tiles<Tiles>(a, w, nan_matrix(m, n), false);
+  for (const auto& rows : std::vector<std::pair<Index, Index>>{{256, 256}, {0, 1}, {600, 100}}) {
+    const FloatMatrix part = run_tiles<Tiles>(a.middleRows(rows.first, rows.second), w,
+                                              nan_matrix(rows.second, n), false);
+    EXPECT_EQ(differing_bits(part, whole.middleRows(rows.first, rows.second)), 0)
+        << "rows " << rows.first << " + " << rows.second;
+  }
+  for (const Index depth : {Index(100), k}) {
+    const FloatMatrix onto = bias.replicate(m, 1);
+    EXPECT_EQ(differing_bits(run_tiles<Tiles>(a.leftCols(depth), w.topRows(depth), nan_matrix(m, n),
+                                              false, bias.data()),
+                             run_tiles<Tiles>(a.leftCols(depth), w.topRows(depth), onto, true)),
+              0)
+        << "bias, depth " << depth;
+  }
+  FloatMatrix wide_a = normal_matrix(m, k + 7, rng);
+  wide_a.middleCols(3, k) = a;
+  FloatMatrix wide_c = FloatMatrix::Constant(m, n + 5, -555.0f);
+  wide_c.middleCols(2, n) = run_tiles<Tiles>(wide_a.middleCols(3, k), w, nan_matrix(m, n), false);
+  EXPECT_EQ(differing_bits(wide_c.middleCols(2, n), whole), 0) << "strided";
+}
+TEST(AmxGemm, EmulatedBiasRowBlocksAndStridesKeepTheBits) {
+  expect_bias_row_blocks_and_strides_keep_the_bits<EmulatedTiles>(8200);
+}
+TEST(AmxGemm, HardwareBiasRowBlocksAndStridesKeepTheBits) {
+  SDMHA_SKIP_WITHOUT_AMX();
+  expect_bias_row_blocks_and_strides_keep_the_bits<sdmha::detail::amx::HardwareTiles>(8200);
+}
+
+// A kernel handed to the tiles serves gemm_bfloat16 on it (the projections), bias included, with
+// the planned scratch or none: bitwise the tiles' product; accumulated products stay with the
+// pairs engine.
+TEST(AmxGemm, KernelHandedToTheTilesServesTheProjections) {
+  std::mt19937 rng(8300);
+  for (const GemmCase& c : gemm_cases()) {
+    SCOPED_TRACE(describe(c));
+    const FloatMatrix a = normal_matrix(c.m, c.k, rng), w = normal_matrix(c.k, c.n, rng);
+    const FloatMatrix bias = normal_matrix(1, c.n, rng);
+    BFloat16Kernel kernel(w);
+    sdmha::detail::hand_to_amx(kernel, true);
+    ASSERT_NE(kernel.external(), nullptr);
+    for (const bool planned : {true, false}) {
+      FloatMatrix result = nan_matrix(c.m, c.n);
+      sdmha::detail::ScratchBuffer buffer;
+      if (planned) buffer.reserve(sdmha::detail::gemm_bfloat16_workspace_size(c.m, c.n, c.k));
+      gemm_bfloat16(a, kernel, result, false, buffer.view(), bias.data());
+      EXPECT_EQ(differing_bits(result, run_tiles<EmulatedTiles>(a, w, nan_matrix(c.m, c.n), false,
+                                                                bias.data())),
+                0)
+          << (planned ? "planned scratch" : "no scratch");
+    }
+    const FloatMatrix start = normal_matrix(c.m, c.n, rng);
+    EXPECT_EQ(differing_bits(run_gemm(a, kernel, start, true),
+                             run_gemm(a, BFloat16Kernel(w), start, true)),
+              0)
+        << "accumulated: the pairs engine";
+  }
+}
+
+// C (+)= bf16(scale·A)·bf16(op(B)) on the tiles (the scores and P·V): bitwise the tiles' product
+// of scale·A on BFloat16Kernel(op(B)), with the planned scratch or none.
+TEST(AmxOperands, ProductIsTheTileProductOfTheRoundedOperands) {
+  using namespace sdmha::detail;
+  std::mt19937 rng(8400);
+  for (const GemmCase& c : gemm_cases()) {
+    for (const bool transpose : {false, true}) {
+      SCOPED_TRACE(describe(c) + (transpose ? " B transposed" : ""));
+      const float scale = 0.37f;
+      const FloatMatrix a = normal_matrix(c.m, c.k, rng), start = normal_matrix(c.m, c.n, rng);
+      const FloatMatrix b = transpose ? normal_matrix(c.n, c.k, rng) : normal_matrix(c.k, c.n, rng);
+      FloatMatrix planned = start, unplanned = start;
+      ScratchBuffer buffer;
+      buffer.reserve(bfloat16_operands_workspace_size(c.m, c.n, c.k));
+      const sdmha::BFloat16Operands tiles(sdmha::BFloat16Operands::Engine::amx_emulated);
+      const auto before = EmulatedTiles::products().load();
+      gemm_bfloat16_operands(a, b, transpose, planned, c.accumulate, buffer.view(), scale, tiles);
+      EXPECT_GT(EmulatedTiles::products().load(), before);
+      gemm_bfloat16_operands(a, b, transpose, unplanned, c.accumulate, {}, scale, tiles);
+      const FloatMatrix scaled_a = a * scale;
+      const FloatMatrix op_b = transpose ? FloatMatrix(b.transpose()) : b;
+      const FloatMatrix expected = run_tiles<EmulatedTiles>(scaled_a, op_b, start, c.accumulate);
+      EXPECT_EQ(differing_bits(planned, expected), 0);
+      EXPECT_EQ(differing_bits(unplanned, expected), 0);
+    }
+  }
 }
 
 #if defined(SDMHA_WITH_ONEDNN)

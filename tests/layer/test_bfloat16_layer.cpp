@@ -6,8 +6,9 @@
 // V, and equals its own forward over a ProjectedContext; the snapshot's staleness, the backward and
 // double layers are refused with clear errors, and float32 restores the float layer. These tests
 // force the bfloat16 GEMMs on (SDMHA_BFLOAT16_GEMMS=on), whatever this CPU would choose; the
-// choice itself is tested at the end, and in a build with oneDNN the projections on it (forced:
-// onednn), which a CPU without AMX runs on oneDNN's AVX512_BF16 kernels.
+// choice itself is tested at the end, then every GEMM stage on the AMX tiles (amx-emulated on
+// every machine, amx where AMX is usable), and in a build with oneDNN the projections on it
+// (forced: onednn), which a CPU without AMX runs on oneDNN's AVX512_BF16 kernels.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -103,14 +104,16 @@ TEST_F(BFloat16LayerTest, ProjectedContextIsTheBFloat16GemmOfTheInputs) {
 
 // Over the named shapes (every mask, empty and fully blocked rows, no bias, T ≠ S, …): within
 // bfloat16's tolerance of the float64 reference, bitwise for 1 and 2 threads, and bitwise the
-// forward over its own ProjectedContext; the GEMMs through oneDNN or not, as `through_onednn`.
-void expect_agreement_and_thread_invariance(std::uint64_t seed, bool through_onednn) {
+// forward over its own ProjectedContext; the GEMMs on the engine the environment forced.
+enum class Engine { pairs, onednn, amx };
+void expect_agreement_and_thread_invariance(std::uint64_t seed, Engine engine) {
   for (const auto& variant : variants()) {
     SCOPED_TRACE(variant.name);
     const auto c = make_case<float>(variant.shape, seed++);
     Layer layer(c.config, c.weights);
     layer.set_precision(sdmha::Precision::bfloat16);
-    EXPECT_EQ(layer.bfloat16_gemms_through_onednn(), through_onednn);
+    EXPECT_EQ(layer.bfloat16_gemms_through_onednn(), engine == Engine::onednn);
+    EXPECT_EQ(layer.bfloat16_gemms_on_amx(), engine == Engine::amx);
     const auto query = c.query();
     auto options = c.options;
     options.num_threads = 1;
@@ -125,7 +128,7 @@ void expect_agreement_and_thread_invariance(std::uint64_t seed, bool through_one
 }
 
 TEST_F(BFloat16LayerTest, AgreesWithTheReferenceAndIsThreadInvariant) {
-  expect_agreement_and_thread_invariance(410, false);
+  expect_agreement_and_thread_invariance(410, Engine::pairs);
 }
 
 double largest_difference(const float* got, const std::vector<double>& expected) {
@@ -319,6 +322,7 @@ TEST(BFloat16GemmChoice, AutomaticFollowsThisCpu) {
     layer.set_precision(sdmha::Precision::bfloat16);
     EXPECT_EQ(layer.bfloat16_gemms(), expected != BFloat16GemmEngine::float32) << "'" << value;
     EXPECT_EQ(layer.bfloat16_gemms_through_onednn(), expected == BFloat16GemmEngine::onednn);
+    EXPECT_EQ(layer.bfloat16_gemms_on_amx(), expected == BFloat16GemmEngine::amx);
     layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
     EXPECT_FALSE(layer.bfloat16_gemms());
   }
@@ -333,8 +337,11 @@ TEST(BFloat16GemmChoice, AnUnknownValueIsAConfigErrorAndChangesNothing) {
   const auto before = layer.forward(query, {c.key, c.value}, c.options).output;
   const ScopedBFloat16Gemms typo("yes");
   const std::string expected =
-      std::string("SparseDenseMHA::set_precision: SDMHA_BFLOAT16_GEMMS = 'yes'; expected ") +
-      (sdmha::detail::kHaveOneDnnGemm ? "auto, on, off or onednn" : "auto, on or off");
+      std::string(
+          "SparseDenseMHA::set_precision: SDMHA_BFLOAT16_GEMMS = 'yes'; expected auto, "
+          "on, off") +
+      (sdmha::detail::kHaveOneDnnGemm ? ", onednn" : "") +
+      (sdmha::detail::bfloat16_gemm_machine().amx_usable ? ", amx" : "") + " or amx-emulated";
   SDMHA_EXPECT_THROW_WITH(layer.set_precision(sdmha::Precision::bfloat16), sdmha::ConfigError,
                           expected);
   EXPECT_EQ(layer.precision(), sdmha::Precision::bfloat16_query_kernel);
@@ -352,6 +359,81 @@ TEST(BFloat16GemmChoice, OneDnnWithoutOneDnnIsAConfigError) {
   EXPECT_EQ(layer.precision(), sdmha::Precision::float32);
 }
 
+// amx where AMX is not usable is refused the same way, naming what is missing.
+TEST(BFloat16GemmChoice, AmxWithoutAmxIsAConfigError) {
+  if (sdmha::detail::bfloat16_gemm_machine().amx_usable) GTEST_SKIP() << "AMX is usable here";
+  const auto c = make_case<float>(Shape{}, 464);
+  Layer layer(c.config, c.weights);
+  const ScopedBFloat16Gemms amx("amx");
+  SDMHA_EXPECT_THROW_WITH(layer.set_precision(sdmha::Precision::bfloat16), sdmha::ConfigError,
+                          "SDMHA_BFLOAT16_GEMMS = 'amx' but AMX is not usable here");
+  EXPECT_EQ(layer.precision(), sdmha::Precision::float32);
+}
+
+// ---- every GEMM stage on the AMX tiles: their emulation (SDMHA_BFLOAT16_GEMMS=amx-emulated) on
+// every machine, the CPU's (amx) where AMX is usable ----
+
+class BFloat16AmxEmulatedLayerTest : public ::testing::Test {
+  ScopedBFloat16Gemms gemms_emulated_{"amx-emulated"};
+};
+class BFloat16AmxLayerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!sdmha::detail::bfloat16_gemm_machine().amx_usable)
+      GTEST_SKIP() << "no AMX here: BFloat16AmxEmulatedLayerTest runs the same on the emulation";
+  }
+  ScopedBFloat16Gemms gemms_amx_{"amx"};
+};
+
+TEST_F(BFloat16AmxEmulatedLayerTest, AgreesWithTheReferenceAndIsThreadInvariant) {
+  expect_agreement_and_thread_invariance(500, Engine::amx);
+}
+TEST_F(BFloat16AmxLayerTest, AgreesWithTheReferenceAndIsThreadInvariant) {
+  expect_agreement_and_thread_invariance(500, Engine::amx);
+}
+
+// The bfloat16 mode's model, one key tile and the online softmax, with the tiles reached by the
+// projections, the scores and P·V (the emulation counts its tile products: more than the
+// projections alone take).
+void expect_the_rounded_model_on_the_tiles(std::uint64_t seed) {
+  Shape wide = Shape{}.sized(2, 24, 40).widths(64, 32, 24).with_heads(2, 16, 8, 12);
+  wide.random_mask = true;
+  for (const Shape& shape : {Shape{}, wide})
+    expect_the_rounded_model(make_case<float>(shape, seed++), 0);
+  Shape online =
+      Shape{}.sized(1, 6, 2 * sdmha::detail::kKeyTile + 37).widths(24, 10, 9).with_heads(2, 8, 4);
+  online.random_mask = true;
+  expect_the_rounded_model(make_case<float>(online, seed), sdmha::detail::kKeyTile);
+}
+TEST_F(BFloat16AmxEmulatedLayerTest, ComputesTheRoundedModel) {
+  using sdmha::detail::amx::EmulatedTiles;
+  const auto before = EmulatedTiles::products().load();
+  expect_the_rounded_model_on_the_tiles(505);
+  EXPECT_GT(EmulatedTiles::products().load(), before);
+  // One head, 16 query rows, 32 keys, every width 16 (one 32-deep step each): the K and V
+  // projections take 2 tile products each (32 rows), the output projection 1, the scores 2 (32
+  // keys) and P·V 1.
+  const auto c =
+      make_case<float>(Shape{}.sized(1, 16, 32).widths(16, 16, 16).with_heads(1, 16, 16, 16), 509);
+  Layer layer(c.config, c.weights);
+  layer.set_precision(sdmha::Precision::bfloat16);
+  auto options = c.options;
+  options.num_threads = 1;
+  const auto start = EmulatedTiles::products().load();
+  layer.forward(c.query(), {c.key, c.value}, options);
+  EXPECT_EQ(EmulatedTiles::products().load() - start, 2u + 2u + 1u + 2u + 1u);
+}
+TEST_F(BFloat16AmxLayerTest, ComputesTheRoundedModel) {
+  expect_the_rounded_model_on_the_tiles(505);
+}
+
+TEST_F(BFloat16AmxEmulatedLayerTest, StreamedContextIsBitwiseTheWholeOne) {
+  expect_streamed_context_is_bitwise_the_whole_one(515);
+}
+TEST_F(BFloat16AmxLayerTest, StreamedContextIsBitwiseTheWholeOne) {
+  expect_streamed_context_is_bitwise_the_whole_one(515);
+}
+
 #if defined(SDMHA_WITH_ONEDNN)
 // ---- the projections on oneDNN (SDMHA_BFLOAT16_GEMMS=onednn): AMX tiles where usable, its
 // AVX512_BF16 kernels elsewhere, as on the machines without AMX that run these tests ----
@@ -363,7 +445,7 @@ class BFloat16OneDnnLayerTest : public ::testing::Test {
 // The same through oneDNN: bitwise for 1 and 2 threads too, each row block being one call on its
 // worker's thread, whichever worker.
 TEST_F(BFloat16OneDnnLayerTest, AgreesWithTheReferenceAndIsThreadInvariant) {
-  expect_agreement_and_thread_invariance(480, true);
+  expect_agreement_and_thread_invariance(480, Engine::onednn);
 }
 
 // Many row blocks of K, V and the output (3·300 rows: 15 blocks each) on 1, 2 and 3 workers,

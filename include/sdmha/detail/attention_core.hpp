@@ -166,10 +166,12 @@ class AttentionCore {
   // context or output projection stage that takes no kernel_bfloat16, is a ConfigError whatever
   // the CPU, as is an SDMHA_BFLOAT16_GEMMS other than auto, on, off or (with oneDNN) onednn.
   void set_dense_kernel_precision(const char* where, Precision precision) {
+    const BFloat16GemmMachine machine = bfloat16_gemm_machine();
     const BFloat16GemmEngine engine =
         precision == Precision::bfloat16
-            ? bfloat16_gemm_engine(bfloat16_gemms_from_environment(where, kHaveOneDnnGemm),
-                                   bfloat16_gemm_machine())
+            ? bfloat16_gemm_engine(
+                  bfloat16_gemms_from_environment(where, kHaveOneDnnGemm, machine.amx_usable),
+                  machine)
             : BFloat16GemmEngine::float32;
     if (precision == Precision::float32) {
       dense_bfloat16_.reset();
@@ -193,6 +195,9 @@ class AttentionCore {
       kernels->value = BFloat16Kernel(weights.value_kernel);
       kernels->output = BFloat16Kernel(weights.output_kernel);
       kernels->engine = engine;
+      if (engine == BFloat16GemmEngine::amx || engine == BFloat16GemmEngine::amx_emulated)
+        for (BFloat16Kernel* kernel : {&kernels->key, &kernels->value, &kernels->output})
+          hand_to_amx(*kernel, engine == BFloat16GemmEngine::amx_emulated);
 #if defined(SDMHA_WITH_ONEDNN)
       // The projections call it a fixed row block at a time (row_projection.hpp).
       if (engine == BFloat16GemmEngine::onednn)
@@ -211,13 +216,24 @@ class AttentionCore {
   BFloat16GemmEngine dense_gemm_engine() const {
     return dense_bfloat16_ != nullptr ? dense_bfloat16_->engine : BFloat16GemmEngine::float32;
   }
-  // Whether the scores and P·V round their operands (Q, K, P, V) to bfloat16: in the bfloat16
-  // mode on the pairs engine (with oneDNN they stay float32: cpu_features.hpp says why), when the
-  // score and attend-values stages both can.
-  bool attends_in_bfloat16() const {
-    return dense_gemm_engine() == BFloat16GemmEngine::pairs && std::is_same<Scalar, float>::value &&
-           reads_bfloat16_operands<ScoreKernel>::value &&
-           reads_bfloat16_operands<AttendValues>::value;
+  // Whether the scores and P·V round their operands (Q, K, P, V) to bfloat16, and on which
+  // engine: in the bfloat16 mode on the pairs engine or the tiles (with oneDNN they stay float32:
+  // cpu_features.hpp says why), when the score and attend-values stages both can.
+  BFloat16Operands attends_in_bfloat16() const {
+    using Engine = BFloat16Operands::Engine;
+    if (!std::is_same<Scalar, float>::value || !reads_bfloat16_operands<ScoreKernel>::value ||
+        !reads_bfloat16_operands<AttendValues>::value)
+      return {};
+    switch (dense_gemm_engine()) {
+      case BFloat16GemmEngine::pairs:
+        return Engine::pairs;
+      case BFloat16GemmEngine::amx:
+        return Engine::amx;
+      case BFloat16GemmEngine::amx_emulated:
+        return Engine::amx_emulated;
+      default:
+        return {};
+    }
   }
   std::uint64_t weight_accesses() const { return weight_accesses_; }
 
@@ -289,7 +305,7 @@ void finish_plan(const Core& core, AttentionPlan& plan, std::size_t query_stage_
   tile.key_dim = plan.dims.key_dim;
   tile.value_dim = plan.dims.value_dim;
   tile.features = plan.dims.query_dim;
-  tile.bfloat16_operands = core.attends_in_bfloat16();
+  tile.bfloat16_operands = bool(core.attends_in_bfloat16());
   if (plan.regrouped()) {
     tile.distinct_features = plan.query.distinct_largest;
     tile.nonzeros = plan.query.batch_nonzeros_largest;

@@ -102,7 +102,7 @@ template <typename Scalar>
 struct TileOperands {
   ConstMatrixRef<Scalar> keys;    // tile.key_steps × Dk
   ConstMatrixRef<Scalar> values;  // tile.key_steps × Dv
-  bool bfloat16_operands = false;
+  BFloat16Operands bfloat16_operands = false;
 };
 
 // Whether V_tile is finite (as read: rounded to bfloat16 too, all_finite_doubled, in that mode),

@@ -278,7 +278,7 @@ struct BackwardAttention {
     TileMap<Scalar> dropped_tile = as_tile(worker.tile(1, rows, keys, plan.tile_entries));
     const TileOperands<Scalar> operands{key_bh, value_bh, false};
     const auto compute_scores = [&](const AttentionTile& tile, const BatchMask& mask,
-                                    const ConstMatrixRef<Scalar>& tile_keys, bool,
+                                    const ConstMatrixRef<Scalar>& tile_keys, BFloat16Operands,
                                     StageScratch tile_scratch, MatrixRef<Scalar> out) {
       tile_scores(tile, mask, tile_keys, tile_scratch, out);
     };

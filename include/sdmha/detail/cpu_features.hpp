@@ -90,36 +90,44 @@ inline bool amx_bfloat16_usable() {
 }
 
 // How Precision::bfloat16 runs its GEMM stages (the key, value and output projections, the
-// scores and P·V): `automatic` takes the engine that beats float32 on this CPU; `on`, `off` and
-// `onednn` force one (the environment variable SDMHA_BFLOAT16_GEMMS, for measuring any of them on
-// any machine).
-enum class BFloat16Gemms { automatic, on, off, onednn };
+// scores and P·V): `automatic` takes the engine that beats float32 on this CPU; the others force
+// one (the environment variable SDMHA_BFLOAT16_GEMMS, for measuring any of them on any machine):
+// on, off, onednn, amx, amx-emulated.
+enum class BFloat16Gemms { automatic, on, off, onednn, amx, amx_emulated };
 
 // The engines the bfloat16 mode can run its GEMM stages on.
 enum class BFloat16GemmEngine {
-  float32,  // none: every GEMM stage stays float32
-  pairs,    // gemm_bfloat16.hpp's (vdpbf16ps, or its portable loop) for the projections, the
-            // scores and P·V
-  onednn,   // oneDNN's matmul (gemm_onednn.hpp; AMX tiles where usable) for the projections;
-            // the scores and P·V stay float32
+  float32,       // none: every GEMM stage stays float32
+  pairs,         // gemm_bfloat16.hpp's (vdpbf16ps, or its portable loop) for the projections, the
+                 // scores and P·V
+  onednn,        // oneDNN's matmul (gemm_onednn.hpp; AMX tiles where usable) for the projections;
+                 // the scores and P·V stay float32
+  amx,           // gemm_amx.hpp's tiles for all of them
+  amx_emulated,  // the same on its emulated tiles: slow, for tests on any CPU
 };
 
 // The variable's value: unset or empty and "auto" are automatic; "onednn" only in a build with
-// oneDNN (`onednn_built`); anything else but "on" and "off" is a ConfigError naming it, before
-// the layer changes.
-inline BFloat16Gemms bfloat16_gemms_from_environment(const char* where, bool onednn_built) {
+// oneDNN (`onednn_built`), "amx" only where AMX is usable (`amx_usable`); anything else but
+// "on", "off" and "amx-emulated" is a ConfigError naming it, before the layer changes.
+inline BFloat16Gemms bfloat16_gemms_from_environment(const char* where, bool onednn_built,
+                                                     bool amx_usable) {
   const char* text = std::getenv("SDMHA_BFLOAT16_GEMMS");
   const std::string value = text == nullptr ? "" : text;
+  const std::string expected = std::string("auto, on, off") + (onednn_built ? ", onednn" : "") +
+                               (amx_usable ? ", amx" : "") + " or amx-emulated";
   if (value.empty() || value == "auto") return BFloat16Gemms::automatic;
   if (value == "on") return BFloat16Gemms::on;
   if (value == "off") return BFloat16Gemms::off;
+  if (value == "amx-emulated") return BFloat16Gemms::amx_emulated;
   if (value == "onednn" && onednn_built) return BFloat16Gemms::onednn;
+  if (value == "amx" && amx_usable) return BFloat16Gemms::amx;
   if (value == "onednn")
-    fail<ConfigError>(where,
-                      "SDMHA_BFLOAT16_GEMMS = 'onednn' but this build has no oneDNN "
-                      "(SDMHA_WITH_ONEDNN); expected auto, on or off");
-  fail<ConfigError>(where, "SDMHA_BFLOAT16_GEMMS = '", value, "'; expected ",
-                    onednn_built ? "auto, on, off or onednn" : "auto, on or off");
+    fail<ConfigError>(where, "SDMHA_BFLOAT16_GEMMS = 'onednn' but this build has no oneDNN ",
+                      "(SDMHA_WITH_ONEDNN); expected ", expected);
+  if (value == "amx")
+    fail<ConfigError>(where, "SDMHA_BFLOAT16_GEMMS = 'amx' but AMX is not usable here (no ",
+                      "AMX-BF16 in the CPU, or Linux refused its tile data); expected ", expected);
+  fail<ConfigError>(where, "SDMHA_BFLOAT16_GEMMS = '", value, "'; expected ", expected);
 }
 
 // Whether bfloat16 dot products pay for the GEMM stages. They halve the kernels' memory traffic
@@ -145,17 +153,17 @@ struct BFloat16GemmMachine {
   bool pairs_compiled = false;   // active_kernels().avx512_bfloat16_gemm
   bool engines_allowed = false;  // SDMHA_KERNELS allows compiled engines (not "portable")
   bool onednn_built = false;     // SDMHA_WITH_ONEDNN (gemm_onednn.hpp)
-  bool amx_usable = false;       // amx_bfloat16_usable(): AMX-BF16 and the tile data granted
+  bool amx_usable = false;       // gemm_amx.hpp's tiles built (x86-64) and amx_bfloat16_usable()
 };
 
-// The engine for the bfloat16 mode's GEMM stages. Automatic: oneDNN where AMX is usable (its
-// tiles multiply bfloat16 several times faster than float32 FMA; nothing of ours drives them), in
-// a build with oneDNN and unless SDMHA_KERNELS=portable; else the pairs engine where its dot
-// products pay (bfloat16_gemms_pay); else float32. Forced: `on` the pairs engine, `off` float32,
-// `onednn` oneDNN (on a CPU without AMX it runs oneDNN's AVX-512 kernels: how it is tested there).
-// The scores and P·V are small per-head products of shapes that vary with the tile, where
-// oneDNN's cost per call (a primitive per shape, memory objects per call) would weigh as much as
-// the product: with oneDNN they stay on the float32 engine.
+// The engine for the bfloat16 mode's GEMM stages. Automatic: the AMX tiles where usable (they
+// multiply bfloat16 several times faster than float32 FMA) unless SDMHA_KERNELS=portable; else
+// the pairs engine where its dot products pay (bfloat16_gemms_pay); else float32. Forced: `on`
+// the pairs engine, `off` float32, `onednn` oneDNN (on a CPU without AMX it runs oneDNN's AVX-512
+// kernels), `amx` the tiles, `amx-emulated` their emulation (how the tile engine is tested on a
+// CPU without AMX). The scores and P·V are small per-head products of shapes that vary with the
+// tile, where oneDNN's cost per call (a primitive per shape, memory objects per call) would weigh
+// as much as the product: with oneDNN they stay on the float32 engine; the tiles take them all.
 inline BFloat16GemmEngine bfloat16_gemm_engine(BFloat16Gemms choice,
                                                const BFloat16GemmMachine& machine) {
   switch (choice) {
@@ -165,11 +173,14 @@ inline BFloat16GemmEngine bfloat16_gemm_engine(BFloat16Gemms choice,
       return BFloat16GemmEngine::float32;
     case BFloat16Gemms::onednn:
       return BFloat16GemmEngine::onednn;
+    case BFloat16Gemms::amx:
+      return BFloat16GemmEngine::amx;
+    case BFloat16Gemms::amx_emulated:
+      return BFloat16GemmEngine::amx_emulated;
     case BFloat16Gemms::automatic:
       break;
   }
-  if (machine.onednn_built && machine.engines_allowed && machine.amx_usable)
-    return BFloat16GemmEngine::onednn;
+  if (machine.engines_allowed && machine.amx_usable) return BFloat16GemmEngine::amx;
   if (bfloat16_gemms_pay(machine.cpu, machine.pairs_compiled)) return BFloat16GemmEngine::pairs;
   return BFloat16GemmEngine::float32;
 }

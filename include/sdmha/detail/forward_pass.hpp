@@ -54,7 +54,7 @@ void project_first_scores(const Core& core, const AttentionPlan& plan, const Att
                           const RowMatrix<typename Core::ScalarType>& projected_query,
                           const BatchMask& mask,
                           const ConstMatrixRef<typename Core::ScalarType>& key,
-                          bool bfloat16_operands, StageScratch scratch,
+                          BFloat16Operands bfloat16_operands, StageScratch scratch,
                           MatrixRef<typename Core::ScalarType> scores) {
   using Scalar = typename Core::ScalarType;
   using ScoreKernel = typename Core::ScoreKernel;
@@ -81,7 +81,7 @@ struct ContextRows {
   Index first_row;
 
   TileOperands<Scalar> operands(const AttentionPlan& plan, const AttentionTile& tile,
-                                bool bfloat16_operands) const {
+                                BFloat16Operands bfloat16_operands) const {
     const Index row = tile.batch * plan.key_steps + tile.key_begin - first_row;
     const Index Dk = plan.dims.key_dim, Dv = plan.dims.value_dim;
     return TileOperands<Scalar>{keys.block(row, tile.head * Dk, tile.key_steps, Dk),

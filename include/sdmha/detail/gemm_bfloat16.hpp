@@ -347,11 +347,6 @@ inline void pack_column_pairs_avx512(const float* m, Index ld, Index rows, Index
   }
 }
 
-inline std::size_t workspace_bytes(Index m, Index k) {
-  if (m <= 0 || k <= 0) return 0;
-  return array_bytes<std::uint32_t>(block_a_pairs(std::min(m, kMaxMc), std::min(k, kMaxKc)));
-}
-
 inline void run(const float* a, Index lda, const std::uint32_t* w, Index ldw, float* c, Index ldc,
                 Index m, Index n, Index k, bool accumulate, const float* column_bias, float a_scale,
                 std::uint32_t* block_a) {
@@ -383,25 +378,23 @@ inline void run(const float* a, Index lda, const std::uint32_t* w, Index ldw, fl
 
 }  // namespace bf16_gemm
 
-inline std::size_t pairs_workspace_size(Index m, Index k) {
-  return bf16_gemm::workspace_bytes(m, k);
-}
-
 #else
 
 inline constexpr bool kHaveBFloat16Gemm = false;
 
-inline std::size_t pairs_workspace_size(Index, Index) { return 0; }
-
 #endif  // __AVX512BF16__
 
-// gemm_bfloat16's scratch for m × n × k, whichever engine serves it (oneDNN's: A in bfloat16).
+// gemm_bfloat16's scratch for m × n × k, whichever engine serves it: A rounded to bfloat16 in
+// blocks of ≤ 256 rows, padded to 16 for gemm_amx.hpp's tiles (the pairs engine's blocks are no
+// larger), by a depth block; with oneDNN, all of A.
 inline std::size_t gemm_bfloat16_workspace_size(Index m, Index /*n*/, Index k) {
-  const std::size_t pairs = pairs_workspace_size(m, k);
+  if (m <= 0 || k <= 0) return 0;
+  const Index block = bf16_gemm::round_up(std::min<Index>(m, 256), 16) *
+                      bf16_gemm::round_up(std::min(k, bf16_gemm::kMaxKc), bf16_gemm::kChunk);
 #if defined(SDMHA_WITH_ONEDNN)
-  if (m > 0 && k > 0) return std::max(pairs, array_bytes<std::uint16_t>(m * k));
+  return array_bytes<std::uint16_t>(std::max(block, m * k));
 #endif
-  return pairs;
+  return array_bytes<std::uint16_t>(block);
 }
 
 // M (rows × cols, leading dimension ld) rounded and packed in pairs of rows, and Mᵀ packed the
@@ -466,7 +459,7 @@ inline void gemm_bfloat16(const ConstMatrixRef<float>& a, const BFloat16Pairs& w
 // (k × n) or, `transpose_b`, Bᵀ (B n × k). B is rounded and packed in pairs into `scratch` first
 // (at least gemm_bfloat16_operands_workspace_size(m, n, k) bytes; with less, memory of its own).
 inline std::size_t gemm_bfloat16_operands_workspace_size(Index m, Index n, Index k) {
-  return array_bytes<std::uint32_t>((k + 1) / 2 * n) + pairs_workspace_size(m, k);
+  return array_bytes<std::uint32_t>((k + 1) / 2 * n) + gemm_bfloat16_workspace_size(m, n, k);
 }
 inline void gemm_bfloat16_operands(const ConstMatrixRef<float>& a, const ConstMatrixRef<float>& b,
                                    bool transpose_b, MatrixRef<float> c, bool accumulate,

@@ -44,6 +44,7 @@
 
 #include "sdmha/config.hpp"
 #include "sdmha/detail/cpu_features.hpp"
+#include "sdmha/detail/gemm_amx.hpp"
 #include "sdmha/detail/gemm_bfloat16.hpp"
 #include "sdmha/detail/scratch.hpp"
 #include "sdmha/errors.hpp"
@@ -69,14 +70,14 @@ inline constexpr bool kHaveOneDnnGemm = false;
 #endif
 
 // What the bfloat16 engine choice sees of this process (cpu_features.hpp's
-// bfloat16_gemm_engine); the tile data is asked for only in a build with oneDNN.
+// bfloat16_gemm_engine); the tile data is asked for on a CPU with AMX-BF16 alone.
 inline BFloat16GemmMachine bfloat16_gemm_machine() {
   BFloat16GemmMachine machine;
   machine.cpu = cpu_features();
   machine.pairs_compiled = active_kernels().avx512_bfloat16_gemm;
   machine.engines_allowed = avx512_kernels_allowed();
   machine.onednn_built = kHaveOneDnnGemm;
-  machine.amx_usable = kHaveOneDnnGemm && amx_bfloat16_usable();
+  machine.amx_usable = kHaveAmxTiles && amx_bfloat16_usable();
   return machine;
 }
 

@@ -133,8 +133,8 @@ struct SparseDenseMHA<Scalar, QueryProjectionT, ScoreKernelT, SoftmaxT, AttendVa
 
   // One tile's masked scores, before the attention bias (SparseDenseMHA::tile_scores).
   void operator()(const detail::AttentionTile& item, const BatchMask& mask,
-                  const ConstMatrixRef<Scalar>& key, bool bfloat16_operands, StageScratch scratch,
-                  MatrixRef<Scalar> scores) const {
+                  const ConstMatrixRef<Scalar>& key, BFloat16Operands bfloat16_operands,
+                  StageScratch scratch, MatrixRef<Scalar> scores) const {
     layer.tile_scores(call_plan, item, query, projected_query, mask, key, bfloat16_operands,
                       scratch, scores);
   }

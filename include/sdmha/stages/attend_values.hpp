@@ -15,7 +15,7 @@
 #include "sdmha/config.hpp"
 #include "sdmha/detail/finite.hpp"
 #include "sdmha/detail/gemm.hpp"
-#include "sdmha/detail/gemm_bfloat16.hpp"
+#include "sdmha/detail/gemm_amx.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/stage.hpp"
 
@@ -39,7 +39,7 @@ struct AttendValues {
     StageScratch workspace = {};
     // Float only: with V_h finite, A_h = bf16(P)·bf16(V_h), the operands rounded to bfloat16,
     // each product exact and the sums in float32 (detail::gemm_bfloat16_operands).
-    bool bfloat16_operands = false;
+    BFloat16Operands bfloat16_operands = false;
     // Whether the product adds into `output` (the online softmax's key tiles, which sum into
     // their rows) instead of overwriting it.
     bool accumulate = false;
@@ -60,7 +60,7 @@ struct AttendValues {
                      detail::gemm_workspace_size<Scalar>(rows, keys, width),
                      detail::gemm_workspace_size<Scalar>(keys, width, rows),
                      sizes.bfloat16_operands
-                         ? detail::gemm_bfloat16_operands_workspace_size(rows, width, keys)
+                         ? detail::bfloat16_operands_workspace_size(rows, width, keys)
                          : 0});
   }
 
@@ -108,7 +108,7 @@ struct AttendValues {
       if constexpr (std::is_same<Scalar, float>::value) {
         if (args.bfloat16_operands) {
           detail::gemm_bfloat16_operands(args.probabilities, args.value, false, args.output,
-                                         accumulate, args.workspace);
+                                         accumulate, args.workspace, 1.f, args.bfloat16_operands);
           return;
         }
       }

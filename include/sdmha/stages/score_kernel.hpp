@@ -18,7 +18,7 @@
 
 #include "sdmha/config.hpp"
 #include "sdmha/detail/gemm.hpp"
-#include "sdmha/detail/gemm_bfloat16.hpp"
+#include "sdmha/detail/gemm_amx.hpp"
 #include "sdmha/detail/scratch.hpp"
 #include "sdmha/errors.hpp"
 #include "sdmha/mask.hpp"
@@ -43,7 +43,7 @@ struct ScoreKernel {
     StageScratch workspace = {};
     // Float only: S = bf16(scale·Q)·bf16(K)ᵀ, the operands rounded to bfloat16, each product
     // exact and the sums in float32 (detail::gemm_bfloat16_operands): the bfloat16 mode.
-    bool bfloat16_operands = false;
+    BFloat16Operands bfloat16_operands = false;
   };
 
   // Regrouped sparse × dense: the tile's CSR rows and the head's columns of the query kernel.
@@ -82,7 +82,7 @@ struct ScoreKernel {
         {detail::gemm_workspace_size<Scalar>(rows, keys, width),
          detail::gemm_workspace_size<Scalar>(rows, width, keys),
          detail::gemm_workspace_size<Scalar>(keys, width, rows),
-         sizes.bfloat16_operands ? detail::gemm_bfloat16_operands_workspace_size(rows, keys, width)
+         sizes.bfloat16_operands ? detail::bfloat16_operands_workspace_size(rows, keys, width)
                                  : 0});
     if (used == 0) return dense;
     const std::size_t regrouped = detail::array_bytes<StorageIndex>(sizes.features) +
@@ -138,7 +138,7 @@ struct ScoreKernel {
     if constexpr (std::is_same<Scalar, float>::value) {
       if (args.bfloat16_operands) {  // Q scaled as Keras does, then rounded
         detail::gemm_bfloat16_operands(args.query, args.key, true, args.scores, false,
-                                       args.workspace, args.scale);
+                                       args.workspace, args.scale, args.bfloat16_operands);
         apply_mask<Scalar>(args.mask, args.scores);
         return;
       }

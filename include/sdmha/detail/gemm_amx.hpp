@@ -1,0 +1,409 @@
+// sdmha/detail/gemm_amx.hpp — C (+)= bf16(a_scale·A)·W on AMX tiles: the bfloat16 mode's GEMM
+// stages (the key, value and output projections, the scores and P·V) where the CPU has AMX.
+//
+//   math:  C = bf16(A)·bf16(W) (+ C, or + 1·bᵀ), each product exact, the sums in float32
+//          (gemm_bfloat16.hpp's bound; TDPBF16PS's order of the sums)
+//   pre:   W in pairs of rows (gemm_bfloat16.hpp's layout) padded for the tiles (AmxPairs: zeros
+//          up to a multiple of 16 pair rows and 16 columns); A (m × k) and C row-major;
+//          AMX usable (cpu_features.hpp) for HardwareTiles, nothing for EmulatedTiles
+//   cost:  m·n·k multiply-adds, 16·16·32 a TDPBF16PS; A rounded into tiles once per row block
+//          and depth block; C's tiles stored to the stack and added to C once per depth block
+//
+// A tile register holds 16 rows of 64 bytes. TDPBF16PS C, A, B adds to each float C(i, j) of a
+// 16 × 16 tile the products of row i of A (32 bfloat16: depth entries 2p, 2p + 1 for p < 16) and
+// column j of B, whose row p holds the pairs (W(2p, j), W(2p + 1, j)) of 16 columns: the layout
+// of BFloat16Kernel's pairs, so W's tiles load in place, 16 pair rows at the row stride. A is
+// rounded into 16-row × 32-deep tiles (zeros past m and k). A block of C is 2 × 2 tiles (32 × 32):
+// per step along the depth two tiles of A and two of W feed four products, in registers tmm0–3
+// (C), tmm4–5 (A), tmm6–7 (W).
+//
+// The depth is split into gemm_bfloat16.hpp's depth blocks (a function of k alone, multiples of
+// 32 but the last): every entry of C is one fixed sequence of tile products per block, whatever
+// its row's place, so a row block of C is bitwise the same rows of a larger product and results
+// do not depend on how the rows are split between workers.
+//
+// Two ways to run the tiles: HardwareTiles (the instructions, by inline assembly, so no compiler
+// flag is needed and the choice is made at run time) and EmulatedTiles (the instructions'
+// documented arithmetic in C++, on a thread's own tile state: TDPBF16PS adds the even product,
+// then the odd one, reading subnormal inputs as zero and flushing subnormal results): the same
+// code around them, tested on every machine through the emulation.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "sdmha/config.hpp"
+#include "sdmha/detail/gemm_bfloat16.hpp"
+#include "sdmha/detail/scratch.hpp"
+#include "sdmha/stage.hpp"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace sdmha::detail {
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+inline constexpr bool kHaveAmxTiles = true;  // the assembler knows AMX (binutils 2.36, LLVM 12)
+#else
+inline constexpr bool kHaveAmxTiles = false;
+#endif
+
+namespace amx {
+
+inline constexpr Index kTileRows = 16;   // rows of A and C per tile
+inline constexpr Index kTileDepth = 32;  // bfloat16 entries of depth per tile of A
+inline constexpr Index kTileBytes = 64;  // bytes per tile row
+inline constexpr Index kBlock = 32;      // rows and columns of C per block (2 × 2 tiles)
+inline constexpr Index kMaxRows = 256;   // rows of A rounded at once (a multiple of kBlock)
+
+// W's pair rows and columns as the tiles read them.
+inline Index padded_pair_rows(Index k) { return bf16_gemm::round_up(k, kTileDepth) / 2; }
+inline Index padded_columns(Index n) { return bf16_gemm::round_up(n, kTileRows); }
+
+// Bytes of A's tiles for m × k (one row block, one depth block): gemm_bfloat16_workspace_size's
+// count for them.
+inline std::size_t panel_bytes(Index m, Index k) {
+  if (m <= 0 || k <= 0) return 0;
+  return array_bytes<std::uint16_t>(
+      bf16_gemm::round_up(std::min(m, kMaxRows), kTileRows) *
+      bf16_gemm::round_up(std::min(k, bf16_gemm::kMaxKc), kTileDepth));
+}
+static_assert(kMaxRows == 256 && kTileRows == 16 && kTileDepth == bf16_gemm::kChunk,
+              "gemm_bfloat16_workspace_size counts A's tiles with these sizes");
+
+// The tile configuration (palette 1): the eight tiles 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  std::uint8_t palette = 1, start_row = 0;
+  std::uint8_t reserved[14] = {};
+  std::uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  std::uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// The instructions (AT&T operand order: sources first). Only for a CPU where amx_bfloat16_usable().
+struct HardwareTiles {
+  static void configure() {
+    static const TileConfig config;
+    asm volatile("ldtilecfg %0" ::"m"(config));
+  }
+  static void release() { asm volatile("tilerelease" ::: "memory"); }
+  static void zero_sums() {
+    asm volatile("tilezero %%tmm0\n\ttilezero %%tmm1\n\ttilezero %%tmm2\n\ttilezero %%tmm3" ::);
+  }
+  static void load_a(int which, const void* base, Index stride) {
+    if (which == 0)
+      asm volatile("tileloadd (%0,%1,1), %%tmm4" ::"r"(base), "r"(stride) : "memory");
+    else
+      asm volatile("tileloadd (%0,%1,1), %%tmm5" ::"r"(base), "r"(stride) : "memory");
+  }
+  static void load_w(int which, const void* base, Index stride) {
+    if (which == 0)
+      asm volatile("tileloadd (%0,%1,1), %%tmm6" ::"r"(base), "r"(stride) : "memory");
+    else
+      asm volatile("tileloadd (%0,%1,1), %%tmm7" ::"r"(base), "r"(stride) : "memory");
+  }
+  static void multiply(bool two_rows, bool two_columns) {
+    asm volatile("tdpbf16ps %%tmm6, %%tmm4, %%tmm0" ::);
+    if (two_columns) asm volatile("tdpbf16ps %%tmm7, %%tmm4, %%tmm1" ::);
+    if (two_rows) asm volatile("tdpbf16ps %%tmm6, %%tmm5, %%tmm2" ::);
+    if (two_rows && two_columns) asm volatile("tdpbf16ps %%tmm7, %%tmm5, %%tmm3" ::);
+  }
+  // The four sums to out (32 × 32 floats, row stride `stride` bytes).
+  static void store_sums(float* out, Index stride) {
+    float* right = out + 16;
+    float* below = out + 16 * (stride / Index(sizeof(float)));
+    asm volatile("tilestored %%tmm0, (%0,%1,1)" ::"r"(out), "r"(stride) : "memory");
+    asm volatile("tilestored %%tmm1, (%0,%1,1)" ::"r"(right), "r"(stride) : "memory");
+    asm volatile("tilestored %%tmm2, (%0,%1,1)" ::"r"(below), "r"(stride) : "memory");
+    asm volatile("tilestored %%tmm3, (%0,%1,1)" ::"r"(below + 16), "r"(stride) : "memory");
+  }
+};
+#endif
+
+// The same operations on a thread's tile state in memory, by the instructions' definitions.
+struct EmulatedTiles {
+  struct State {
+    std::uint8_t tile[8][kTileRows * kTileBytes] = {};
+    bool configured = false;
+  };
+  static State& state() {
+    thread_local State tiles;
+    return tiles;
+  }
+  // Tile products run so far in this process (tests check that a stage reached the tiles).
+  static std::atomic<std::uint64_t>& products() {
+    static std::atomic<std::uint64_t> count{0};
+    return count;
+  }
+  static void configure() { state().configured = true; }
+  static void release() { state() = State{}; }
+  static void zero_sums() {
+    for (int t = 0; t < 4; ++t) std::memset(state().tile[t], 0, sizeof(state().tile[t]));
+  }
+  static void load(int tile, const void* base, Index stride) {
+    SDMHA_ASSERT(state().configured);
+    for (Index row = 0; row < kTileRows; ++row)
+      std::memcpy(state().tile[tile] + row * kTileBytes,
+                  static_cast<const std::uint8_t*>(base) + row * stride, kTileBytes);
+  }
+  static void load_a(int which, const void* base, Index stride) { load(4 + which, base, stride); }
+  static void load_w(int which, const void* base, Index stride) { load(6 + which, base, stride); }
+  static float input(std::uint16_t bits) {  // subnormals read as zero
+    return (bits & 0x7F80u) == 0 ? widen_bfloat16(bits & 0x8000u) : widen_bfloat16(bits);
+  }
+  static float flushed(float x) {
+    return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.f, x) : x;
+  }
+  static void dot(int c, int a, int w) {
+    float sums[kTileRows][kTileRows];
+    std::uint16_t left[kTileRows][kTileDepth], right[kTileRows][kTileDepth];
+    std::memcpy(sums, state().tile[c], sizeof(sums));
+    std::memcpy(left, state().tile[a], sizeof(left));
+    std::memcpy(right, state().tile[w], sizeof(right));
+    for (Index i = 0; i < kTileRows; ++i) {
+      for (Index p = 0; p < kTileRows; ++p)
+        for (Index j = 0; j < kTileRows; ++j) {
+          sums[i][j] += input(left[i][2 * p]) * input(right[p][2 * j]);
+          sums[i][j] += input(left[i][2 * p + 1]) * input(right[p][2 * j + 1]);
+        }
+      for (Index j = 0; j < kTileRows; ++j) sums[i][j] = flushed(sums[i][j]);
+    }
+    std::memcpy(state().tile[c], sums, sizeof(sums));
+    products().fetch_add(1, std::memory_order_relaxed);
+  }
+  static void multiply(bool two_rows, bool two_columns) {
+    dot(0, 4, 6);
+    if (two_columns) dot(1, 4, 7);
+    if (two_rows) dot(2, 5, 6);
+    if (two_rows && two_columns) dot(3, 5, 7);
+  }
+  static void store_sums(float* out, Index stride) {
+    const Index floats = stride / Index(sizeof(float));
+    for (int t = 0; t < 4; ++t)
+      for (Index row = 0; row < kTileRows; ++row)
+        std::memcpy(out + (t / 2 * kTileRows + row) * floats + t % 2 * kTileRows,
+                    state().tile[t] + row * kTileBytes, kTileBytes);
+  }
+};
+
+// A's rows [i0, i0 + rows) × depth [p0, p0 + depth), times `scale`, rounded to bfloat16 into
+// tiles: out[(g·chunks + c)·512 + i·32 + q] = A(i0 + 16g + i, p0 + 32c + q), zero past the rows
+// and the depth (vcvtne2ps2bf16 where the build has it, Eigen's rounding elsewhere: both to
+// nearest even; they differ only on subnormals, which the tiles read as zero).
+inline void pack_tiles(const float* a, Index lda, Index i0, Index rows, Index p0, Index depth,
+                       float scale, std::uint16_t* out) {
+  const Index chunks = (depth + kTileDepth - 1) / kTileDepth;
+  const Index padded_rows = bf16_gemm::round_up(rows, kTileRows);
+  for (Index i = 0; i < padded_rows; ++i)
+    for (Index c = 0; c < chunks; ++c) {
+      std::uint16_t* dst = out + ((i / kTileRows) * chunks + c) * (kTileRows * kTileDepth) +
+                           (i % kTileRows) * kTileDepth;
+      const Index left = i < rows ? std::min(kTileDepth, depth - c * kTileDepth) : 0;
+      const float* src = a + (i0 + i) * lda + p0 + c * kTileDepth;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+      const __mmask16 low = avx512_gemm::lanes(left),
+                      high = avx512_gemm::lanes(left > 16 ? left - 16 : 0);
+      const __m512 factor = _mm512_set1_ps(scale);
+      const __m512 first = _mm512_maskz_mul_ps(low, _mm512_maskz_loadu_ps(low, src), factor);
+      const __m512 second =
+          _mm512_maskz_mul_ps(high, _mm512_maskz_loadu_ps(high, src + 16), factor);
+      _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+#else
+      for (Index q = 0; q < kTileDepth; ++q)
+        dst[q] = q < left ? std::uint16_t(bfloat16_bits(scale * src[q])) : std::uint16_t(0);
+#endif
+    }
+}
+
+// C's block [i, i + rows) × [j, j + columns) = sums (+ C where `add`, else + the bias's columns
+// where there is one): the bias first, as if C held it and the sums were added to it.
+inline void add_block(const float* sums, Index rows, Index columns, float* c, Index ldc, bool add,
+                      const float* bias) {
+  for (Index i = 0; i < rows; ++i) {
+    float* out = c + i * ldc;
+    const float* row = sums + i * kBlock;
+    if (add)
+      for (Index j = 0; j < columns; ++j) out[j] += row[j];
+    else if (bias != nullptr)
+      for (Index j = 0; j < columns; ++j) out[j] = bias[j] + row[j];
+    else
+      std::copy(row, row + columns, out);
+  }
+}
+
+// One row block × depth block of A (rounded in `tiles`) times W's pair rows from `w_rows` on.
+template <class Tiles>
+void multiply_panel(const std::uint16_t* tiles, Index rows, Index chunks, const BFloat16Pairs& w,
+                    const std::uint32_t* w_rows, Index n, float* c, Index ldc, bool add,
+                    const float* bias) {
+  alignas(64) float sums[kBlock * kBlock];
+  const Index tile_elements = kTileRows * kTileDepth, w_stride = w.stride * 4;
+  for (Index jr = 0; jr < n; jr += kBlock) {
+    const Index columns = std::min(kBlock, n - jr);
+    for (Index ir = 0; ir < rows; ir += kBlock) {
+      const Index height = std::min(kBlock, rows - ir);
+      const bool two_rows = height > kTileRows, two_columns = columns > kTileRows;
+      const std::uint16_t* a = tiles + (ir / kTileRows) * chunks * tile_elements;
+      Tiles::zero_sums();
+      for (Index ch = 0; ch < chunks; ++ch) {
+        Tiles::load_a(0, a + ch * tile_elements, kTileBytes);
+        if (two_rows) Tiles::load_a(1, a + (chunks + ch) * tile_elements, kTileBytes);
+        const std::uint32_t* w_tile = w_rows + ch * kTileRows * w.stride + jr;
+        Tiles::load_w(0, w_tile, w_stride);
+        if (two_columns) Tiles::load_w(1, w_tile + kTileRows, w_stride);
+        Tiles::multiply(two_rows, two_columns);
+      }
+      float* out = c + ir * ldc + jr;
+      if (!add && bias == nullptr && height == kBlock && columns == kBlock) {
+        Tiles::store_sums(out, ldc * Index(sizeof(float)));  // C = the sums: straight to C
+        continue;
+      }
+      Tiles::store_sums(sums, kBlock * Index(sizeof(float)));
+      add_block(sums, height, columns, out, ldc, add, bias == nullptr ? nullptr : bias + jr);
+    }
+  }
+}
+
+}  // namespace amx
+
+// W (k × n) in pairs of rows, padded for the tiles: zeros up to padded_pair_rows(k) pair rows and
+// padded_columns(n) columns.
+struct AmxPairs {
+  BFloat16Pairs pairs;  // stride = padded_columns(n)
+};
+
+// C (m × n) = bf16(a_scale·A)·W (+ 1·bᵀ given a column bias, only when not accumulating), or +=
+// when `accumulate`, on Tiles. `panel` holds amx::panel_bytes(m, k) bytes.
+template <class Tiles>
+void gemm_amx(const ConstMatrixRef<float>& a, const AmxPairs& w, MatrixRef<float> c,
+              bool accumulate, const float* column_bias, float a_scale, std::uint16_t* panel) {
+  const Index m = c.rows(), n = c.cols(), k = a.cols();
+  SDMHA_ASSERT(w.pairs.rows == k && w.pairs.cols == n && w.pairs.stride >= amx::padded_columns(n));
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    if (accumulate) return;
+    if (column_bias != nullptr)
+      fill_rows_with<float>(c, column_bias);
+    else
+      c.setZero();
+    return;
+  }
+  const Index kc = bf16_gemm::depth_block(k);
+  Tiles::configure();
+  for (Index ic = 0; ic < m; ic += amx::kMaxRows) {
+    const Index rows = std::min(amx::kMaxRows, m - ic);
+    for (Index pc = 0; pc < k; pc += kc) {
+      const Index depth = std::min(kc, k - pc);
+      const bool add = accumulate || pc > 0;
+      amx::pack_tiles(a.data(), a.outerStride(), ic, rows, pc, depth, a_scale, panel);
+      amx::multiply_panel<Tiles>(panel, rows, (depth + amx::kTileDepth - 1) / amx::kTileDepth,
+                                 w.pairs, w.pairs.data + (pc / 2) * w.pairs.stride, n,
+                                 c.data() + ic * c.outerStride(), c.outerStride(), add,
+                                 add ? nullptr : column_bias);
+    }
+  }
+  Tiles::release();
+}
+
+// The bfloat16 mode's engines for products of two float operands (the scores, P·V).
+inline std::size_t gemm_amx_operands_workspace_size(Index m, Index n, Index k) {
+  return array_bytes<std::uint32_t>(amx::padded_pair_rows(k) * amx::padded_columns(n)) +
+         amx::panel_bytes(m, k);
+}
+
+// C (m × n) = bf16(a_scale·A)·bf16(op(B)) (+= when `accumulate`) on Tiles, op(B) = B (k × n) or
+// Bᵀ (`transpose_b`, B n × k): B rounded into padded pairs in `scratch` first (at least
+// gemm_amx_operands_workspace_size(m, n, k) bytes; with less, memory of its own).
+template <class Tiles>
+void gemm_amx_operands(const ConstMatrixRef<float>& a, const ConstMatrixRef<float>& b,
+                       bool transpose_b, MatrixRef<float> c, bool accumulate, StageScratch scratch,
+                       float a_scale) {
+  const Index m = c.rows(), n = c.cols(), k = a.cols();
+  const Index pair_rows = amx::padded_pair_rows(k), stride = amx::padded_columns(n);
+  const ScratchOrOwn memory(scratch, gemm_amx_operands_workspace_size(m, n, k));
+  ScratchCarver carver(memory.view());
+  std::uint32_t* pairs = carver.take<std::uint32_t>(pair_rows * stride);
+  std::uint16_t* panel = carver.take<std::uint16_t>(Index(amx::panel_bytes(m, k) / 2));
+  if (transpose_b)
+    pack_column_pairs(b.data(), b.outerStride(), n, k, pairs, stride);
+  else
+    pack_row_pairs(b.data(), b.outerStride(), k, n, pairs, stride);
+  const Index filled = (k + 1) / 2;
+  for (Index p = 0; p < filled; ++p)
+    std::fill(pairs + p * stride + n, pairs + (p + 1) * stride, 0u);
+  std::fill(pairs + filled * stride, pairs + pair_rows * stride, 0u);
+  gemm_amx<Tiles>(a, AmxPairs{BFloat16Pairs{pairs, k, n, stride}}, c, accumulate, nullptr, a_scale,
+                  panel);
+}
+
+// The scratch of gemm_bfloat16_operands on any engine.
+inline std::size_t bfloat16_operands_workspace_size(Index m, Index n, Index k) {
+  return std::max(gemm_bfloat16_operands_workspace_size(m, n, k),
+                  gemm_amx_operands_workspace_size(m, n, k));
+}
+
+// The same product on the engine `operands` names (a stage's bfloat16_operands, set).
+inline void gemm_bfloat16_operands(const ConstMatrixRef<float>& a, const ConstMatrixRef<float>& b,
+                                   bool transpose_b, MatrixRef<float> c, bool accumulate,
+                                   StageScratch scratch, float a_scale, BFloat16Operands operands) {
+  using Engine = BFloat16Operands::Engine;
+  SDMHA_ASSERT(operands.engine() != Engine::none);
+  if (operands.engine() == Engine::amx_emulated)
+    return gemm_amx_operands<amx::EmulatedTiles>(a, b, transpose_b, c, accumulate, scratch,
+                                                 a_scale);
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (operands.engine() == Engine::amx)
+    return gemm_amx_operands<amx::HardwareTiles>(a, b, transpose_b, c, accumulate, scratch,
+                                                 a_scale);
+#endif
+  SDMHA_ASSERT(operands.engine() == Engine::pairs);  // amx only where the CPU has it (x86-64)
+  gemm_bfloat16_operands(a, b, transpose_b, c, accumulate, scratch, a_scale);
+}
+
+// A BFloat16Kernel's W̃ padded for the tiles: the projections' engine where AMX is the choice.
+template <class Tiles>
+class AmxBFloat16Gemm final : public ExternalBFloat16Gemm {
+ public:
+  explicit AmxBFloat16Gemm(const BFloat16Kernel& kernel)
+      : k_(kernel.rows()),
+        n_(kernel.cols()),
+        pairs_(BFloat16Kernel::Pairs::Zero(amx::padded_pair_rows(k_), amx::padded_columns(n_))) {
+    pairs_.topLeftCorner(kernel.pairs().rows(), n_) = kernel.pairs();
+  }
+
+  bool run(const ConstMatrixRef<float>& a, MatrixRef<float> c, const float* column_bias,
+           StageScratch scratch) const override {
+    const Index m = c.rows();
+    const ScratchOrOwn memory(scratch, amx::panel_bytes(m, k_));
+    std::uint16_t* panel =
+        ScratchCarver(memory.view()).take<std::uint16_t>(Index(amx::panel_bytes(m, k_) / 2));
+    gemm_amx<Tiles>(a, AmxPairs{BFloat16Pairs{pairs_.data(), k_, n_, pairs_.cols()}}, c, false,
+                    column_bias, 1.f, panel);
+    return true;
+  }
+
+ private:
+  Index k_ = 0, n_ = 0;
+  BFloat16Kernel::Pairs pairs_;
+};
+
+// Hands `kernel` to the tiles (emulated or not): gemm_bfloat16 on it then runs on them.
+inline void hand_to_amx(BFloat16Kernel& kernel, bool emulated) {
+  if (kernel.rows() == 0 || kernel.cols() == 0) return;  // empty products never reach it
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (!emulated) {
+    kernel.set_external(std::make_shared<const AmxBFloat16Gemm<amx::HardwareTiles>>(kernel));
+    return;
+  }
+#endif
+  (void)emulated;
+  kernel.set_external(std::make_shared<const AmxBFloat16Gemm<amx::EmulatedTiles>>(kernel));
+}
+
+}  // namespace sdmha::detail
