@@ -30,8 +30,8 @@ struct PrecisionVariant {
   std::string gemms;    // "float32" for the float32 layer, else the variable's value
   std::string refused;  // set_precision's message when it refused the value
   // The engine set_precision chose, by the layer's public queries: "float32" (the GEMM stages
-  // in float32; Wq in bfloat16), "onednn" (the projections on oneDNN's matmul) or "sdmha" (the
-  // library's own bfloat16 GEMM engine).
+  // in float32; Wq in bfloat16), "onednn" (the projections on oneDNN's matmul), "amx" (every
+  // GEMM stage on AMX tiles, the CPU's or their emulation) or "pairs" (the vdpbf16ps engine).
   std::string engine;
   std::vector<std::pair<int, double>> measured_seconds;  // (threads, median forward)
   // max |y − y_float32| / max |y_float32| over the whole output, at one thread.
@@ -111,7 +111,8 @@ inline PrecisionWorkloadResult run_precision_workload(const WorkloadShape& shape
     }
     variant.engine = !layer->bfloat16_gemms()                 ? "float32"
                      : layer->bfloat16_gemms_through_onednn() ? "onednn"
-                                                              : "sdmha";
+                     : layer->bfloat16_gemms_on_amx()         ? "amx"
+                                                              : "pairs";
     result.variants.push_back(variant);
     layers.push_back(layer.get());
     bfloat16_layers.push_back(std::move(layer));

@@ -79,7 +79,8 @@ def markdown(rows, sdmha, peers, notes):
              "(dense: the densified query; sparse: torch.sparse.mm); their inputs are numpy's, the work the same.",
              "bfloat16 columns: `set_precision(Precision::bfloat16)` with SDMHA_BFLOAT16_GEMMS = that value "
              "(off: the GEMM stages in float32, Wq in bfloat16; on: the vdpbf16ps pairs engine; onednn: "
-             "oneDNN's matmul for the projections; amx: the library's AMX tile engine), each cell "
+             "oneDNN's matmul for the projections; amx: the library's AMX tiles for every GEMM stage; "
+             "amx-emulated: those tiles emulated, for checking only), each cell "
              "`ms (float32 ÷ bfloat16)`; ORT ÷ bf16: ONNX Runtime's time over the fastest bfloat16 "
              "engine's (above 1: sdmha is faster).", ""]
     for note in notes:
