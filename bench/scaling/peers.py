@@ -2,7 +2,7 @@
 """The peers of bench/scaling/run.sh: ONNX Runtime and PyTorch at several thread counts.
 
     peers.py --threads 1,2,4,8,16 [--workloads seed,bow,long] [--onnx-dir DIR] [--json FILE]
-             [--repetitions N] [--budget SECONDS]
+             [--repetitions N] [--budget SECONDS] [--steps forward,training]
 
 - PyTorch (when `import torch` works): the layer as bench/peers/torch_peer.py writes it (its
   inputs, weights and forward: torch.sparse.mm for the query projection, batched matmuls for the
@@ -15,6 +15,8 @@
   `matmul` graphs on the densified query, each checked once against onnx_peer.py's float64
   reference of batch element 0, then timed; the faster graph's median is the peer's figure.
   Forward only: an ONNX graph has no training step.
+
+--steps forward leaves PyTorch's training step out (the bfloat16 comparison's peers: forward only).
 
 Each case: one untimed call, then --repetitions timed calls; the median. --budget: seconds for
 the whole script; once spent, what is left is skipped and listed as such in the JSON. Densities: seed 1 %, bow 1 %, long 5 % (bench/workloads.md). The random inputs are numpy's (the
@@ -133,7 +135,8 @@ def run_torch(args, threads, budget):
             torch.set_num_threads(count)
             row = {"workload": spec[0], "density": DENSITY[spec[0]], "threads": count}
             for case, call in cases.items():
-                row[case + "_ms"] = median_ms(call, args.repetitions)
+                if case.split("_")[0] in args.steps:
+                    row[case + "_ms"] = median_ms(call, args.repetitions)
             rows.append(row)
             print(f"torch {spec[0]:5s} {count:3d} threads: " +
                   ", ".join(f"{k} {v:.2f}" for k, v in row.items() if k.endswith("_ms")), flush=True)
@@ -211,8 +214,10 @@ def main():
     parser.add_argument("--json")
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--budget", type=float, default=240.0)
+    parser.add_argument("--steps", default="forward,training")
     args = parser.parse_args()
     args.workloads = args.workloads.split(",")
+    args.steps = args.steps.split(",")
     threads = sorted({int(t) for t in args.threads.split(",")})
     budget = Budget(args.budget)
     result = {"threads": threads, "repetitions": args.repetitions, "statistic": "median",

@@ -8,12 +8,21 @@
 //       bench/scaling/scaling_host.cpp -o sdmha_scaling
 //   sdmha_scaling [--threads 1,2,4,8,16] [--workload NAME]... [--repetitions N] [--no-model]
 //                 [--quick] [--json FILE]
+//                 [--precision float32|bfloat16] [--bfloat16-gemms auto,off,on,onednn,...]
 //
 // Per workload: every thread count's own Workspace, warmed by one training step; the outputs and
 // gradients of every thread count compared bitwise with one thread's; then `repetitions` forward
 // and training steps per thread count, interleaved, and their medians. With the model (the
 // default), the one-thread trace, the regions' spans traced at each thread count, and the
 // prediction at those counts and at 32 and 64.
+//
+// --precision bfloat16: the forward alone (the backward refuses bfloat16), float32 beside
+// Precision::bfloat16 on each bfloat16 GEMM engine that --bfloat16-gemms names (values of
+// SDMHA_BFLOAT16_GEMMS, default auto; a value the build refuses is reported and skipped), timed
+// interleaved in one process, with each bfloat16 output's error against the float32 one
+// (bfloat16_comparison.hpp); no model. Built with -DSDMHA_WITH_ONEDNN=1 and linked with oneDNN
+// (-ldnnl), it can run the oneDNN engine and names the implementation oneDNN picks for a bfloat16
+// matmul on this CPU (its AMX brgemm where usable).
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
@@ -23,7 +32,12 @@
 #include <thread>
 #include <vector>
 
+#include "bfloat16_comparison.hpp"
 #include "scaling_model.hpp"
+
+#if defined(SDMHA_WITH_ONEDNN)
+#include <oneapi/dnnl/dnnl.hpp>
+#endif
 
 #ifndef SDMHA_SCALING_COMPILE_FLAGS
 #define SDMHA_SCALING_COMPILE_FLAGS "-O3 -march=native -DNDEBUG (as run.sh builds it)"
@@ -37,6 +51,49 @@ std::string cpu_name() {
   for (std::string line; std::getline(cpuinfo, line);)
     if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
   return "unknown CPU";
+}
+
+// The CPU's flags that decide the bfloat16 engines, as /proc/cpuinfo lists them.
+std::string bfloat16_cpu_flags() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  for (std::string line; std::getline(cpuinfo, line);) {
+    if (line.rfind("flags", 0) != 0) continue;
+    std::string found;
+    std::istringstream words(line.substr(line.find(':') + 1));
+    for (std::string word; words >> word;)
+      if (word == "avx512_bf16" || word == "amx_bf16" || word == "amx_tile")
+        found += (found.empty() ? "" : " ") + word;
+    return found.empty() ? "none of avx512_bf16, amx_bf16, amx_tile" : found;
+  }
+  return "unknown";
+}
+
+// oneDNN's version and the implementation it picks for a bfloat16 matmul of a projection's shape
+// (512 rows, 512 × 512 weights, float32 output): "brg:avx512_core_amx_bf16" where AMX is usable.
+std::string onednn_description() {
+#if defined(SDMHA_WITH_ONEDNN)
+  const dnnl_version_t* version = dnnl_version();
+  std::string text = "oneDNN " + std::to_string(version->major) + "." +
+                     std::to_string(version->minor) + "." + std::to_string(version->patch);
+  try {
+    using memory = dnnl::memory;
+    const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+    const memory::desc source({512, 512}, memory::data_type::bf16, memory::format_tag::ab);
+    const memory::desc weights({512, 512}, memory::data_type::bf16, memory::format_tag::any);
+    const memory::desc destination({512, 512}, memory::data_type::f32, memory::format_tag::ab);
+#if DNNL_VERSION_MAJOR >= 3
+    const dnnl::matmul::primitive_desc description(engine, source, weights, destination);
+#else
+    const dnnl::matmul::primitive_desc description(dnnl::matmul::desc(source, weights, destination),
+                                                   engine);
+#endif
+    return text + ", bfloat16 matmul on " + description.impl_info_str();
+  } catch (const dnnl::error& error) {
+    return text + ", no bfloat16 matmul: " + error.what();
+  }
+#else
+  return "none (built without SDMHA_WITH_ONEDNN)";
+#endif
 }
 
 std::string json_string(const std::string& text) {
@@ -128,6 +185,52 @@ void write_json(const std::string& path, const std::vector<WorkloadResult>& resu
   if (!out) throw std::runtime_error("cannot write " + path);
 }
 
+void write_precision_json(const std::string& path,
+                          const std::vector<PrecisionWorkloadResult>& results,
+                          const std::vector<std::pair<std::string, std::string>>& failures,
+                          int repetitions, bool quick) {
+  std::ofstream out(path);
+  out << "{\"program\": \"sdmha_scaling\", \"mode\": \"precision\", \"cpu\": "
+      << json_string(cpu_name()) << ", \"cpu_flags\": " << json_string(bfloat16_cpu_flags())
+      << ", \"onednn\": " << json_string(onednn_description())
+      << ", \"hardware_threads\": " << std::thread::hardware_concurrency()
+      << ", \"flags\": " << json_string(SDMHA_SCALING_COMPILE_FLAGS)
+      << ", \"repetitions\": " << repetitions << ", \"statistic\": \"median\""
+      << ", \"error_measure\": \"max |y - y_float32| / max |y_float32|, whole output, one thread\""
+      << ", \"workloads\": [";
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    const PrecisionWorkloadResult& r = results[i];
+    out << (i ? ",\n  " : "\n  ") << "{\"workload\": " << json_string(r.shape.name)
+        << ", \"density\": " << json_number(r.density) << ", \"nnz\": " << r.nonzeros
+        << ", \"shape\": {\"B\": " << r.shape.batch << ", \"T\": " << r.shape.steps
+        << ", \"Eq\": " << r.shape.query_dim << ", \"S\": " << r.shape.key_steps
+        << "}, \"quick\": " << (quick ? "true" : "false")
+        << ", \"seconds\": " << json_number(r.seconds) << ", \"variants\": [";
+    for (std::size_t k = 0; k < r.variants.size(); ++k) {
+      const PrecisionVariant& v = r.variants[k];
+      out << (k ? ",\n    " : "\n    ") << "{\"gemms\": " << json_string(v.gemms);
+      if (!v.refused.empty()) {
+        out << ", \"refused\": " << json_string(v.refused) << "}";
+        continue;
+      }
+      out << ", \"engine\": " << json_string(v.engine) << ", \"forward_ms\": {";
+      for (std::size_t t = 0; t < v.measured_seconds.size(); ++t)
+        out << (t ? ", " : "") << "\"" << v.measured_seconds[t].first
+            << "\": " << json_number(v.measured_seconds[t].second * 1e3);
+      out << "}, \"max_relative_error\": " << json_number(v.max_relative_error)
+          << ", \"thread_invariant\": " << (v.thread_difference.empty() ? "true" : "false")
+          << ", \"thread_difference\": " << json_string(v.thread_difference) << "}";
+    }
+    out << "]}";
+  }
+  for (std::size_t i = 0; i < failures.size(); ++i)
+    out << (results.empty() && i == 0 ? "\n  " : ",\n  ")
+        << "{\"workload\": " << json_string(failures[i].first)
+        << ", \"error\": " << json_string(failures[i].second) << "}";
+  out << "\n]}\n";
+  if (!out) throw std::runtime_error("cannot write " + path);
+}
+
 // The measured table: per thread count, each step's median and its speedup over one thread.
 void print_measured(std::ostream& out, const WorkloadResult& r) {
   out << "\n"
@@ -155,6 +258,43 @@ std::vector<int> parse_threads(const std::string& list) {
   return threads;
 }
 
+std::vector<std::string> parse_words(const std::string& list) {
+  std::vector<std::string> words;
+  std::stringstream stream(list);
+  for (std::string item; std::getline(stream, item, ',');)
+    if (!item.empty() && std::find(words.begin(), words.end(), item) == words.end())
+      words.push_back(item);
+  return words;
+}
+
+// --precision bfloat16: the float32 and bfloat16 forwards of each workload, side by side.
+int run_precision(const std::vector<WorkloadShape>& shapes, const ScalingSettings& settings,
+                  const std::vector<std::string>& gemms, const std::string& json_path, bool quick) {
+  std::cout << "CPU flags: " << bfloat16_cpu_flags() << "; " << onednn_description() << "\n";
+  std::vector<PrecisionWorkloadResult> results;
+  std::vector<std::pair<std::string, std::string>> failures;
+  int status = 0;
+  for (const WorkloadShape& shape : shapes) {
+    try {
+      results.push_back(run_precision_workload(shape, settings.measured_threads, gemms,
+                                               settings.repetitions, std::cerr));
+    } catch (const std::exception& error) {
+      std::cout << "\n" << shape.name << " FAILED: " << error.what() << "\n";
+      failures.emplace_back(shape.name, error.what());
+      if (!json_path.empty())
+        write_precision_json(json_path, results, failures, settings.repetitions, quick);
+      status = 1;
+      continue;
+    }
+    print_precision_workload(std::cout, results.back());
+    for (const PrecisionVariant& variant : results.back().variants)
+      if (!variant.thread_difference.empty()) status = 1;
+    if (!json_path.empty())  // kept after each workload
+      write_precision_json(json_path, results, failures, settings.repetitions, quick);
+  }
+  return status;
+}
+
 int run(int argc, char** argv) {
   ScalingSettings settings;
   settings.measured_threads = {1, 2};
@@ -162,6 +302,8 @@ int run(int argc, char** argv) {
   settings.trace_repetitions = 3;
   std::vector<std::string> names;
   std::string json_path;
+  std::string precision = "float32";
+  std::vector<std::string> gemms = {"auto"};
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
     const std::string argument = argv[i];
@@ -181,10 +323,16 @@ int run(int argc, char** argv) {
       settings.model = false;
     } else if (argument == "--quick") {
       quick = true;
+    } else if (argument == "--precision") {
+      precision = value();
+      if (precision != "float32" && precision != "bfloat16")
+        throw std::invalid_argument("--precision: expected float32 or bfloat16, got " + precision);
+    } else if (argument == "--bfloat16-gemms") {
+      gemms = parse_words(value());
     } else {
       std::cerr << "sdmha_scaling: unknown argument " << argument
                 << " (expected --threads LIST, --workload NAME, --repetitions N, --json FILE, "
-                   "--no-model, --quick)\n";
+                   "--no-model, --quick, --precision float32|bfloat16, --bfloat16-gemms LIST)\n";
       return 2;
     }
   }
@@ -213,6 +361,7 @@ int run(int argc, char** argv) {
 
   std::cout << "sdmha_scaling: " << cpu_name() << ", " << std::thread::hardware_concurrency()
             << " hardware threads, " << SDMHA_SCALING_COMPILE_FLAGS << "\n";
+  if (precision == "bfloat16") return run_precision(shapes, settings, gemms, json_path, quick);
   if (settings.model) print_model_header(std::cout, settings);
   std::vector<WorkloadResult> results;
   std::vector<std::pair<std::string, std::string>> failures;  // (workload, what it threw)

@@ -66,9 +66,13 @@ inline const char* step_name(Step step) { return step == Step::forward ? "forwar
 
 // One thread count's calls: its own Workspace, result and gradients, kept between calls as a
 // serving or training loop keeps them (so every call after the first is a steady-state call).
+// The layer is the problem's, or another on the same weights (the bfloat16 comparison's).
 class StepRunner {
  public:
-  StepRunner(const StepProblem& problem, int threads) : problem_(problem), threads_(threads) {
+  StepRunner(const StepProblem& problem, int threads)
+      : StepRunner(problem, problem.layer, threads) {}
+  StepRunner(const StepProblem& problem, const Layer& layer, int threads)
+      : problem_(problem), layer_(layer), threads_(threads) {
     options_.num_threads = threads;
   }
   int threads() const { return threads_; }
@@ -80,13 +84,14 @@ class StepRunner {
   // backward to every weight given ∂loss/∂output (it recomputes what it needs of the forward).
   void run(Step step) {
     const StepProblem& p = problem_;
-    p.layer.forward(p.query, {p.key, p.value}, options_, workspace_, result_);
+    layer_.forward(p.query, {p.key, p.value}, options_, workspace_, result_);
     if (step == Step::training)
-      p.layer.backward(p.query, {p.key, p.value}, p.d_output, options_, workspace_, gradients_);
+      layer_.backward(p.query, {p.key, p.value}, p.d_output, options_, workspace_, gradients_);
   }
 
  private:
   const StepProblem& problem_;
+  const Layer& layer_;
   int threads_;
   sdmha::AttentionOptions<float> options_;
   sdmha::Workspace<float> workspace_;
