@@ -11,10 +11,7 @@ fastest bfloat16 engine against ONNX Runtime; then per workload and engine what 
 chose or why it refused, the error against the float32 output and whether every thread count gave
 the same bits. Medians in ms.
 """
-import argparse
-import json
-
-from report import cell, load, peer_rows, ratio
+from report import cell, peer_rows, ratio, run
 
 
 def accepted(workload):
@@ -125,21 +122,7 @@ def markdown(rows, sdmha, peers, notes):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sdmha", required=True)
-    parser.add_argument("--peers")
-    parser.add_argument("--markdown", required=True)
-    parser.add_argument("--json", required=True)
-    parser.add_argument("--note", action="append", default=[])
-    args = parser.parse_args()
-    sdmha, peers = load(args.sdmha), load(args.peers)
-    rows = merge(sdmha, peers)
-    notes = args.note + [v for v in (sdmha.get("error"), peers.get("error")) if v]
-    with open(args.markdown, "w") as out:
-        out.write(markdown(rows, sdmha, peers, notes))
-    with open(args.json, "w") as out:
-        json.dump({"rows": rows, "notes": notes, "sdmha": sdmha, "peers": peers}, out, indent=1)
-    print(open(args.markdown).read())
+    run(merge, markdown, __doc__.split("\n")[0])
 
 
 if __name__ == "__main__":

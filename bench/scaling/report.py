@@ -110,8 +110,10 @@ def markdown(rows, sdmha, peers, notes):
     return "\n".join(lines)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def run(merge_rows, write_markdown, description):
+    """The command line both reports share: the two JSON inputs, notes, the table and the JSON
+    written, the table printed."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--sdmha", required=True)
     parser.add_argument("--peers")
     parser.add_argument("--markdown", required=True)
@@ -119,12 +121,17 @@ def main():
     parser.add_argument("--note", action="append", default=[])
     args = parser.parse_args()
     sdmha, peers = load(args.sdmha), load(args.peers)
-    rows = merge(sdmha, peers)
+    rows = merge_rows(sdmha, peers)
+    notes = args.note + [v for v in (sdmha.get("error"), peers.get("error")) if v]
     with open(args.markdown, "w") as out:
-        out.write(markdown(rows, sdmha, peers, args.note + [v for v in (sdmha.get("error"), peers.get("error")) if v]))
+        out.write(write_markdown(rows, sdmha, peers, notes))
     with open(args.json, "w") as out:
-        json.dump({"rows": rows, "notes": args.note, "sdmha": sdmha, "peers": peers}, out, indent=1)
+        json.dump({"rows": rows, "notes": notes, "sdmha": sdmha, "peers": peers}, out, indent=1)
     print(open(args.markdown).read())
+
+
+def main():
+    run(merge, markdown, __doc__.split("\n")[0])
 
 
 if __name__ == "__main__":

@@ -153,6 +153,28 @@ void write_step(std::ostream& out, const StepResult& step, const std::vector<int
   out << "]}";
 }
 
+// The opening of workload i's JSON object, up to its "quick" field: both modes' files share it.
+void write_workload_header(std::ostream& out, std::size_t i, const WorkloadShape& shape,
+                           double density, Index nonzeros, bool quick) {
+  out << (i ? ",\n  " : "\n  ") << "{\"workload\": " << json_string(shape.name)
+      << ", \"density\": " << json_number(density) << ", \"nnz\": " << nonzeros
+      << ", \"shape\": {\"B\": " << shape.batch << ", \"T\": " << shape.steps
+      << ", \"Eq\": " << shape.query_dim << ", \"S\": " << shape.key_steps
+      << "}, \"quick\": " << (quick ? "true" : "false");
+}
+
+// The workloads that failed (the first opens the list where no result did), then the file's end.
+void write_failures_and_close(std::ofstream& out,
+                              const std::vector<std::pair<std::string, std::string>>& failures,
+                              bool no_result, const std::string& path) {
+  for (std::size_t i = 0; i < failures.size(); ++i)
+    out << (no_result && i == 0 ? "\n  " : ",\n  ")
+        << "{\"workload\": " << json_string(failures[i].first)
+        << ", \"error\": " << json_string(failures[i].second) << "}";
+  out << "\n]}\n";
+  if (!out) throw std::runtime_error("cannot write " + path);
+}
+
 void write_json(const std::string& path, const std::vector<WorkloadResult>& results,
                 const std::vector<std::pair<std::string, std::string>>& failures,
                 const ScalingSettings& settings, bool quick) {
@@ -164,12 +186,8 @@ void write_json(const std::string& path, const std::vector<WorkloadResult>& resu
       << ", \"workloads\": [";
   for (std::size_t i = 0; i < results.size(); ++i) {
     const WorkloadResult& r = results[i];
-    out << (i ? ",\n  " : "\n  ") << "{\"workload\": " << json_string(r.shape.name)
-        << ", \"density\": " << json_number(r.density) << ", \"nnz\": " << r.nonzeros
-        << ", \"shape\": {\"B\": " << r.shape.batch << ", \"T\": " << r.shape.steps
-        << ", \"Eq\": " << r.shape.query_dim << ", \"S\": " << r.shape.key_steps
-        << "}, \"quick\": " << (quick ? "true" : "false")
-        << ", \"bitwise_same\": " << (r.bitwise.empty() ? "true" : "false")
+    write_workload_header(out, i, r.shape, r.density, r.nonzeros, quick);
+    out << ", \"bitwise_same\": " << (r.bitwise.empty() ? "true" : "false")
         << ", \"bitwise_difference\": " << json_string(r.bitwise)
         << ", \"seconds\": " << json_number(r.seconds) << ",\n   \"forward\": ";
     write_step(out, r.forward, settings.predicted_threads);
@@ -177,12 +195,7 @@ void write_json(const std::string& path, const std::vector<WorkloadResult>& resu
     write_step(out, r.training, settings.predicted_threads);
     out << "}";
   }
-  for (std::size_t i = 0; i < failures.size(); ++i)
-    out << (results.empty() && i == 0 ? "\n  " : ",\n  ")
-        << "{\"workload\": " << json_string(failures[i].first)
-        << ", \"error\": " << json_string(failures[i].second) << "}";
-  out << "\n]}\n";
-  if (!out) throw std::runtime_error("cannot write " + path);
+  write_failures_and_close(out, failures, results.empty(), path);
 }
 
 void write_precision_json(const std::string& path,
@@ -200,12 +213,8 @@ void write_precision_json(const std::string& path,
       << ", \"workloads\": [";
   for (std::size_t i = 0; i < results.size(); ++i) {
     const PrecisionWorkloadResult& r = results[i];
-    out << (i ? ",\n  " : "\n  ") << "{\"workload\": " << json_string(r.shape.name)
-        << ", \"density\": " << json_number(r.density) << ", \"nnz\": " << r.nonzeros
-        << ", \"shape\": {\"B\": " << r.shape.batch << ", \"T\": " << r.shape.steps
-        << ", \"Eq\": " << r.shape.query_dim << ", \"S\": " << r.shape.key_steps
-        << "}, \"quick\": " << (quick ? "true" : "false")
-        << ", \"seconds\": " << json_number(r.seconds) << ", \"variants\": [";
+    write_workload_header(out, i, r.shape, r.density, r.nonzeros, quick);
+    out << ", \"seconds\": " << json_number(r.seconds) << ", \"variants\": [";
     for (std::size_t k = 0; k < r.variants.size(); ++k) {
       const PrecisionVariant& v = r.variants[k];
       out << (k ? ",\n    " : "\n    ") << "{\"gemms\": " << json_string(v.gemms);
@@ -223,12 +232,7 @@ void write_precision_json(const std::string& path,
     }
     out << "]}";
   }
-  for (std::size_t i = 0; i < failures.size(); ++i)
-    out << (results.empty() && i == 0 ? "\n  " : ",\n  ")
-        << "{\"workload\": " << json_string(failures[i].first)
-        << ", \"error\": " << json_string(failures[i].second) << "}";
-  out << "\n]}\n";
-  if (!out) throw std::runtime_error("cannot write " + path);
+  write_failures_and_close(out, failures, results.empty(), path);
 }
 
 // The measured table: per thread count, each step's median and its speedup over one thread.

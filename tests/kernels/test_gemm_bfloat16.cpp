@@ -454,12 +454,15 @@ TEST(BFloat16Operands, PackersAreThePortableFormsAndTheKernelLayout) {
   }
 }
 
-// C (+)= bf16(scale·A)·bf16(op(B)): bitwise gemm_bfloat16 of scale·A on BFloat16Kernel(op(B)),
-// with the planned scratch or none; within float32's summation error of the float64 product of
-// the rounded operands, and within the bfloat16 bound of the unrounded one.
-TEST(BFloat16Operands, ProductIsTheKernelProductOfTheRoundedOperands) {
+// C (+)= bf16(scale·A)·bf16(op(B)) through gemm_bfloat16_operands on `engine`, over the edge
+// cases and both forms of op(B): bitwise `product`(scale·A, op(B), start, accumulate) with the
+// planned scratch or none; within float32's summation error of the float64 product of the
+// rounded operands, and within the bfloat16 bound of the unrounded one.
+template <typename Product>
+void expect_the_operands_product(std::uint32_t seed, sdmha::BFloat16Operands engine,
+                                 const Product& product) {
   using namespace sdmha::detail;
-  std::mt19937 rng(7910);
+  std::mt19937 rng(seed);
   for (const GemmCase& c : gemm_cases()) {
     for (const bool transpose : {false, true}) {
       SCOPED_TRACE(describe(c) + (transpose ? " B transposed" : ""));
@@ -469,11 +472,12 @@ TEST(BFloat16Operands, ProductIsTheKernelProductOfTheRoundedOperands) {
       const FloatMatrix op_b = transpose ? FloatMatrix(b.transpose()) : b;
       FloatMatrix c_planned = start, c_unplanned = start;
       ScratchBuffer buffer;
-      buffer.reserve(gemm_bfloat16_operands_workspace_size(c.m, c.n, c.k));
-      gemm_bfloat16_operands(a, b, transpose, c_planned, c.accumulate, buffer.view(), scale);
-      gemm_bfloat16_operands(a, b, transpose, c_unplanned, c.accumulate, {}, scale);
+      buffer.reserve(bfloat16_operands_workspace_size(c.m, c.n, c.k));
+      gemm_bfloat16_operands(a, b, transpose, c_planned, c.accumulate, buffer.view(), scale,
+                             engine);
+      gemm_bfloat16_operands(a, b, transpose, c_unplanned, c.accumulate, {}, scale, engine);
       const FloatMatrix scaled_a = a * scale;
-      const FloatMatrix expected = run_gemm(scaled_a, BFloat16Kernel(op_b), start, c.accumulate);
+      const FloatMatrix expected = product(scaled_a, op_b, start, c.accumulate);
       EXPECT_EQ(differing_bits(c_planned, expected), 0);
       EXPECT_EQ(differing_bits(c_unplanned, expected), 0);
       double worst = 0.0;
@@ -488,6 +492,15 @@ TEST(BFloat16Operands, ProductIsTheKernelProductOfTheRoundedOperands) {
           << "worst " << worst;
     }
   }
+}
+
+// On the pairs engine: gemm_bfloat16 of scale·A on BFloat16Kernel(op(B)).
+TEST(BFloat16Operands, ProductIsTheKernelProductOfTheRoundedOperands) {
+  expect_the_operands_product(
+      7910, true,
+      [](const FloatMatrix& a, const FloatMatrix& w, const FloatMatrix& start, bool accumulate) {
+        return run_gemm(a, BFloat16Kernel(w), start, accumulate);
+      });
 }
 
 TEST(DenseProjectionBFloat16, OutputIsBiasPlusTheBFloat16Product) {
@@ -652,32 +665,16 @@ TEST(AmxGemm, KernelHandedToTheTilesServesTheProjections) {
   }
 }
 
-// C (+)= bf16(scale·A)·bf16(op(B)) on the tiles (the scores and P·V): bitwise the tiles' product
-// of scale·A on BFloat16Kernel(op(B)), with the planned scratch or none.
+// On the tiles (the scores and P·V): the tiles' product of scale·A on BFloat16Kernel(op(B)), and
+// the emulation counts its tile products (the dispatch reached it).
 TEST(AmxOperands, ProductIsTheTileProductOfTheRoundedOperands) {
-  using namespace sdmha::detail;
-  std::mt19937 rng(8400);
-  for (const GemmCase& c : gemm_cases()) {
-    for (const bool transpose : {false, true}) {
-      SCOPED_TRACE(describe(c) + (transpose ? " B transposed" : ""));
-      const float scale = 0.37f;
-      const FloatMatrix a = normal_matrix(c.m, c.k, rng), start = normal_matrix(c.m, c.n, rng);
-      const FloatMatrix b = transpose ? normal_matrix(c.n, c.k, rng) : normal_matrix(c.k, c.n, rng);
-      FloatMatrix planned = start, unplanned = start;
-      ScratchBuffer buffer;
-      buffer.reserve(bfloat16_operands_workspace_size(c.m, c.n, c.k));
-      const sdmha::BFloat16Operands tiles(sdmha::BFloat16Operands::Engine::amx_emulated);
-      const auto before = EmulatedTiles::products().load();
-      gemm_bfloat16_operands(a, b, transpose, planned, c.accumulate, buffer.view(), scale, tiles);
-      EXPECT_GT(EmulatedTiles::products().load(), before);
-      gemm_bfloat16_operands(a, b, transpose, unplanned, c.accumulate, {}, scale, tiles);
-      const FloatMatrix scaled_a = a * scale;
-      const FloatMatrix op_b = transpose ? FloatMatrix(b.transpose()) : b;
-      const FloatMatrix expected = run_tiles<EmulatedTiles>(scaled_a, op_b, start, c.accumulate);
-      EXPECT_EQ(differing_bits(planned, expected), 0);
-      EXPECT_EQ(differing_bits(unplanned, expected), 0);
-    }
-  }
+  const auto before = EmulatedTiles::products().load();
+  expect_the_operands_product(
+      8400, sdmha::BFloat16Operands::Engine::amx_emulated,
+      [](const FloatMatrix& a, const FloatMatrix& w, const FloatMatrix& start, bool accumulate) {
+        return run_tiles<EmulatedTiles>(a, w, start, accumulate);
+      });
+  EXPECT_GT(EmulatedTiles::products().load(), before);
 }
 
 #if defined(SDMHA_WITH_ONEDNN)

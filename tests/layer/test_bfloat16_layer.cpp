@@ -348,26 +348,23 @@ TEST(BFloat16GemmChoice, AnUnknownValueIsAConfigErrorAndChangesNothing) {
   EXPECT_TRUE(same_bits(before, layer.forward(query, {c.key, c.value}, c.options).output));
 }
 
-// onednn in a build without oneDNN is refused the same way, naming what is missing.
-TEST(BFloat16GemmChoice, OneDnnWithoutOneDnnIsAConfigError) {
-  if (sdmha::detail::kHaveOneDnnGemm) GTEST_SKIP() << "this build has oneDNN";
-  const auto c = make_case<float>(Shape{}, 463);
+// A forced engine that this build or CPU lacks is refused the same way, naming what is missing:
+// onednn in a build without oneDNN, amx where AMX is not usable.
+void expect_refused(const char* value, std::uint64_t seed, const std::string& message) {
+  const auto c = make_case<float>(Shape{}, seed);
   Layer layer(c.config, c.weights);
-  const ScopedBFloat16Gemms onednn("onednn");
+  const ScopedBFloat16Gemms forced(value);
   SDMHA_EXPECT_THROW_WITH(layer.set_precision(sdmha::Precision::bfloat16), sdmha::ConfigError,
-                          "SDMHA_BFLOAT16_GEMMS = 'onednn' but this build has no oneDNN");
+                          message);
   EXPECT_EQ(layer.precision(), sdmha::Precision::float32);
 }
-
-// amx where AMX is not usable is refused the same way, naming what is missing.
+TEST(BFloat16GemmChoice, OneDnnWithoutOneDnnIsAConfigError) {
+  if (sdmha::detail::kHaveOneDnnGemm) GTEST_SKIP() << "this build has oneDNN";
+  expect_refused("onednn", 463, "SDMHA_BFLOAT16_GEMMS = 'onednn' but this build has no oneDNN");
+}
 TEST(BFloat16GemmChoice, AmxWithoutAmxIsAConfigError) {
   if (sdmha::detail::bfloat16_gemm_machine().amx_usable) GTEST_SKIP() << "AMX is usable here";
-  const auto c = make_case<float>(Shape{}, 464);
-  Layer layer(c.config, c.weights);
-  const ScopedBFloat16Gemms amx("amx");
-  SDMHA_EXPECT_THROW_WITH(layer.set_precision(sdmha::Precision::bfloat16), sdmha::ConfigError,
-                          "SDMHA_BFLOAT16_GEMMS = 'amx' but AMX is not usable here");
-  EXPECT_EQ(layer.precision(), sdmha::Precision::float32);
+  expect_refused("amx", 464, "SDMHA_BFLOAT16_GEMMS = 'amx' but AMX is not usable here");
 }
 
 // ---- every GEMM stage on the AMX tiles: their emulation (SDMHA_BFLOAT16_GEMMS=amx-emulated) on
