@@ -539,10 +539,10 @@ FloatMatrix run_tiles(const sdmha::ConstMatrixRef<float>& a, const FloatMatrix& 
   BFloat16Kernel::Pairs padded = BFloat16Kernel::Pairs::Zero(amx::padded_pair_rows(kernel.rows()),
                                                              amx::padded_columns(kernel.cols()));
   padded.topLeftCorner(kernel.pairs().rows(), kernel.cols()) = kernel.pairs();
-  std::vector<std::uint16_t> panel(amx::panel_bytes(a.rows(), a.cols()) / 2);
+  std::vector<std::uint16_t> panel(rounded_block_bytes(a.rows(), a.cols()) / 2);
   FloatMatrix c = start;
-  gemm_amx<Tiles>(a, AmxPairs{BFloat16Pairs{padded.data(), w.rows(), w.cols(), padded.cols()}}, c,
-                  accumulate, bias, 1.f, panel.data());
+  gemm_amx<Tiles>(a, BFloat16Pairs{padded.data(), w.rows(), w.cols(), padded.cols()}, c, accumulate,
+                  bias, 1.f, panel.data());
   return c;
 }
 

@@ -164,19 +164,15 @@ class AttentionCore {
   // SDMHA_BFLOAT16_GEMMS gives a bfloat16 engine), or drops the copies (float32, or bfloat16
   // where no engine beats float32). `where` names the public call in errors: a double layer, or a
   // context or output projection stage that takes no kernel_bfloat16, is a ConfigError whatever
-  // the CPU, as is an SDMHA_BFLOAT16_GEMMS other than auto, on, off or (with oneDNN) onednn.
+  // the CPU, as is an SDMHA_BFLOAT16_GEMMS this build or CPU cannot take (cpu_features.hpp).
   void set_dense_kernel_precision(const char* where, Precision precision) {
-    const BFloat16GemmMachine machine = bfloat16_gemm_machine();
-    const BFloat16GemmEngine engine =
-        precision == Precision::bfloat16
-            ? bfloat16_gemm_engine(
-                  bfloat16_gemms_from_environment(where, kHaveOneDnnGemm, machine.amx_usable),
-                  machine)
-            : BFloat16GemmEngine::float32;
     if (precision == Precision::float32) {
       dense_bfloat16_.reset();
       return;
     }
+    const BFloat16GemmMachine machine = bfloat16_gemm_machine();  // asks for AMX's tile data
+    const BFloat16GemmEngine engine = bfloat16_gemm_engine(
+        bfloat16_gemms_from_environment(where, kHaveOneDnnGemm, machine.amx_usable), machine);
     if constexpr (!std::is_same<Scalar, float>::value) {
       fail<ConfigError>(where,
                         "precision is bfloat16 for a double layer; expected float32 "

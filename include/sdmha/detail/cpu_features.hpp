@@ -130,14 +130,14 @@ inline BFloat16Gemms bfloat16_gemms_from_environment(const char* where, bool one
                                                      bool amx_usable) {
   const char* text = std::getenv("SDMHA_BFLOAT16_GEMMS");
   const std::string value = text == nullptr ? "" : text;
-  const std::string expected = std::string("auto, on, off") + (onednn_built ? ", onednn" : "") +
-                               (amx_usable ? ", amx" : "") + " or amx-emulated";
   if (value.empty() || value == "auto") return BFloat16Gemms::automatic;
   if (value == "on") return BFloat16Gemms::on;
   if (value == "off") return BFloat16Gemms::off;
   if (value == "amx-emulated") return BFloat16Gemms::amx_emulated;
   if (value == "onednn" && onednn_built) return BFloat16Gemms::onednn;
   if (value == "amx" && amx_usable) return BFloat16Gemms::amx;
+  const std::string expected = std::string("auto, on, off") + (onednn_built ? ", onednn" : "") +
+                               (amx_usable ? ", amx" : "") + " or amx-emulated";
   if (value == "onednn")
     fail<ConfigError>(where, "SDMHA_BFLOAT16_GEMMS = 'onednn' but this build has no oneDNN ",
                       "(SDMHA_WITH_ONEDNN); expected ", expected);

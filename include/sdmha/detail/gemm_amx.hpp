@@ -47,8 +47,11 @@
 
 namespace sdmha::detail {
 
+// The instructions by inline assembly: x86-64 with GCC's or Clang's syntax (their assemblers
+// know AMX since binutils 2.36 and LLVM 12).
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-inline constexpr bool kHaveAmxTiles = true;  // the assembler knows AMX (binutils 2.36, LLVM 12)
+#define SDMHA_HAVE_AMX_TILES 1
+inline constexpr bool kHaveAmxTiles = true;
 #else
 inline constexpr bool kHaveAmxTiles = false;
 #endif
@@ -59,22 +62,15 @@ inline constexpr Index kTileRows = 16;   // rows of A and C per tile
 inline constexpr Index kTileDepth = 32;  // bfloat16 entries of depth per tile of A
 inline constexpr Index kTileBytes = 64;  // bytes per tile row
 inline constexpr Index kBlock = 32;      // rows and columns of C per block (2 × 2 tiles)
-inline constexpr Index kMaxRows = 256;   // rows of A rounded at once (a multiple of kBlock)
+inline constexpr Index kMaxRows = bf16_gemm::kMaxBlockRows;  // rows of A rounded at once
 
 // W's pair rows and columns as the tiles read them.
 inline Index padded_pair_rows(Index k) { return bf16_gemm::round_up(k, kTileDepth) / 2; }
 inline Index padded_columns(Index n) { return bf16_gemm::round_up(n, kTileRows); }
 
-// Bytes of A's tiles for m × k (one row block, one depth block): gemm_bfloat16_workspace_size's
-// count for them.
-inline std::size_t panel_bytes(Index m, Index k) {
-  if (m <= 0 || k <= 0) return 0;
-  return array_bytes<std::uint16_t>(
-      bf16_gemm::round_up(std::min(m, kMaxRows), kTileRows) *
-      bf16_gemm::round_up(std::min(k, bf16_gemm::kMaxKc), kTileDepth));
-}
-static_assert(kMaxRows == 256 && kTileRows == 16 && kTileDepth == bf16_gemm::kChunk,
-              "gemm_bfloat16_workspace_size counts A's tiles with these sizes");
+// A's tiles for one row block and depth block take rounded_block_bytes (gemm_bfloat16.hpp).
+static_assert(kMaxRows % kBlock == 0 && kTileRows == 16 && kTileDepth == bf16_gemm::kChunk,
+              "rounded_block_bytes counts A's tiles with these sizes");
 
 // The tile configuration (palette 1): the eight tiles 16 rows of 64 bytes.
 struct alignas(64) TileConfig {
@@ -85,7 +81,7 @@ struct alignas(64) TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef SDMHA_HAVE_AMX_TILES
 // The instructions (AT&T operand order: sources first). Only for a CPU where amx_bfloat16_usable().
 struct HardwareTiles {
   void configure() {
@@ -270,19 +266,14 @@ void multiply_panel(Tiles& tile_unit, const std::uint16_t* tiles, Index rows, In
 
 }  // namespace amx
 
-// W (k × n) in pairs of rows, padded for the tiles: zeros up to padded_pair_rows(k) pair rows and
-// padded_columns(n) columns.
-struct AmxPairs {
-  BFloat16Pairs pairs;  // stride = padded_columns(n)
-};
-
 // C (m × n) = bf16(a_scale·A)·W (+ 1·bᵀ given a column bias, only when not accumulating), or +=
-// when `accumulate`, on Tiles. `panel` holds amx::panel_bytes(m, k) bytes.
+// when `accumulate`, on Tiles. W is padded for the tiles: zeros up to padded_pair_rows(k) pair
+// rows and padded_columns(n) columns (its stride). `panel` holds rounded_block_bytes(m, k) bytes.
 template <class Tiles>
-void gemm_amx(const ConstMatrixRef<float>& a, const AmxPairs& w, MatrixRef<float> c,
+void gemm_amx(const ConstMatrixRef<float>& a, const BFloat16Pairs& w, MatrixRef<float> c,
               bool accumulate, const float* column_bias, float a_scale, std::uint16_t* panel) {
   const Index m = c.rows(), n = c.cols(), k = a.cols();
-  SDMHA_ASSERT(w.pairs.rows == k && w.pairs.cols == n && w.pairs.stride >= amx::padded_columns(n));
+  SDMHA_ASSERT(w.rows == k && w.cols == n && w.stride >= amx::padded_columns(n));
   if (m == 0 || n == 0) return;
   if (k == 0) {
     if (accumulate) return;
@@ -301,10 +292,10 @@ void gemm_amx(const ConstMatrixRef<float>& a, const AmxPairs& w, MatrixRef<float
       const Index depth = std::min(kc, k - pc);
       const bool add = accumulate || pc > 0;
       amx::pack_tiles(a.data(), a.outerStride(), ic, rows, pc, depth, a_scale, panel);
-      amx::multiply_panel<Tiles>(
-          tile_unit, panel, rows, (depth + amx::kTileDepth - 1) / amx::kTileDepth, w.pairs,
-          w.pairs.data + (pc / 2) * w.pairs.stride, n, c.data() + ic * c.outerStride(),
-          c.outerStride(), add, add ? nullptr : column_bias);
+      amx::multiply_panel<Tiles>(tile_unit, panel, rows,
+                                 (depth + amx::kTileDepth - 1) / amx::kTileDepth, w,
+                                 w.data + (pc / 2) * w.stride, n, c.data() + ic * c.outerStride(),
+                                 c.outerStride(), add, add ? nullptr : column_bias);
     }
   }
   tile_unit.release();
@@ -313,7 +304,7 @@ void gemm_amx(const ConstMatrixRef<float>& a, const AmxPairs& w, MatrixRef<float
 // The bfloat16 mode's engines for products of two float operands (the scores, P·V).
 inline std::size_t gemm_amx_operands_workspace_size(Index m, Index n, Index k) {
   return array_bytes<std::uint32_t>(amx::padded_pair_rows(k) * amx::padded_columns(n)) +
-         amx::panel_bytes(m, k);
+         rounded_block_bytes(m, k);
 }
 
 // C (m × n) = bf16(a_scale·A)·bf16(op(B)) (+= when `accumulate`) on Tiles, op(B) = B (k × n) or
@@ -328,7 +319,7 @@ void gemm_amx_operands(const ConstMatrixRef<float>& a, const ConstMatrixRef<floa
   const ScratchOrOwn memory(scratch, gemm_amx_operands_workspace_size(m, n, k));
   ScratchCarver carver(memory.view());
   std::uint32_t* pairs = carver.take<std::uint32_t>(pair_rows * stride);
-  std::uint16_t* panel = carver.take<std::uint16_t>(Index(amx::panel_bytes(m, k) / 2));
+  std::uint16_t* panel = carver.take<std::uint16_t>(Index(rounded_block_bytes(m, k) / 2));
   if (transpose_b)
     pack_column_pairs(b.data(), b.outerStride(), n, k, pairs, stride);
   else
@@ -337,8 +328,7 @@ void gemm_amx_operands(const ConstMatrixRef<float>& a, const ConstMatrixRef<floa
   for (Index p = 0; p < filled; ++p)
     std::fill(pairs + p * stride + n, pairs + (p + 1) * stride, 0u);
   std::fill(pairs + filled * stride, pairs + pair_rows * stride, 0u);
-  gemm_amx<Tiles>(a, AmxPairs{BFloat16Pairs{pairs, k, n, stride}}, c, accumulate, nullptr, a_scale,
-                  panel);
+  gemm_amx<Tiles>(a, BFloat16Pairs{pairs, k, n, stride}, c, accumulate, nullptr, a_scale, panel);
 }
 
 // The scratch of gemm_bfloat16_operands on any engine.
@@ -356,7 +346,7 @@ inline void gemm_bfloat16_operands(const ConstMatrixRef<float>& a, const ConstMa
   if (operands.engine() == Engine::amx_emulated)
     return gemm_amx_operands<amx::EmulatedTiles>(a, b, transpose_b, c, accumulate, scratch,
                                                  a_scale);
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef SDMHA_HAVE_AMX_TILES
   if (operands.engine() == Engine::amx)
     return gemm_amx_operands<amx::HardwareTiles>(a, b, transpose_b, c, accumulate, scratch,
                                                  a_scale);
@@ -378,12 +368,11 @@ class AmxBFloat16Gemm final : public ExternalBFloat16Gemm {
 
   bool run(const ConstMatrixRef<float>& a, MatrixRef<float> c, const float* column_bias,
            StageScratch scratch) const override {
-    const Index m = c.rows();
-    const ScratchOrOwn memory(scratch, amx::panel_bytes(m, k_));
-    std::uint16_t* panel =
-        ScratchCarver(memory.view()).take<std::uint16_t>(Index(amx::panel_bytes(m, k_) / 2));
-    gemm_amx<Tiles>(a, AmxPairs{BFloat16Pairs{pairs_.data(), k_, n_, pairs_.cols()}}, c, false,
-                    column_bias, 1.f, panel);
+    const std::size_t panel_bytes = rounded_block_bytes(c.rows(), k_);
+    const ScratchOrOwn memory(scratch, panel_bytes);
+    std::uint16_t* panel = ScratchCarver(memory.view()).take<std::uint16_t>(Index(panel_bytes / 2));
+    gemm_amx<Tiles>(a, BFloat16Pairs{pairs_.data(), k_, n_, pairs_.cols()}, c, false, column_bias,
+                    1.f, panel);
     return true;
   }
 
@@ -395,12 +384,13 @@ class AmxBFloat16Gemm final : public ExternalBFloat16Gemm {
 // Hands `kernel` to the tiles (emulated or not): gemm_bfloat16 on it then runs on them.
 inline void hand_to_amx(BFloat16Kernel& kernel, bool emulated) {
   if (kernel.rows() == 0 || kernel.cols() == 0) return;  // empty products never reach it
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef SDMHA_HAVE_AMX_TILES
   if (!emulated) {
     kernel.set_external(std::make_shared<const AmxBFloat16Gemm<amx::HardwareTiles>>(kernel));
     return;
   }
 #endif
+  SDMHA_ASSERT(emulated);  // the CPU's tiles are chosen only where they are built
   (void)emulated;
   kernel.set_external(std::make_shared<const AmxBFloat16Gemm<amx::EmulatedTiles>>(kernel));
 }

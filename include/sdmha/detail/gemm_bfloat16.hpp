@@ -137,6 +137,7 @@ namespace bf16_gemm {
 
 inline constexpr Index kChunk = 32;   // depth of a packed chunk of A: 16 pairs, one cache line
 inline constexpr Index kMaxKc = 512;  // depth of a block (a multiple of kChunk)
+inline constexpr Index kMaxBlockRows = 256;  // rows of A rounded at once, either engine
 
 inline Index round_up(Index value, Index step) { return (value + step - 1) / step * step; }
 
@@ -203,6 +204,7 @@ using avx512_gemm::kMr;
 using avx512_gemm::lanes;
 using avx512_gemm::row_block;
 using avx512_gemm::RowSplit;
+static_assert(kMaxMc == kMaxBlockRows, "rounded_block_bytes counts the pairs engine's A blocks");
 inline constexpr int kNv = 2;  // 16-float vectors across a micro-tile
 inline constexpr Index kNr = 16 * kNv;
 
@@ -384,17 +386,20 @@ inline constexpr bool kHaveBFloat16Gemm = false;
 
 #endif  // __AVX512BF16__
 
-// gemm_bfloat16's scratch for m × n × k, whichever engine serves it: A rounded to bfloat16 in
-// blocks of ≤ 256 rows, padded to 16 for gemm_amx.hpp's tiles (the pairs engine's blocks are no
-// larger), by a depth block; with oneDNN, all of A.
-inline std::size_t gemm_bfloat16_workspace_size(Index m, Index /*n*/, Index k) {
+// Bytes of A rounded to bfloat16 for one block of ≤ kMaxBlockRows rows, padded to 16
+// (gemm_amx.hpp's tiles; the pairs engine's blocks are no larger), by one depth block.
+inline std::size_t rounded_block_bytes(Index m, Index k) {
   if (m <= 0 || k <= 0) return 0;
-  const Index block = bf16_gemm::round_up(std::min<Index>(m, 256), 16) *
-                      bf16_gemm::round_up(std::min(k, bf16_gemm::kMaxKc), bf16_gemm::kChunk);
+  return array_bytes<std::uint16_t>(
+      bf16_gemm::round_up(std::min(m, bf16_gemm::kMaxBlockRows), 16) *
+      bf16_gemm::round_up(std::min(k, bf16_gemm::kMaxKc), bf16_gemm::kChunk));
+}
+// gemm_bfloat16's scratch for m × n × k, whichever engine serves it (oneDNN's: all of A).
+inline std::size_t gemm_bfloat16_workspace_size(Index m, Index /*n*/, Index k) {
 #if defined(SDMHA_WITH_ONEDNN)
-  return array_bytes<std::uint16_t>(std::max(block, m * k));
+  return std::max(rounded_block_bytes(m, k), array_bytes<std::uint16_t>(m * k));
 #endif
-  return array_bytes<std::uint16_t>(block);
+  return rounded_block_bytes(m, k);
 }
 
 // M (rows × cols, leading dimension ld) rounded and packed in pairs of rows, and Mᵀ packed the
@@ -459,7 +464,7 @@ inline void gemm_bfloat16(const ConstMatrixRef<float>& a, const BFloat16Pairs& w
 // (k × n) or, `transpose_b`, Bᵀ (B n × k). B is rounded and packed in pairs into `scratch` first
 // (at least gemm_bfloat16_operands_workspace_size(m, n, k) bytes; with less, memory of its own).
 inline std::size_t gemm_bfloat16_operands_workspace_size(Index m, Index n, Index k) {
-  return array_bytes<std::uint32_t>((k + 1) / 2 * n) + gemm_bfloat16_workspace_size(m, n, k);
+  return array_bytes<std::uint32_t>((k + 1) / 2 * n) + rounded_block_bytes(m, k);
 }
 inline void gemm_bfloat16_operands(const ConstMatrixRef<float>& a, const ConstMatrixRef<float>& b,
                                    bool transpose_b, MatrixRef<float> c, bool accumulate,
