@@ -128,17 +128,23 @@ TEST(ThreadPoolParallelFor, EachWorkerClaimsItemsInIndexOrder) {
   EXPECT_EQ(order, (std::vector<Index>{0, 1, 2, 3, 4}));
 }
 
-// A region whose item 0 throws at once while every other item takes a few microseconds: the
-// exception reaches the caller, and the workers stop taking items long before the end.
+// A region whose item 0 throws while every other item first waits for that throw and then sleeps
+// 100 microseconds: the exception reaches the caller, and the workers stop taking items long
+// before the end. The wait and the sleep make the count independent of the machine's load: the
+// worker that claimed item 0 may be descheduled before it throws (16 workers on 2 busy cores), and
+// sleeping items leave it the processor to record the failure.
 void expect_exception_stops_region(int workers, ThreadPool* pool) {
   constexpr Index kItems = 20000;
+  std::atomic<bool> thrown{false};
   std::atomic<Index> ran{0};
   const auto body = [&](Index item, int) {
-    if (item == 0) throw std::runtime_error("item 0 failed");
-    ran.fetch_add(1, std::memory_order_relaxed);
-    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(5);
-    while (std::chrono::steady_clock::now() < until) {
+    if (item == 0) {
+      thrown.store(true);
+      throw std::runtime_error("item 0 failed");
     }
+    while (!thrown.load()) std::this_thread::yield();
+    ran.fetch_add(1, std::memory_order_relaxed);
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
   };
   try {
     parallel_for(kItems, workers, body, pool);
