@@ -29,9 +29,10 @@ namespace sdmha_bench::scaling {
 struct PrecisionVariant {
   std::string gemms;    // "float32" for the float32 layer, else the variable's value
   std::string refused;  // set_precision's message when it refused the value
-  // The engine set_precision chose, by the layer's public queries: "float32" (the GEMM stages
-  // in float32; Wq in bfloat16), "onednn" (the projections on oneDNN's matmul), "amx" (every
-  // GEMM stage on AMX tiles, the CPU's or their emulation) or "pairs" (the vdpbf16ps engine).
+  // The engine set_precision chose (the layer's bfloat16_gemm_engine, named as the variable
+  // names it): "off" (the GEMM stages in float32; Wq in bfloat16), "on" (the vdpbf16ps engine),
+  // "onednn" (the projections on oneDNN's matmul), "amx" or "amx-emulated" (every GEMM stage on
+  // AMX tiles, the CPU's or their emulation).
   std::string engine;
   std::vector<std::pair<int, double>> measured_seconds;  // (threads, median forward)
   // max |y − y_float32| / max |y_float32| over the whole output, at one thread.
@@ -109,10 +110,7 @@ inline PrecisionWorkloadResult run_precision_workload(const WorkloadShape& shape
       result.variants.push_back(variant);
       continue;
     }
-    variant.engine = !layer->bfloat16_gemms()                 ? "float32"
-                     : layer->bfloat16_gemms_through_onednn() ? "onednn"
-                     : layer->bfloat16_gemms_on_amx()         ? "amx"
-                                                              : "pairs";
+    variant.engine = layer->bfloat16_gemm_engine();
     result.variants.push_back(variant);
     layers.push_back(layer.get());
     bfloat16_layers.push_back(std::move(layer));

@@ -153,6 +153,10 @@ class SparseDenseMHA
     return this->dense_gemm_engine() == detail::BFloat16GemmEngine::amx ||
            this->dense_gemm_engine() == detail::BFloat16GemmEngine::amx_emulated;
   }
+  // The engine of those GEMMs by the SDMHA_BFLOAT16_GEMMS value that forces it: "off" (float32:
+  // not Precision::bfloat16, or no engine that beats float32 here), "on" (vdpbf16ps pairs),
+  // "onednn", "amx" (the CPU's tiles) or "amx-emulated".
+  const char* bfloat16_gemm_engine() const { return detail::to_string(this->dense_gemm_engine()); }
 
   // query (B, T, Eq) sparse, attending to `context` (sdmha/context.hpp): {key, value} with key
   // (B, S, Ek) and value (B, S, Ev), or keys and values projected once by project_context, or

@@ -668,6 +668,16 @@ class SparseQueryMultiheadAttention(nn.Module):
             binding.stamp = stamp
         return binding
 
+    @property
+    def bfloat16_gemm_engine(self):
+        """What the bfloat16 mode runs the projections, the scores and P·V on, as
+        sdmha.Layer.bfloat16_gemm_engine names it ('off' for a float32 module: float32; 'on',
+        'amx', ... in the bfloat16 mode). Takes the bfloat16 snapshot of the kernels now if no
+        call has taken it yet."""
+        if self._precision_now() != "bfloat16":
+            return "off"
+        return self._bound_bfloat16().layer.bfloat16_gemm_engine
+
     def _check_inference(self, tensors):
         if self.training:
             raise _sdmha.ConfigError("sdmha: precision 'bfloat16' runs inference only (sdmha has no bfloat16 "

@@ -528,6 +528,8 @@ class PyLayer {
     layer_.set_precision(value);
   }
   std::string precision() const { return sdmha::to_string(layer_.precision()); }
+  // Read under the GIL, as precision: the setters hold it while they change the engine.
+  std::string bfloat16_gemm_engine() const { return layer_.bfloat16_gemm_engine(); }
 
   // What forward and backward read from their arguments, checked in this order: the query, the
   // call's keywords, then key and value (value None: the key again) as views; the value array is
@@ -846,6 +848,11 @@ void bind_layer(py::module_& m, const std::string& suffix) {
            "rounded, likewise a snapshot, the rest float32. 'float32': the weights as they are.")
       .def_property_readonly("precision", &L::precision,
                              "the mode set_precision last set ('float32' at first)")
+      .def_property_readonly(
+          "bfloat16_gemm_engine", &L::bfloat16_gemm_engine,
+          "what the projections, scores and P·V run on, by the SDMHA_BFLOAT16_GEMMS value that "
+          "forces it: 'off' (float32: precision is not 'bfloat16', or nothing beats float32 on "
+          "this CPU), 'on' (vdpbf16ps), 'onednn', 'amx' (the CPU's tiles), 'amx-emulated'")
       .def("forward", &L::forward, py::arg("query"), py::arg("key"), py::arg("value") = py::none(),
            "forward(query, key, value=None, *, attention_mask=None, attention_bias=None, "
            "use_causal_mask=False, causal_alignment='top_left', scale=None, "

@@ -431,6 +431,23 @@ def test_bfloat16_precision_rounds_every_kernel():
     assert layer.precision == "float32"
 
 
+def test_bfloat16_gemm_engine_names_what_the_gemms_run_on(monkeypatch):
+    """bfloat16_gemm_engine: 'off' outside the bfloat16 mode; in it, the engine that
+    SDMHA_BFLOAT16_GEMMS forces at set_precision, or this CPU's choice (auto)."""
+    case = Case()
+    layer = layer_of(case, "float32")
+    assert layer.bfloat16_gemm_engine == "off"
+    for forced in ("on", "off", "amx-emulated"):
+        monkeypatch.setenv("SDMHA_BFLOAT16_GEMMS", forced)
+        layer.set_precision("bfloat16")
+        assert layer.bfloat16_gemm_engine == forced
+    monkeypatch.setenv("SDMHA_BFLOAT16_GEMMS", "auto")
+    layer.set_precision("bfloat16")
+    assert layer.bfloat16_gemm_engine in ("off", "on", "amx")
+    layer.set_precision("bfloat16_query_kernel")
+    assert layer.bfloat16_gemm_engine == "off"
+
+
 def test_precision_and_weights_change_safely_beside_running_calls():
     """forward releases the GIL; set_precision and set_weight from another thread wait for it
     (and it for them): every output is exactly the float32 or the bfloat16 layer's, never a mix

@@ -81,7 +81,10 @@ def _rounded(case):
 
 def test_bfloat16_precision_is_inference_near_the_float32_layer_on_rounded_kernels():
     case, module = _inference_case()
+    assert module.bfloat16_gemm_engine == "off"
     module.precision = "bfloat16"
+    # The engine this machine chose: the library's choice, or one SDMHA_BFLOAT16_GEMMS forced.
+    assert module.bfloat16_gemm_engine in ("off", "on", "amx", "onednn", "amx-emulated")
     with torch.no_grad():
         output = module(case.query(), case.key, case.value)
         float32 = SparseQueryMultiheadAttention.__call__(_module(case).eval(), case.query(), case.key, case.value)
@@ -93,6 +96,7 @@ def test_bfloat16_precision_is_inference_near_the_float32_layer_on_rounded_kerne
     assert float(((output.double() - expected).abs() / scale).max()) < 3e-2
     assert not torch.equal(output, float32)  # the mode did change something
     module.precision = "float32"  # and back: the float32 layer bit for bit
+    assert module.bfloat16_gemm_engine == "off"
     with torch.no_grad():
         assert torch.equal(module(case.query(), case.key, case.value), float32)
 

@@ -597,6 +597,31 @@ TEST(AmxGemm, HardwareTilesStayWithinTheBounds) {
   expect_tiles_within_the_bounds<sdmha::detail::amx::HardwareTiles>(8100, false);
 }
 
+// The exactness check the automatic choice puts the CPU's tiles through (amx_tiles_verified):
+// the emulation passes it, tiles that lose products or put the sums in the wrong places fail it,
+// and the CPU's tiles pass it where AMX is usable.
+struct TilesLosingProducts : EmulatedTiles {
+  void multiply(bool two_rows, bool) { EmulatedTiles::multiply(two_rows, false); }
+};
+struct TilesSwappingSums : EmulatedTiles {
+  void store_sums(float* out, Index stride) {
+    EmulatedTiles::store_sums(out, stride);
+    const Index floats = stride / Index(sizeof(float));
+    for (Index row = 0; row < 16; ++row)
+      std::swap_ranges(out + row * floats + 16, out + row * floats + 32, out + (16 + row) * floats);
+  }
+};
+TEST(AmxGemm, TheExactnessCheckPassesTheEmulationAndFailsBrokenTiles) {
+  EXPECT_TRUE(sdmha::detail::tiles_multiply_exactly<EmulatedTiles>());
+  EXPECT_FALSE(sdmha::detail::tiles_multiply_exactly<TilesLosingProducts>());
+  EXPECT_FALSE(sdmha::detail::tiles_multiply_exactly<TilesSwappingSums>());
+}
+TEST(AmxGemm, HardwareTilesPassTheExactnessCheck) {
+  SDMHA_SKIP_WITHOUT_AMX();
+  EXPECT_TRUE(sdmha::detail::tiles_multiply_exactly<sdmha::detail::amx::HardwareTiles>());
+  EXPECT_TRUE(sdmha::detail::amx_tiles_verified());
+}
+
 // The bias is added in the first depth block's stores, bitwise the bias with the product
 // accumulated onto it; a row block of C is bitwise the same rows of the whole product; strided A
 // and C give the same bits and leave C's margin alone.

@@ -323,8 +323,10 @@ TEST(BFloat16GemmChoice, AutomaticFollowsThisCpu) {
     EXPECT_EQ(layer.bfloat16_gemms(), expected != BFloat16GemmEngine::float32) << "'" << value;
     EXPECT_EQ(layer.bfloat16_gemms_through_onednn(), expected == BFloat16GemmEngine::onednn);
     EXPECT_EQ(layer.bfloat16_gemms_on_amx(), expected == BFloat16GemmEngine::amx);
+    EXPECT_STREQ(layer.bfloat16_gemm_engine(), sdmha::detail::to_string(expected));
     layer.set_precision(sdmha::Precision::bfloat16_query_kernel);
     EXPECT_FALSE(layer.bfloat16_gemms());
+    EXPECT_STREQ(layer.bfloat16_gemm_engine(), "off");
   }
 }
 
@@ -414,6 +416,7 @@ TEST_F(BFloat16AmxEmulatedLayerTest, ComputesTheRoundedModel) {
       make_case<float>(Shape{}.sized(1, 16, 32).widths(16, 16, 16).with_heads(1, 16, 16, 16), 509);
   Layer layer(c.config, c.weights);
   layer.set_precision(sdmha::Precision::bfloat16);
+  EXPECT_STREQ(layer.bfloat16_gemm_engine(), "amx-emulated");
   auto options = c.options;
   options.num_threads = 1;
   const auto start = EmulatedTiles::products().load();

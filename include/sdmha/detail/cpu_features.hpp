@@ -143,7 +143,8 @@ inline BFloat16Gemms bfloat16_gemms_from_environment(const char* where, bool one
                       "(SDMHA_WITH_ONEDNN); expected ", expected);
   if (value == "amx")
     fail<ConfigError>(where, "SDMHA_BFLOAT16_GEMMS = 'amx' but AMX is not usable here (no ",
-                      "AMX-BF16 in the CPU, or Linux refused its tile data); expected ", expected);
+                      "AMX-BF16 in the CPU, Linux refused its tile data, or the tiles failed ",
+                      "their exactness check); expected ", expected);
   fail<ConfigError>(where, "SDMHA_BFLOAT16_GEMMS = '", value, "'; expected ", expected);
 }
 
@@ -170,7 +171,7 @@ struct BFloat16GemmMachine {
   bool pairs_compiled = false;   // active_kernels().avx512_bfloat16_gemm
   bool engines_allowed = false;  // SDMHA_KERNELS allows compiled engines (not "portable")
   bool onednn_built = false;     // SDMHA_WITH_ONEDNN (gemm_onednn.hpp)
-  bool amx_usable = false;       // gemm_amx.hpp's tiles built (x86-64) and amx_bfloat16_usable()
+  bool amx_usable = false;       // gemm_amx.hpp's amx_tiles_verified()
 };
 
 // The engine for the bfloat16 mode's GEMM stages. Automatic: the AMX tiles where usable (they

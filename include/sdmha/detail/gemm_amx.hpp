@@ -37,6 +37,7 @@
 #include <memory>
 
 #include "sdmha/config.hpp"
+#include "sdmha/detail/cpu_features.hpp"
 #include "sdmha/detail/gemm_bfloat16.hpp"
 #include "sdmha/detail/scratch.hpp"
 #include "sdmha/stage.hpp"
@@ -393,6 +394,45 @@ inline void hand_to_amx(BFloat16Kernel& kernel, bool emulated) {
   SDMHA_ASSERT(emulated);  // the CPU's tiles are chosen only where they are built
   (void)emulated;
   kernel.set_external(std::make_shared<const AmxBFloat16Gemm<amx::EmulatedTiles>>(kernel));
+}
+
+// Whether Tiles multiply as they should, checked on two products of small integers (entries in
+// [-3, 3], exact in bfloat16; every product and every partial sum exact in float32, whatever the
+// order of the sums), so that a correct engine gives exactly the integer result: A (300 × 600)
+// times a kernel W (600 × 45) plus a bias (the projections' path: two row blocks, two depth
+// blocks, partial tiles on every side), and A times Bᵀ (B 45 × 600, the scores' path; full 32 × 32
+// blocks go straight to C). The automatic choice takes the CPU's tiles only once they pass it, so
+// a fault in the tiles' layout or operand order costs speed there, not results.
+template <class Tiles>
+bool tiles_multiply_exactly() {
+  constexpr Index m = 300, k = 600, n = 45;
+  RowMatrix<float> a(m, k), w(k, n), b(n, k), bias(1, n);
+  const auto small = [](Index i, Index j, Index f, Index g) {
+    return float((i * f + j * g) % 7 - 3);
+  };
+  for (Index i = 0; i < m; ++i)
+    for (Index p = 0; p < k; ++p) a(i, p) = small(i, p, 5, 3);
+  for (Index p = 0; p < k; ++p)
+    for (Index j = 0; j < n; ++j) w(p, j) = b(j, p) = small(p, j, 2, 11);
+  for (Index j = 0; j < n; ++j) bias(0, j) = float(j % 5 - 2);
+  const Eigen::MatrixXd exact = a.cast<double>() * w.cast<double>();
+  RowMatrix<float> with_bias(m, n), scores(m, n);
+  AmxBFloat16Gemm<Tiles>(BFloat16Kernel(w)).run(a, with_bias, bias.data(), StageScratch{});
+  gemm_amx_operands<Tiles>(a, b, true, scores, false, StageScratch{}, 1.f);
+  const Eigen::MatrixXd expected_with_bias = exact.rowwise() + bias.cast<double>().row(0);
+  return with_bias.cast<double>() == expected_with_bias && scores.cast<double>() == exact;
+}
+
+// Whether the bfloat16 mode may choose the CPU's tiles: AMX usable (cpu_features.hpp) and the
+// tiles passing tiles_multiply_exactly, both asked once a process, on a CPU with AMX-BF16 only.
+inline bool amx_tiles_verified() {
+#ifdef SDMHA_HAVE_AMX_TILES
+  static const bool verified =
+      amx_bfloat16_usable() && tiles_multiply_exactly<amx::HardwareTiles>();
+  return verified;
+#else
+  return false;
+#endif
 }
 
 }  // namespace sdmha::detail

@@ -70,14 +70,15 @@ inline constexpr bool kHaveOneDnnGemm = false;
 #endif
 
 // What the bfloat16 engine choice sees of this process (cpu_features.hpp's
-// bfloat16_gemm_engine); the tile data is asked for on a CPU with AMX-BF16 alone.
+// bfloat16_gemm_engine); the tile data is asked for, and the tiles checked, on a CPU with
+// AMX-BF16 alone (gemm_amx.hpp's amx_tiles_verified).
 inline BFloat16GemmMachine bfloat16_gemm_machine() {
   BFloat16GemmMachine machine;
   machine.cpu = cpu_features();
   machine.pairs_compiled = active_kernels().avx512_bfloat16_gemm;
   machine.engines_allowed = avx512_kernels_allowed();
   machine.onednn_built = kHaveOneDnnGemm;
-  machine.amx_usable = kHaveAmxTiles && amx_bfloat16_usable();
+  machine.amx_usable = amx_tiles_verified();
   return machine;
 }
 
