@@ -42,7 +42,8 @@ TEST(CpuFeatures, AgreeWithTheKernelsView) {
   const CpuFeatures& cpu = sdmha::detail::cpu_features();
   EXPECT_EQ(cpu.amd, info.vendor == "AuthenticAMD") << info.vendor;
   EXPECT_EQ(cpu.avx512_bf16, info.flags.find(" avx512_bf16 ") != std::string::npos);
-  EXPECT_EQ(cpu.amx_bf16, info.flags.find(" amx_bf16 ") != std::string::npos);
+  EXPECT_EQ(cpu.amx_bf16, info.flags.find(" amx_bf16 ") != std::string::npos &&
+                              info.flags.find(" amx_tile ") != std::string::npos);
 }
 
 // The bfloat16 GEMMs pay on AMD's AVX512_BF16 (twice float32's multiply-adds a cycle), in a build

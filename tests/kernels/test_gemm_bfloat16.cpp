@@ -563,10 +563,12 @@ TEST(AmxTiles, EmulationReadsAndWritesSubnormalsAsZero) {
   }
 }
 
-// On every edge case: the emulation's sums are the model's with TDPBF16PS's order (per depth
-// block, pair by pair, the even row's product first), bit for bit; the CPU's tiles are within
-// the bounds of the pairs engine (summation of the rounded operands' product; bfloat16's bound of
-// the float one), with the bias added once where there is one.
+// On every edge case: the emulation's sums are the model's in the intrinsics guide's order (per
+// depth block, pair by pair, the even row's product first), bit for bit; the CPU's tiles are
+// within the bounds of the pairs engine (summation of the rounded operands' product; bfloat16's
+// bound of the float one), with the bias added once where there is one. Never bit for bit
+// against the emulation: the SDM sums even and odd products apart, so the hardware's last bits
+// may differ.
 template <class Tiles>
 void expect_tiles_within_the_bounds(std::uint32_t seed, bool bitwise_model) {
   for (const GemmCase& c : gemm_cases()) {

@@ -2,18 +2,20 @@
 // choice depends on more than what the compiler was allowed to use, and the engine the bfloat16
 // mode chooses from it.
 //
-//   math:  none; CPUID leaves 0 (vendor), 7.0 (AMX-BF16: EDX bit 22) and 7.1 (AVX512_BF16: EAX
-//          bit 5), read once per process; Linux's permission for AMX tile data, asked for once
+//   math:  none; CPUID leaves 0 (vendor), 7.0 (AMX-BF16 and AMX-TILE: EDX bits 22 and 24) and
+//          7.1 (AVX512_BF16: EAX bit 5), read once per process; Linux's permission for AMX tile
+//          data (x86-64: the tile instructions exist in 64-bit mode only), asked for once
 //   pre:   none (every answer is false on a CPU or compiler without CPUID, or off Linux)
 //   cost:  a few CPUID instructions and at most three arch_prctl calls, once; a getenv per
 //          set_precision
 #pragma once
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 
-#if defined(__linux__) && (defined(__x86_64__) || defined(__i386__))
+#if defined(__linux__) && defined(__x86_64__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define SDMHA_HAVE_ARCH_PRCTL 1
@@ -32,7 +34,8 @@ namespace sdmha::detail {
 
 struct CpuFeatures {
   bool avx512_bf16 = false;  // VDPBF16PS: bfloat16 pair dot products with float32 sums
-  bool amx_bf16 = false;     // AMX tiles with bfloat16 products (the OS must grant tile data)
+  bool amx_bf16 = false;     // AMX tiles (AMX-TILE) with bfloat16 products (AMX-BF16); the OS
+                             // must grant the tile data
   bool amd = false;          // vendor AuthenticAMD
 };
 
@@ -48,7 +51,7 @@ inline CpuFeatures detect_cpu_features() {
   std::memcpy(vendor + 8, &ecx, 4);
   features.amd = std::strcmp(vendor, "AuthenticAMD") == 0;
   if (max_leaf >= 7 && __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) != 0) {
-    features.amx_bf16 = (edx >> 22) & 1u;
+    features.amx_bf16 = ((edx >> 22) & 1u) && ((edx >> 24) & 1u);
     if (eax >= 1 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) != 0)
       features.avx512_bf16 = (eax >> 5) & 1u;
   }
@@ -67,12 +70,14 @@ inline const CpuFeatures& cpu_features() {
 // later); a tile instruction without the permission faults. Whether this process has it: already
 // granted, or granted now. False where the kernel is older, refuses (no AMX, or a signal stack too
 // small for the state), or is not Linux. The permission is the process's, and asking again once
-// it is granted changes nothing.
+// it is granted changes nothing. Once granted, Linux refuses the process a sigaltstack too small
+// for the larger signal frame (ENOMEM): a host program that installs small alternate signal
+// stacks should do so before its first bfloat16 set_precision.
 inline bool request_amx_tile_data() {
 #ifdef SDMHA_HAVE_ARCH_PRCTL
   constexpr long kGetPermission = 0x1022, kRequestPermission = 0x1023;  // ARCH_{GET,REQ}_XCOMP_PERM
   constexpr unsigned long kTileData = 18;  // XFEATURE_XTILEDATA: bit 18 of the feature mask
-  unsigned long granted = 0;
+  std::uint64_t granted = 0;               // the kernel writes a u64
   if (syscall(SYS_arch_prctl, kGetPermission, &granted) != 0) return false;
   if ((granted >> kTileData) & 1u) return true;
   if (syscall(SYS_arch_prctl, kRequestPermission, kTileData) != 0) return false;

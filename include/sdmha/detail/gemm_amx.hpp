@@ -2,9 +2,9 @@
 // stages (the key, value and output projections, the scores and P·V) where the CPU has AMX.
 //
 //   math:  C = bf16(A)·bf16(W) (+ C, or + 1·bᵀ), each product exact, the sums in float32
-//          (gemm_bfloat16.hpp's bound; TDPBF16PS's order of the sums)
-//   pre:   W in pairs of rows (gemm_bfloat16.hpp's layout) padded for the tiles (AmxPairs: zeros
-//          up to a multiple of 16 pair rows and 16 columns); A (m × k) and C row-major;
+//          (gemm_bfloat16.hpp's bound; the order of the sums is the hardware's)
+//   pre:   W in pairs of rows (gemm_bfloat16.hpp's layout) padded for the tiles (zeros up to a
+//          multiple of 16 pair rows and 16 columns); A (m × k) and C row-major;
 //          AMX usable (cpu_features.hpp) for HardwareTiles, nothing for EmulatedTiles
 //   cost:  m·n·k multiply-adds, 16·16·32 a TDPBF16PS; A rounded into tiles once per row block
 //          and depth block; C's tiles stored to the stack and added to C once per depth block
@@ -24,9 +24,12 @@
 //
 // Two ways to run the tiles: HardwareTiles (the instructions, by inline assembly, so no compiler
 // flag is needed and the choice is made at run time) and EmulatedTiles (the instructions'
-// documented arithmetic in C++, on the product's own tile state: TDPBF16PS adds the even product,
-// then the odd one, reading subnormal inputs as zero and flushing subnormal results): the same
-// code around them, tested on every machine through the emulation.
+// arithmetic in C++, on the product's own tile state, in the order of Intel's intrinsics guide:
+// per pair of depth entries the even product, then the odd one, added to C; subnormal inputs
+// read as zero and subnormal results flushed): the same code around them, tested on every machine
+// through the emulation. The SDM's pseudocode sums even and odd products apart from zero before
+// adding them to C, so the hardware may differ from the emulation in the last bits: the hardware
+// is tested against the error bounds, never bit for bit against the emulation.
 #pragma once
 
 #include <algorithm>
@@ -48,9 +51,10 @@
 
 namespace sdmha::detail {
 
-// The instructions by inline assembly: x86-64 with GCC's or Clang's syntax (their assemblers
-// know AMX since binutils 2.36 and LLVM 12).
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// The instructions by inline assembly in AT&T syntax: x86-64 with GCC or Clang, whose
+// assemblers know AMX since binutils 2.36 and LLVM 12. SDMHA_NO_AMX_TILES leaves them out (the
+// CMake target defines it where its probe finds an assembler without AMX, or -masm=intel).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(SDMHA_NO_AMX_TILES)
 #define SDMHA_HAVE_AMX_TILES 1
 inline constexpr bool kHaveAmxTiles = true;
 #else
@@ -87,11 +91,15 @@ static_assert(sizeof(TileConfig) == 64, "LDTILECFG reads 64 bytes");
 struct HardwareTiles {
   void configure() {
     static const TileConfig config;
-    asm volatile("ldtilecfg %0" ::"m"(config));
+    asm volatile("ldtilecfg %0" ::"m"(config) : "memory");
   }
   void release() { asm volatile("tilerelease" ::: "memory"); }
+  // Every statement clobbers "memory", as the loads and stores do: volatile asm statements are
+  // not reordered among themselves by GCC or Clang, and the clobber makes the order with the
+  // loads and stores explicit rather than a property of the compiler.
   void zero_sums() {
-    asm volatile("tilezero %%tmm0\n\ttilezero %%tmm1\n\ttilezero %%tmm2\n\ttilezero %%tmm3" ::);
+    asm volatile("tilezero %%tmm0\n\ttilezero %%tmm1\n\ttilezero %%tmm2\n\ttilezero %%tmm3" ::
+                     : "memory");
   }
   void load_a(int which, const void* base, Index stride) {
     if (which == 0)
@@ -106,10 +114,10 @@ struct HardwareTiles {
       asm volatile("tileloadd (%0,%1,1), %%tmm7" ::"r"(base), "r"(stride) : "memory");
   }
   void multiply(bool two_rows, bool two_columns) {
-    asm volatile("tdpbf16ps %%tmm6, %%tmm4, %%tmm0" ::);
-    if (two_columns) asm volatile("tdpbf16ps %%tmm7, %%tmm4, %%tmm1" ::);
-    if (two_rows) asm volatile("tdpbf16ps %%tmm6, %%tmm5, %%tmm2" ::);
-    if (two_rows && two_columns) asm volatile("tdpbf16ps %%tmm7, %%tmm5, %%tmm3" ::);
+    asm volatile("tdpbf16ps %%tmm6, %%tmm4, %%tmm0" ::: "memory");
+    if (two_columns) asm volatile("tdpbf16ps %%tmm7, %%tmm4, %%tmm1" ::: "memory");
+    if (two_rows) asm volatile("tdpbf16ps %%tmm6, %%tmm5, %%tmm2" ::: "memory");
+    if (two_rows && two_columns) asm volatile("tdpbf16ps %%tmm7, %%tmm5, %%tmm3" ::: "memory");
   }
   // The four sums to out (32 × 32 floats, row stride `stride` bytes).
   void store_sums(float* out, Index stride) {
