@@ -28,15 +28,10 @@ namespace sdmha_bench {
 // reader and for diffs between runs).
 using Json = nlohmann::ordered_json;
 
-// What Precision::bfloat16 runs its GEMM stages on in this process (the bf16 column), named by
-// the SDMHA_BFLOAT16_GEMMS value that forces it.
-inline std::string bfloat16_engine() {
-  namespace detail = sdmha::detail;
-  const detail::BFloat16GemmMachine machine = detail::bfloat16_gemm_machine();
-  return detail::to_string(
-      detail::bfloat16_gemm_engine(detail::bfloat16_gemms_from_environment(
-                                       "sdmha_bench", detail::kHaveOneDnnGemm, machine.amx_usable),
-                                   machine));
+// What the bf16 column's GEMM stages ran on, named by the SDMHA_BFLOAT16_GEMMS value that forces
+// it: its layer's choice (the same for every configuration of one process).
+inline std::string bfloat16_gemms(const std::vector<ConfigResult>& results) {
+  return results.empty() ? "(nothing run)" : results.front().bfloat16_gemms;
 }
 
 inline std::string format(const char* pattern, double value) {
@@ -110,7 +105,7 @@ inline void print_summary(std::ostream& out, const std::vector<ConfigResult>& re
       << ": float32, median of " << repetitions
       << " interleaved runs per figure, each after an untimed call of its own\n";
   out << machine.line() << "\n";
-  out << "bf16's GEMM stages: SDMHA_BFLOAT16_GEMMS=" << bfloat16_engine() << " ("
+  out << "bf16's GEMM stages: SDMHA_BFLOAT16_GEMMS=" << bfloat16_gemms(results) << " ("
       << (std::getenv("SDMHA_BFLOAT16_GEMMS") != nullptr ? "as set" : "this CPU's choice") << ")\n";
   out << "load average (1, 5, 15 min) before: " << load_before << "; after: " << load_after
       << " (other work on the machine slows both paths; compare ratios, not times)\n";
@@ -305,7 +300,7 @@ inline void write_json(const std::string& path, const std::vector<ConfigResult>&
   document["machine"] = {{"cpu", machine.cpu},           {"cores", machine.cores},
                          {"compiler", machine.compiler}, {"flags", machine.flags},
                          {"eigen", machine.eigen},       {"line", machine.line()}};
-  document["bfloat16_gemms"] = bfloat16_engine();
+  document["bfloat16_gemms"] = bfloat16_gemms(results);
   document["load_average_before"] = load_before;
   document["load_average_after"] = load_after;
   document["quick"] = quick;

@@ -288,6 +288,7 @@ struct ConfigResult {
   int threads = 1;
   FlopCounts flops;
   double csr_bytes = 0, dense_bytes = 0;
+  std::string bfloat16_gemms;  // the bf16 layer's bfloat16_gemm_engine()
   std::vector<CaseResult> cases;
 
   // nullptr for a case that was not run (the regrouped ones, see regrouped_is_timed).
@@ -350,6 +351,7 @@ inline ConfigResult measure(Problem& p, int threads, int repetitions) {
   result.flops = p.flops;
   result.csr_bytes = csr_bytes(p.query);
   result.dense_bytes = dense_query_bytes(p.shape);
+  result.bfloat16_gemms = p.bfloat16_layer.bfloat16_gemm_engine();
   const std::vector<Case> cases = make_cases(p, threads);
   for (const Case& c : cases) {
     const CheckedCall call = checked_call(c);
